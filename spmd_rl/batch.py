@@ -1,0 +1,120 @@
+"""The layout of one step's data on one rank.
+
+Every sequence is one row: prompt tokens, then response tokens, then right padding.
+Every per-token tensor (log-probs, values, advantages, ...) is [B, L] and aligned with
+`input_ids`: column t belongs to token t (the log-prob of token t given tokens < t). Only
+`response_mask` (1.0 on response tokens) decides which columns count.
+
+Because rows are left-aligned and self-describing (`attention_mask`), a packed layout (rows
+concatenated without padding, `cu_seqlens`) or token-budget micro-batches only change how
+`micro_batches` cuts and how models are called (see `iter_micro_batches`); the trainer and
+the loss functions never see the difference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from spmd_rl.rollout.base import Completion
+
+
+@dataclass
+class Batch:
+    tensors: dict[str, torch.Tensor]
+    """[B, ...] tensors; `input_ids`, `attention_mask`, `response_mask` always present."""
+    meta: dict[str, list] = field(default_factory=dict)
+    """Per-row Python values (data_source, ground_truth, ...)."""
+
+    def __len__(self) -> int:
+        return self.tensors["input_ids"].shape[0]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        assert value.shape[0] == len(self), f"{key}: {value.shape[0]} rows, batch has {len(self)}"
+        self.tensors[key] = value
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def select(self, idx: torch.Tensor | list[int] | slice) -> "Batch":
+        if isinstance(idx, slice):
+            rows = list(range(len(self)))[idx]
+        else:
+            rows = [int(i) for i in idx]
+        index = torch.tensor(rows, dtype=torch.long)
+        return Batch({k: v[index.to(v.device)] for k, v in self.tensors.items()},
+                     {k: [v[i] for i in rows] for k, v in self.meta.items()})
+
+    def split(self, size: int) -> list["Batch"]:
+        return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.meta)
+
+    def trimmed(self) -> "Batch":
+        """Drop columns that are padding in every row (micro-batches are shorter than the batch)."""
+        length = int(self.tensors["attention_mask"].sum(-1).max())
+        return Batch({k: v[:, :length] if v.dim() >= 2 and v.shape[1] == self.seq_len else v
+                      for k, v in self.tensors.items()}, self.meta)
+
+    @property
+    def seq_len(self) -> int:
+        return self.tensors["input_ids"].shape[1]
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.tensors["response_mask"].sum())
+
+
+def build_rollout_batch(prompts: list[list[int]], completions: list[list[Completion]], pad_id: int,
+                        meta: dict[str, list] | None = None) -> Batch:
+    """Rows for every (prompt, completion) pair: the n completions of a prompt are consecutive
+    and share `group_id` (the prompt's position here). `meta` lists are per prompt and get
+    repeated per completion."""
+    rows, logps, groups, finished = [], [], [], []
+    for g, (p, comps) in enumerate(zip(prompts, completions)):
+        for c in comps:
+            rows.append((p, c.token_ids))
+            logps.append(c.logprobs)
+            groups.append(g)
+            finished.append(c.finish_reason == "stop")
+    length = max(len(p) + len(r) for p, r in rows)
+    b = len(rows)
+    input_ids = torch.full((b, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(b, length, dtype=torch.long)
+    response_mask = torch.zeros(b, length, dtype=torch.float32)
+    rollout_logprobs = torch.zeros(b, length, dtype=torch.float32)
+    prompt_lens = torch.zeros(b, dtype=torch.long)
+    for i, ((p, r), lp) in enumerate(zip(rows, logps)):
+        n = len(p) + len(r)
+        input_ids[i, :n] = torch.tensor(p + r, dtype=torch.long)
+        attention_mask[i, :n] = 1
+        response_mask[i, len(p):n] = 1.0
+        rollout_logprobs[i, len(p):n] = torch.tensor(lp, dtype=torch.float32)
+        prompt_lens[i] = len(p)
+    counts = [len(c) for c in completions]
+    row_meta = {k: [v for v, c in zip(vals, counts) for _ in range(c)] for k, vals in (meta or {}).items()}
+    return Batch(
+        dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+             rollout_logprobs=rollout_logprobs, prompt_lens=prompt_lens,
+             response_lens=response_mask.sum(-1).long(), group_ids=torch.tensor(groups, dtype=torch.long),
+             finished=torch.tensor(finished, dtype=torch.bool)),
+        row_meta,
+    )
+
+
+def response_token_ids(batch: Batch, i: int) -> list[int]:
+    start = int(batch["prompt_lens"][i])
+    return batch["input_ids"][i, start:start + int(batch["response_lens"][i])].tolist()
+
+
+def iter_micro_batches(batch: Batch, micro_batch_size: int) -> Iterator[Batch]:
+    """Fixed-size micro-batches, each trimmed to its own longest row. (Token-budget batching
+    and packing replace this function alone.)"""
+    for mb in batch.split(micro_batch_size):
+        yield mb.trimmed()

@@ -1,0 +1,610 @@
+"""Every setting of a run, in one place.
+
+A run is configured by a TOML file whose tables mirror the dataclasses below
+(`[model]`, `[data]`, `[rollout]`, ...) plus dotted overrides on the command
+line (`actor.lr=1e-6`). Each key is documented by the string right under it;
+`python -m spmd_rl.config --markdown` prints the reference (docs/config.md).
+
+Batch sizes follow verl: *algorithm* sizes are global and counted in prompts
+(`data.train_batch_size`, `actor.ppo_mini_batch_size`); *performance* sizes are
+per GPU and counted in sequences (`*.micro_batch_size_per_gpu`). The derived
+per-rank numbers are printed at start (`Config.describe_layout`).
+
+`load_config` refuses unknown keys, wrong types and impossible combinations
+with one message that names the key and the fix, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the key at fault and how to fix it."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Local Hugging Face model directory (config.json, safetensors, tokenizer). With
+    `init = "random"` it may hold only config.json (+ tokenizer); weights are then random."""
+    init: str = "pretrained"
+    """"pretrained": load the weights in `path`. "random": random weights from the architecture
+    (`path`'s config.json or the preset `arch`), built once by rank 0 and saved to
+    `<run_dir>/init_model`, then loaded by every rank exactly like a pretrained model."""
+    arch: str = ""
+    """With `init = "random"` and no `path`: a preset architecture, one of
+    tiny, qwen2-0.5b, qwen2-1.5b, qwen2-7b (see spmd_rl/models.py ARCH_PRESETS)."""
+    tokenizer: str = ""
+    """Tokenizer directory; empty = `path`. "char" = the built-in character tokenizer used by the
+    synthetic tasks (digits, letters, punctuation; it carries a chat template)."""
+    dtype: str = "float32"
+    """Dtype of the master (optimizer) weights of actor/critic/reference: float32 or bfloat16."""
+    compute_dtype: str = "bfloat16"
+    """FSDP2 mixed-precision parameter dtype for forward/backward: bfloat16 or float32. On CPU
+    use float32 (bf16 matmuls are slow there)."""
+    attn_implementation: str = "sdpa"
+    """transformers attention backend for the training-side models: sdpa or eager."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (saves memory on long responses)."""
+    seed: int = 0
+    """Seed for random weights (`init = "random"`) and the critic's value head."""
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Training Parquet files (schema: docs/data.md)."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out Parquet files for validation; empty = no validation."""
+    synthetic_task: str = ""
+    """If set and `train_files` do not exist yet, rank 0 writes them (and `val_files`) with this
+    offline synthetic task before anything else runs: "successor" (learnable by a tiny random model)
+    or "arithmetic" (word problems with exact answers). See scripts/make_synthetic.py."""
+    synthetic_size: int = 2048
+    """Number of training rows written for `synthetic_task` (validation gets a quarter)."""
+    train_batch_size: int = 8
+    """Prompts per training step, global over all ranks (each prompt gets `rollout.n` samples)."""
+    max_prompt_length: int = 512
+    """Prompts longer than this many tokens are dropped when the data is loaded (count logged)."""
+    max_response_length: int = 256
+    """Most tokens generated per response."""
+    shuffle: bool = True
+    """Reshuffle the training data every epoch (deterministic in `trainer.seed` and the epoch)."""
+    apply_chat_template: bool = True
+    """Render chat-message prompts with the tokenizer's chat template (plain-text prompts are
+    tokenized as they are)."""
+    val_batch_size: int = 64
+    """Prompts per validation generation call, global."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    """"hf": transformers generate on a model copy (CPU and tests). "vllm": a colocated vLLM engine
+    (GPU; install the `vllm` extra)."""
+    n: int = 4
+    """Samples per prompt (the group size of GRPO/RLOO)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts (> 0). Log-probs everywhere use logits/temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off)."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a response (the tokenizer's EOS always does)."""
+    val_temperature: float = 0.0
+    """Temperature for validation (0 = greedy)."""
+    val_n: int = 1
+    """Samples per validation prompt."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor-parallel size: groups of this many consecutive local ranks form one replica.
+    Must divide the GPUs per node."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM: fraction of GPU memory vLLM may use for weights + KV cache while awake."""
+    max_num_seqs: int = 256
+    """vLLM: most sequences in one scheduler step."""
+    max_num_batched_tokens: int = 8192
+    """vLLM: most tokens in one scheduler step."""
+    max_model_len: int = 0
+    """vLLM: context length; 0 = data.max_prompt_length + data.max_response_length."""
+    enforce_eager: bool = False
+    """vLLM: disable CUDA graphs."""
+    cudagraph_capture_sizes: list[int] = field(default_factory=list)
+    """vLLM: batch sizes to capture CUDA graphs for; empty = vLLM's default. Graph memory is not
+    freed by sleep, so fewer sizes leave more for training (ROCm users: [1,2,4,8,16,32,64])."""
+    enable_prefix_caching: bool = True
+    """vLLM: reuse KV blocks of shared prompt prefixes (reset after every weight sync)."""
+    enable_chunked_prefill: bool = True
+    """vLLM: split long prefills into chunks."""
+    disable_custom_all_reduce: bool = False
+    """vLLM: use NCCL instead of vLLM's custom all-reduce for TP."""
+    seed: int = 0
+    """vLLM engine seed (offset by the replica index so replicas sample differently)."""
+    dtype: str = "bfloat16"
+    """Rollout engine weights dtype (bfloat16, float16 or float32; "hf" on CPU uses float32)."""
+    sleep_level: int = 2
+    """vLLM sleep level between rollouts: 2 drops weights and KV cache (new weights come every
+    step anyway, so keeping a CPU copy as level 1 does only costs time)."""
+    weight_sync_bucket_mb: int = 512
+    """Size of the buckets in which FSDP shards are gathered and handed to the engine."""
+    offload_train_states: bool = False
+    """Move actor/critic/reference parameters, gradients and optimizer states to CPU while the
+    engine generates, and back before training (GPU only)."""
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-6
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear warm-up steps of the learning rate."""
+    lr_schedule: str = "constant"
+    """"constant" or "cosine" (to `min_lr_ratio` * lr at `trainer.total_steps`)."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of the cosine schedule, as a fraction of lr."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping)."""
+    ppo_mini_batch_size: int = 8
+    """Prompts per optimizer step, global (times `rollout.n` sequences). Must divide
+    `data.train_batch_size`."""
+    micro_batch_size_per_gpu: int = 4
+    """Sequences per forward/backward on one GPU (gradient accumulation makes up the rest)."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts."""
+    clip_ratio_low: float = 0.2
+    """PPO ratio clip below 1 (ratio >= 1 - clip_ratio_low)."""
+    clip_ratio_high: float = 0.2
+    """PPO ratio clip above 1 (ratio <= 1 + clip_ratio_high; DAPO's clip-higher uses 0.28)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant for negative advantages (> 1; 0 = no dual clip)."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum or seq-mean-token-mean, over the global mini-batch."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight (the loss subtracts entropy_coeff * entropy)."""
+    use_kl_loss: bool = False
+    """Add a KL(actor || reference) loss term (GRPO style) instead of / besides a reward penalty."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator for the loss: k1, k2, k3 / low_var_kl (k3 clamped to [-10, 10]), abs."""
+
+
+@dataclass
+class CriticConfig:
+    path: str = ""
+    """Model directory for the critic's backbone; empty = the actor's model."""
+    lr: float = 1e-5
+    """AdamW learning rate of the critic."""
+    weight_decay: float = 0.0
+    """AdamW weight decay of the critic."""
+    warmup_steps: int = 0
+    """Linear warm-up steps of the critic's learning rate."""
+    grad_clip: float = 1.0
+    """Clip the critic's global gradient norm (0 = off)."""
+    ppo_mini_batch_size: int = 8
+    """Prompts per critic optimizer step, global."""
+    micro_batch_size_per_gpu: int = 4
+    """Sequences per critic forward/backward on one GPU."""
+    ppo_epochs: int = 1
+    """Passes of the critic over each step's rollouts."""
+    cliprange_value: float = 0.5
+    """Value clipping around the old values (0 = no clipping)."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the value loss (same modes as the actor)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """gae (PPO with critic), grpo, rloo or reinforce_plus_plus."""
+    gamma: float = 1.0
+    """Discount (GAE, REINFORCE++)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's std; false = Dr. GRPO (mean-centring only)."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_coef * KL(actor || reference) from the token rewards."""
+    kl_penalty: str = "k1"
+    """KL estimator of the reward penalty: k1, k2, k3 / low_var_kl, abs."""
+    kl_ctrl: str = "fixed"
+    """Reward-penalty coefficient controller: fixed or adaptive (Ziegler et al.)."""
+    kl_coef: float = 0.001
+    """(Initial) KL penalty coefficient."""
+    target_kl: float = 0.1
+    """Adaptive controller: the KL it steers towards."""
+    kl_horizon: int = 10000
+    """Adaptive controller: horizon (in samples) of its proportional update."""
+
+
+@dataclass
+class RewardConfig:
+    custom_function: str = ""
+    """A user scorer "package.module:function" called as fn(data_source, response_text,
+    ground_truth, extra_info) -> float or dict with key "score"; empty = the built-in rule scorers
+    chosen by each row's data_source."""
+    gsm8k_method: str = "strict"
+    """GSM8K answer extraction: "strict" (the "#### N" line) or "flexible" (last number)."""
+    format_bonus: float = 0.0
+    """Added to the score when the response has the expected answer format (0 = off)."""
+
+
+@dataclass
+class TrainerConfig:
+    experiment_name: str = "default"
+    """Name of the run; the default run directory is runs/<experiment_name>."""
+    run_dir: str = ""
+    """Where config, logs, TensorBoard events, checkpoints and generated data go;
+    empty = runs/<experiment_name>."""
+    total_steps: int = 100
+    """Training steps to run (a step = one train_batch_size of prompts)."""
+    seed: int = 1
+    """Seed of data order, sampling and dropout."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cuda or cpu."""
+    val_every: int = 0
+    """Validate every this many steps and after the last one (0 = only after the last, if
+    data.val_files is set)."""
+    val_before_train: bool = False
+    """Validate once before the first step."""
+    save_every: int = 0
+    """Checkpoint every this many steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
+    resume: str = "auto"
+    """"auto": continue from the latest complete checkpoint in run_dir if any; "none": start fresh
+    (refuses to run if run_dir already has checkpoints); or a checkpoint directory."""
+    log_every: int = 1
+    """Console summary every this many steps (TensorBoard gets every step)."""
+    tensorboard: bool = True
+    """Write TensorBoard events under <run_dir>/tensorboard."""
+    peak_tflops: float = 0.0
+    """Per-GPU dense bf16 peak for MFU; 0 = from the GPU name (H100/H200: 989)."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy (actor) model; the reference model is a frozen copy of its initial weights."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets and sequence lengths."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation: sampling and the inference engine."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy optimisation."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model (used when algorithm.adv_estimator = "gae")."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimation and the KL reward penalty."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward scoring."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The loop: steps, validation, checkpoints, logging."""
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def run_dir(self) -> str:
+        return self.trainer.run_dir or os.path.join("runs", self.trainer.experiment_name)
+
+    @property
+    def use_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    def validate(self, world_size: int = 1, gpus_per_node: int | None = None) -> None:
+        """Refuse impossible combinations, naming the key and the fix."""
+        validate(self, world_size, gpus_per_node)
+
+    def describe_layout(self, world_size: int) -> str:
+        """The derived per-rank batch numbers, for the start-up log."""
+        n = self.rollout.n
+        per_rank_prompts = self.data.train_batch_size // world_size
+        mini_seqs = self.actor.ppo_mini_batch_size * n // world_size
+        return (
+            f"world={world_size} | per step: {self.data.train_batch_size} prompts x n={n} = "
+            f"{self.data.train_batch_size * n} sequences ({per_rank_prompts * n} per rank) | "
+            f"actor: {self.data.train_batch_size // self.actor.ppo_mini_batch_size} optimizer steps "
+            f"x {self.actor.ppo_epochs} epochs, {mini_seqs} sequences per rank per mini-batch = "
+            f"{mini_seqs // self.actor.micro_batch_size_per_gpu} micro-batches of "
+            f"{self.actor.micro_batch_size_per_gpu}"
+        )
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.init": ("pretrained", "random"),
+    "model.dtype": ("float32", "bfloat16"),
+    "model.compute_dtype": ("float32", "bfloat16"),
+    "model.attn_implementation": ("sdpa", "eager"),
+    "data.synthetic_task": ("", "successor", "arithmetic"),
+    "rollout.engine": ("hf", "vllm"),
+    "rollout.dtype": ("bfloat16", "float16", "float32"),
+    "rollout.sleep_level": ("1", "2"),
+    "actor.lr_schedule": ("constant", "cosine"),
+    "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "actor.kl_loss_type": ("k1", "k2", "k3", "low_var_kl", "abs"),
+    "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus"),
+    "algorithm.kl_penalty": ("k1", "k2", "k3", "low_var_kl", "abs"),
+    "algorithm.kl_ctrl": ("fixed", "adaptive"),
+    "reward.gsm8k_method": ("strict", "flexible"),
+    "trainer.device": ("auto", "cuda", "cpu"),
+}
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Config from a TOML file (optional) and `section.key=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist: pass an existing TOML file to --config")
+        with open(path, "rb") as f:
+            try:
+                raw = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
+    for item in overrides or []:
+        key, value = _split_override(item)
+        section, _, name = key.partition(".")
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"override {item!r}: {section!r} is a section, not a value")
+        raw[section][name] = _parse_override_value(value)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    cfg = Config()
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section [{section}]: valid sections are {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}] must be a table of keys, got {values!r}")
+        target = getattr(cfg, section)
+        hints = typing.get_type_hints(type(target))
+        for name, value in values.items():
+            key = f"{section}.{name}"
+            if name not in hints:
+                close = [k for k in hints if k.startswith(name[:3])]
+                hint = f" (did you mean {', '.join(section + '.' + c for c in close)}?)" if close else ""
+                raise ConfigError(f"unknown config key {key!r}{hint}; see docs/config.md for all keys")
+            setattr(target, name, _coerce(key, value, hints[name]))
+    return cfg
+
+
+def _split_override(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. actor.lr=1e-6)")
+    key, value = item.split("=", 1)
+    key = key.strip().lstrip("-")
+    if key.count(".") != 1:
+        raise ConfigError(f"override key {key!r} must be section.key (e.g. actor.lr)")
+    return key, value.strip()
+
+
+def _parse_override_value(text: str) -> Any:
+    """TOML value syntax (1e-6, true, [1, 2], "x"); anything else is a plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item_type,) = typing.get_args(hint)
+        if isinstance(value, str):  # "a,b" on the command line
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list of {item_type.__name__}, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string, got {value!r} (quote it)")
+    raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None) -> None:
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    for key, choices in CHOICES.items():
+        section, name = key.split(".")
+        value = str(getattr(getattr(cfg, section), name))
+        need(value in choices, f"{key} = {value!r} is not one of {', '.join(repr(c) for c in choices)}")
+
+    d, r, a, c, alg, t, m = cfg.data, cfg.rollout, cfg.actor, cfg.critic, cfg.algorithm, cfg.trainer, cfg.model
+
+    # model
+    if m.init == "pretrained":
+        need(bool(m.path), 'model.path is empty: set it to a local model directory, or use model.init = "random" with model.arch')
+        need(os.path.isfile(os.path.join(m.path, "config.json")),
+             f"model.path = {m.path!r} has no config.json: point it at a Hugging Face model directory")
+    else:
+        need(bool(m.path) or bool(m.arch), 'model.init = "random" needs model.arch (a preset) or model.path (a config.json)')
+        if m.path:
+            need(os.path.isfile(os.path.join(m.path, "config.json")),
+                 f"model.path = {m.path!r} has no config.json: point it at a directory with a config.json")
+        else:
+            from spmd_rl.models import ARCH_PRESETS
+
+            need(m.arch in ARCH_PRESETS, f"model.arch = {m.arch!r} is not a preset: use one of {', '.join(ARCH_PRESETS)}")
+        need(bool(m.tokenizer) or bool(m.path),
+             'model.init = "random" with a preset arch needs model.tokenizer (a directory, or "char")')
+    if m.tokenizer and m.tokenizer != "char":
+        need(os.path.isdir(m.tokenizer), f"model.tokenizer = {m.tokenizer!r} is not a directory (or use \"char\")")
+
+    # data
+    need(bool(d.train_files), "data.train_files is empty: list at least one Parquet file")
+    if not d.synthetic_task:
+        for f in d.train_files + d.val_files:
+            need(os.path.isfile(f), f"data file {f!r} does not exist: fix data.train_files / data.val_files, "
+                 "or set data.synthetic_task to generate it")
+    need(d.train_batch_size > 0, "data.train_batch_size must be > 0")
+    need(d.max_prompt_length > 0 and d.max_response_length > 0, "data.max_prompt_length and data.max_response_length must be > 0")
+
+    # batch layout
+    need(d.train_batch_size % world_size == 0,
+         f"data.train_batch_size = {d.train_batch_size} does not divide by the {world_size} ranks: "
+         f"make it a multiple of {world_size}")
+    for role, cfg_role in (("actor", a), ("critic", c)):
+        if role == "critic" and not cfg.use_critic:
+            continue
+        mini = cfg_role.ppo_mini_batch_size
+        need(mini > 0 and d.train_batch_size % mini == 0,
+             f"{role}.ppo_mini_batch_size = {mini} must divide data.train_batch_size = {d.train_batch_size}")
+        seqs = mini * r.n
+        need(seqs % world_size == 0,
+             f"{role}.ppo_mini_batch_size * rollout.n = {seqs} sequences do not divide by the {world_size} ranks: "
+             f"make {role}.ppo_mini_batch_size a multiple of {world_size}")
+        per_rank = seqs // world_size
+        need(cfg_role.micro_batch_size_per_gpu > 0 and per_rank % cfg_role.micro_batch_size_per_gpu == 0,
+             f"{role}.micro_batch_size_per_gpu = {cfg_role.micro_batch_size_per_gpu} must divide the "
+             f"{per_rank} sequences per rank of a mini-batch ({role}.ppo_mini_batch_size * rollout.n / ranks)")
+        need(cfg_role.ppo_epochs >= 1, f"{role}.ppo_epochs must be >= 1")
+
+    # algorithm
+    need(r.n >= 1, "rollout.n must be >= 1")
+    if alg.adv_estimator in ("grpo", "rloo"):
+        need(r.n >= 2, f"algorithm.adv_estimator = {alg.adv_estimator!r} compares samples of one prompt: "
+             f"set rollout.n >= 2 (got {r.n})")
+    need(r.temperature > 0, "rollout.temperature must be > 0 for training rollouts")
+    need(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
+    need(r.top_k == -1 or r.top_k > 0, "rollout.top_k must be -1 (off) or > 0")
+    need(0 <= a.clip_ratio_low < 1 and a.clip_ratio_high >= 0, "actor.clip_ratio_low must be in [0, 1) and clip_ratio_high >= 0")
+    need(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "actor.clip_ratio_c must be > 1 (or 0 to turn dual clip off)")
+    need(len(a.betas) == 2, "actor.betas must be two numbers, e.g. [0.9, 0.999]")
+    need(0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1, "algorithm.gamma and algorithm.lam must be in [0, 1]")
+
+    # rollout engine
+    tp = r.tensor_parallel_size
+    need(tp >= 1, "rollout.tensor_parallel_size must be >= 1")
+    if r.engine == "hf":
+        need(tp == 1, 'rollout.tensor_parallel_size > 1 needs rollout.engine = "vllm"')
+    need(world_size % tp == 0, f"rollout.tensor_parallel_size = {tp} must divide the world size {world_size}")
+    if gpus_per_node is not None:
+        need(gpus_per_node % tp == 0,
+             f"rollout.tensor_parallel_size = {tp} does not divide the {gpus_per_node} GPUs per node, so a "
+             f"tensor-parallel group would span two nodes: use a divisor of {gpus_per_node}")
+    need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization must be in (0, 1)")
+    need(r.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb must be > 0")
+
+    # trainer
+    need(t.total_steps >= 1, "trainer.total_steps must be >= 1")
+    need(t.keep_last >= 1, "trainer.keep_last must be >= 1 (the latest checkpoint is always kept)")
+    if t.resume not in ("auto", "none"):
+        need(os.path.isdir(t.resume), f"trainer.resume = {t.resume!r} is not a checkpoint directory "
+             '(use "auto", "none" or an existing step_N directory)')
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string literal under each field) of a dataclass."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = inspect.cleandoc(nxt.value.value)  # type: ignore[union-attr]
+    return docs
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (saved into the run directory)."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        return repr(v)
+
+    lines = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {fmt(v)}" for k, v in values.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def markdown_reference() -> str:
+    out = ["# Configuration reference", "", "Generated by `python -m spmd_rl.config --markdown` from the dataclasses "
+           "in spmd_rl/config.py. Override any key on the command line as `section.key=value`.", ""]
+    top = field_docs(Config)
+    for f in dataclasses.fields(Config):
+        section_cls = f.type if isinstance(f.type, type) else getattr(sys.modules[__name__], f.type)
+        out += [f"## [{f.name}]", "", top.get(f.name, ""), "", "| key | default | meaning |", "| --- | --- | --- |"]
+        docs = field_docs(section_cls)
+        defaults = dataclasses.asdict(section_cls())
+        for sf in dataclasses.fields(section_cls):
+            choices = CHOICES.get(f"{f.name}.{sf.name}")
+            doc = docs.get(sf.name, "").replace("\n", " ").replace("|", "\\|")
+            if choices:
+                doc += " Choices: " + ", ".join(f"`{c}`" for c in choices if c) + "."
+            out.append(f"| `{sf.name}` | `{defaults[sf.name]!r}` | {doc} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    if "--markdown" in sys.argv:
+        print(markdown_reference())
+    else:
+        args = [a for a in sys.argv[1:]]
+        path = None
+        if args[:1] == ["--config"]:
+            path, args = args[1], args[2:]
+        print(to_toml(load_config(path, args)))

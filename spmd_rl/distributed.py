@@ -1,0 +1,104 @@
+"""Process-group setup from torchrun's environment, seeding and rank-aware logging."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    mesh: DeviceMesh
+    """1-D mesh over all ranks: the FSDP (data-parallel) dimension."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: str = "auto") -> DistEnv:
+    """Join the process group torchrun (or the SLURM launcher) described in the environment.
+
+    A plain `python -m spmd_rl.ppo` run becomes a world of one, so FSDP2 and vLLM's
+    external_launcher, which both need a process group, work the same way there."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.device = 'cuda' but no CUDA GPU is visible: use trainer.device=cpu")
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
+    mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("fsdp",))
+    return DistEnv(rank, world, local_rank, local_world, dev, mesh)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def setup_logging(rank: int, log_file: str | None = None) -> None:
+    """Rank 0 logs INFO to the console (and log_file); other ranks only warnings."""
+    root = logging.getLogger()
+    root.handlers.clear()
+    fmt = logging.Formatter(f"%(asctime)s [r{rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(fmt)
+    root.addHandler(console)
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if log_file and rank == 0:
+        os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
+        fh = logging.FileHandler(log_file)
+        fh.setFormatter(fmt)
+        root.addHandler(fh)
+
+
+def all_reduce_mean(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Mean over ranks of each scalar (same keys on every rank)."""
+    if not values or not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    t /= dist.get_world_size()
+    return dict(zip(keys, t.tolist()))
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.clone()
+        dist.all_reduce(t)
+    return t

@@ -1,0 +1,122 @@
+"""Loading the actor, critic and reference models, and wrapping them with FSDP2.
+
+There is one init path for every model: `from_pretrained` on a local directory. Random weights
+(`model.init = "random"`) are made once by rank 0 with plain eager construction and saved as a
+regular checkpoint (`materialize_random_model`); every rank then loads that directory like any
+pretrained model. This keeps tied embeddings tied and non-persistent buffers (rotary inv_freq)
+right, which meta-device construction + `to_empty()` silently breaks (shared/device/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Shapes of real Qwen2/Qwen2.5 models (random weights: no hub here), plus a tiny one for CPU.
+ARCH_PRESETS: dict[str, dict] = {
+    "tiny": dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                 max_position_embeddings=512),
+    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                       num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+                     max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+}
+
+
+def random_model_config(arch: str = "", config_dir: str = "", tokenizer=None):
+    """The transformers config for random init: a preset, or the config.json in `config_dir`."""
+    if config_dir:
+        config = AutoConfig.from_pretrained(config_dir)
+    else:
+        config = Qwen2Config(**ARCH_PRESETS[arch])
+    if tokenizer is not None:
+        if len(tokenizer) > config.vocab_size:
+            raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                             f"{config.vocab_size}: use a model with a larger vocabulary")
+        config.eos_token_id = tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+        config.bos_token_id = tokenizer.bos_token_id
+    return config
+
+
+def materialize_random_model(out_dir: str, config, seed: int, dtype: torch.dtype, tokenizer=None) -> str:
+    """Rank 0 writes a random-weight checkpoint to `out_dir` (kept if one with the same config and
+    seed is already there); all ranks wait for it. Returns `out_dir`."""
+    stamp = {"config": config.to_dict(), "seed": seed, "dtype": str(dtype)}
+    stamp_file = os.path.join(out_dir, "spmd_rl_init.json")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        same = False
+        if os.path.isfile(stamp_file):
+            with open(stamp_file) as f:
+                same = json.load(f) == json.loads(json.dumps(stamp))
+        if not same:
+            log.info("building random-weight model (seed %d) in %s", seed, out_dir)
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model.save_pretrained(out_dir)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out_dir)
+            with open(stamp_file + ".tmp", "w") as f:
+                json.dump(stamp, f)
+            os.replace(stamp_file + ".tmp", stamp_file)
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """A causal LM on CPU in `dtype`, exactly as `from_pretrained` builds it."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+
+
+def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """The critic: the causal LM's backbone with a scalar head per token, initialised to zero so
+    every rank starts from the same values (0) whatever the RNG."""
+    model = AutoModelForTokenClassification.from_pretrained(
+        path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation
+    )
+    with torch.no_grad():
+        head = model.score
+        head.weight.zero_()
+        if getattr(head, "bias", None) is not None:
+            head.bias.zero_()
+    return model
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    base = getattr(model, model.base_model_prefix)
+    return list(base.layers)
+
+
+def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, gradient_checkpointing: bool = False) -> torch.nn.Module:
+    """fully_shard every decoder layer, then the root (embeddings, norm, head). Parameters move to
+    the mesh's device; grads are reduced in float32."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Unique parameters (tied ones once), full (unsharded) sizes."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,57 @@
+"""Entry point: `torchrun --nproc_per_node=N -m spmd_rl.ppo --config configs/X.toml key.sub=value ...`
+
+(also `python -m spmd_rl.ppo ...` as a single process). The config is loaded and validated
+before the process group or any model exists, so mistakes fail in a second with one message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from spmd_rl.config import ConfigError, load_config
+
+log = logging.getLogger("spmd_rl")
+
+
+def parse_args(argv: list[str] | None):
+    ap = argparse.ArgumentParser(prog="python -m spmd_rl.ppo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="TOML config file (see docs/config.md)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. actor.lr=1e-6")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    try:
+        cfg = load_config(args.config, args.overrides)
+        cfg.validate(world_size=world, gpus_per_node=local_world)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    from spmd_rl.distributed import destroy_distributed, init_distributed, seed_everything, setup_logging
+    from spmd_rl.preemption import EXIT_PREEMPTED
+    from spmd_rl.trainer import Trainer
+
+    env = init_distributed(cfg.trainer.device)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    setup_logging(env.rank, os.path.join(cfg.run_dir, "trainer.log"))
+    seed_everything(cfg.trainer.seed + env.rank)
+    trainer = Trainer(cfg, env)
+    try:
+        status = trainer.fit()
+    finally:
+        trainer.close()
+    destroy_distributed()
+    log.info("run %s: %s at step %d", cfg.run_dir, status, trainer.step)
+    return 0 if status == "finished" else EXIT_PREEMPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

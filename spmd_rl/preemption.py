@@ -1,0 +1,119 @@
+"""Stop cleanly when the scheduler says so: a signal sets a flag, the trainer checks it per step.
+
+SLURM announces the end of a job with signals: SIGTERM on preemption, cancellation and at the
+time limit (then SIGKILL after `KillWait`/`GraceTime`), and the `--signal` user signal some time
+before the time limit (submitit asks for SIGUSR2, `#SBATCH --signal=USR2@90`; many sites use
+SIGUSR1). Acting inside a signal handler would cut a step in half, so the handlers here only
+record the signal; the trainer asks after every step:
+
+    stop = StopFlag.install()
+    for step in ...:
+        train_step()
+        if stop.requested():          # collective: every rank calls it, every rank gets the same answer
+            save_checkpoint()
+            return EXIT_PREEMPTED
+
+`requested()` all-reduces the flag (MAX) over the process group, so all ranks stop after the same
+step even when the signal reached only some of them. Whether the job then goes back to the queue is
+the launcher's business (launch/task.py): it requeues on the user signals, and leaves SIGTERM to
+SLURM (which requeues preempted jobs itself and must not resurrect cancelled ones).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+EXIT_PREEMPTED = 3
+"""Exit status of a trainer that stopped early on a signal after writing a checkpoint."""
+
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+"""The signals that ask the trainer to stop: SLURM's SIGTERM and the usual `--signal` choices."""
+
+REQUEUE_SIGNALS: frozenset[signal.Signals] = frozenset({signal.SIGUSR1, signal.SIGUSR2})
+"""Signals meaning "time is up, come back later" (the `--signal` warning before the time limit, or
+SLURM's preemption notice with PreemptParameters=send_user_signal): the launcher requeues on them."""
+
+
+class StopFlag:
+    """Process-wide record of stop signals; get it with `StopFlag.install()`."""
+
+    _instance: ClassVar[StopFlag | None] = None
+
+    def __init__(self) -> None:
+        self._local: set[signal.Signals] = set()  # received by this process
+        self._seen: set[signal.Signals] = set()  # received by any rank, as of the last requested()
+        self._previous: dict[signal.Signals, Any] = {}
+
+    # ------------------------------------------------------------------ setup
+    @classmethod
+    def install(cls) -> StopFlag:
+        """Install the handlers (once per process; later calls return the same flag).
+
+        Must run in the main thread (Python delivers signals only there). The handlers that were
+        in place before -- e.g. submitit's requeue handler -- are kept, see `previous_handler`.
+        """
+        if cls._instance is None:
+            flag = cls()
+            for sig in STOP_SIGNALS:
+                flag._previous[sig] = signal.signal(sig, flag._handle)
+            cls._instance = flag
+        return cls._instance
+
+    def previous_handler(self, sig: signal.Signals) -> Callable[..., Any] | int | None:
+        """The handler `install` replaced for `sig` (SIG_DFL/SIG_IGN as ints, or a callable)."""
+        return self._previous.get(sig)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        sig = signal.Signals(signum)
+        if sig in self._local:
+            return
+        self._local.add(sig)
+        # os.write, not logging/print: the main thread may be inside a write to the same stream,
+        # and re-entering a buffered writer from a handler raises RuntimeError.
+        msg = (f"[spmd_rl pid {os.getpid()}] received {sig.name}: finishing the current step, "
+               "then writing a checkpoint and stopping\n")
+        os.write(2, msg.encode())
+
+    # ------------------------------------------------------------------ queries
+    def local(self) -> bool:
+        """Whether this process received a stop signal (no communication)."""
+        return bool(self._local)
+
+    def requested(self, group: Any = None) -> bool:
+        """Whether any rank received a stop signal. COLLECTIVE when torch.distributed is
+        initialized: every rank of `group` must call it at the same point (e.g. after each step)."""
+        self._seen |= self._local
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError:  # pragma: no cover - torch is a dependency; keep the module usable without
+            return bool(self._seen)
+        if dist.is_available() and dist.is_initialized():
+            # Gloo takes CPU tensors; a pure NCCL group needs a CUDA one.
+            on_cpu = "gloo" in str(dist.get_backend(group)) or not torch.cuda.is_available()
+            device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+            bits = torch.tensor([sig in self._seen for sig in STOP_SIGNALS], dtype=torch.int32, device=device)
+            dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=group)
+            self._seen |= {sig for sig, bit in zip(STOP_SIGNALS, bits.tolist()) if bit}
+        return bool(self._seen)
+
+    @property
+    def signals(self) -> frozenset[signal.Signals]:
+        """Signals received by this process or, as of the last `requested()`, by any rank."""
+        return frozenset(self._seen | self._local)
+
+    @property
+    def requeue_requested(self) -> bool:
+        """Whether one of the signals asks for a requeue (see REQUEUE_SIGNALS)."""
+        return bool(self.signals & REQUEUE_SIGNALS)
+
+    @classmethod
+    def _uninstall(cls) -> None:
+        """Restore the previous handlers and forget the flag (for tests)."""
+        if cls._instance is not None:
+            for sig, handler in cls._instance._previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+            cls._instance = None

@@ -1,0 +1,70 @@
+"""The rollout-engine interface: what the trainer needs from an inference engine.
+
+Token ids in; token ids, per-token sampled log-probs and a finish reason out. The engine
+owns a copy of the policy weights that the trainer refreshes every step with
+`load_weights`, streamed from the FSDP shards (spmd_rl/weight_sync.py). Engines that share
+the GPU with training (vLLM) free their memory in `sleep()` and take it back in `wake_up()`.
+
+The trainer's call order each step, for every engine:
+
+    engine.wake_up(["weights"])         # memory for the weights only
+    engine.load_weights(stream)         # iterator of (hf_name, full tensor), a bucket at a time
+    engine.wake_up(["kv_cache"])        # now the KV cache (no forward pass before this)
+    outputs = engine.generate(prompts, sampling)
+    engine.sleep()
+
+Log-probs are of the *sampled* token under logits / temperature (what the actor computes),
+so the training/inference mismatch metric compares like with like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one generate call (built from RolloutConfig)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int = 0
+    """Seed of this call's sampling; the trainer derives it from (trainer.seed, step, replica)
+    so a resumed run samples exactly what an uninterrupted one would."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Completion:
+    """One sampled response to one prompt."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    """log p(token_t | prefix) under logits / temperature (greedy: temperature 1)."""
+    finish_reason: str
+    """"stop" (EOS or a stop token, which is included in token_ids) or "length"."""
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+        """For each prompt (token ids), `sampling.n` completions. Every rank calls this with its own
+        prompts; engines with tensor parallelism gather their group's prompts themselves."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full (unsharded) tensors, named as in the Hugging Face model, into the engine."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take GPU memory back: tags None = everything, or "weights" / "kv_cache"."""
+
+    def sleep(self) -> None:
+        """Give GPU memory back until the next wake_up."""

@@ -1,0 +1,79 @@
+"""A rollout engine on transformers' `generate`, for CPU runs and tests.
+
+It keeps its own plain (unsharded) copy of the policy and is refreshed through the same
+streaming `load_weights` as the vLLM engine, so CPU tests exercise the real weight-sync path.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from spmd_rl.rollout.base import Completion, SamplingParams
+
+
+class HFEngine:
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int],
+                 device: torch.device, max_batch_size: int = 256):
+        self.model = model.to(device).eval()
+        self.params = dict(self.model.named_parameters())
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = device
+        self.max_batch_size = max_batch_size
+
+    # The copy lives as long as the engine; there is no separate memory pool to give back.
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        pass
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in weights:
+            if name not in self.params:
+                raise KeyError(f"weight {name!r} has no parameter in the rollout model")
+            self.params[name].copy_(tensor)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+        out: list[list[Completion]] = []
+        per_call = max(1, self.max_batch_size // sampling.n)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(sampling.seed)
+            for i in range(0, len(prompts), per_call):
+                out += self._generate_chunk(prompts[i:i + per_call], sampling)
+        return out
+
+    def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams) -> list[list[Completion]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding: generation continues every row at the end
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        stop = self.eos_token_ids + list(sp.stop_token_ids)
+        kwargs = dict(do_sample=not sp.greedy, max_new_tokens=sp.max_new_tokens, eos_token_id=stop,
+                      pad_token_id=self.pad_token_id, num_return_sequences=sp.n, output_logits=True,
+                      return_dict_in_generate=True)
+        if not sp.greedy:
+            kwargs.update(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0)
+        res = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kwargs)
+        new = res.sequences[:, width:].cpu()
+        # log p of the sampled token under logits / temperature: the same quantity the actor computes
+        temperature = sp.temperature if not sp.greedy else 1.0
+        logits = torch.stack(res.logits, dim=1).float().cpu() / temperature
+        logps = torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0]
+        stop_set = set(stop)
+        completions = []
+        for row in range(new.shape[0]):
+            tokens = new[row].tolist()
+            end, reason = len(tokens), "length"
+            for j, t in enumerate(tokens):
+                if t in stop_set:
+                    end, reason = j + 1, "stop"
+                    break
+            completions.append(Completion(tokens[:end], logps[row, :end].tolist(), reason))
+        return [completions[k * sp.n:(k + 1) * sp.n] for k in range(len(prompts))]

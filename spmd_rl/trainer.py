@@ -1,0 +1,460 @@
+"""The training loop: every rank runs this same code (SPMD).
+
+One step:
+  1. sync    stream the actor's FSDP shards into the rollout engine (wake weights -> load -> wake KV)
+  2. rollout generate n responses per prompt for this rank's prompts, then put the engine to sleep
+  3. reward  score the responses (rule scorers by data source, or the user's function)
+  4. score   old log-probs (actor), reference log-probs, values (critic)
+  5. adv     token rewards (+ KL penalty), advantages (GAE / GRPO / RLOO / REINFORCE++)
+  6. update  critic, then actor: ppo_epochs x mini-batches x micro-batches
+  7. log, validate, checkpoint, honour a stop signal
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl import algorithms as algos
+from spmd_rl.actor import actor_loss_fn, compute_logprobs
+from spmd_rl.batch import Batch, build_rollout_batch, response_token_ids
+from spmd_rl.checkpoint import Checkpointer, ModelAndOptimizer
+from spmd_rl.config import Config, to_toml
+from spmd_rl.critic import compute_values, critic_loss_fn
+from spmd_rl.data import PromptDataset, ShardedSampler, iter_eval_batches
+from spmd_rl.distributed import DistEnv, all_reduce_mean, all_reduce_sum
+from spmd_rl.metrics import MetricsLogger, summary_line
+from spmd_rl.models import (DTYPES, apply_fsdp, count_parameters, load_causal_lm, load_value_model,
+                            materialize_random_model, random_model_config)
+from spmd_rl.optim import make_optimizer, make_scheduler
+from spmd_rl.preemption import StopFlag
+from spmd_rl.rewards import RewardFunction
+from spmd_rl.rollout.base import SamplingParams
+from spmd_rl.tokenizer import decode_response, load_tokenizer
+from spmd_rl.update import ppo_update
+from spmd_rl.weight_sync import iter_weights
+
+log = logging.getLogger("spmd_rl")
+
+
+class PhaseTimer:
+    """Seconds (and peak GPU memory) per named phase of a step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.metrics: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+            self.metrics[f"memory/{name}_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        self.metrics[f"time/{name}"] = self.metrics.get(f"time/{name}", 0.0) + time.perf_counter() - t0
+
+
+def sampling_seed(seed: int, step: int, replica: int) -> int:
+    """Sampling seed of a step: a function of the step, so a resumed run samples the same."""
+    return (seed * 1_000_003 + step * 9_973 + replica) % 2**31
+
+
+class Trainer:
+    def __init__(self, cfg: Config, env: DistEnv):
+        self.cfg, self.env = cfg, env
+        self.device = env.device
+        self.run_dir = cfg.run_dir
+        self.step = 0
+        self.stop = StopFlag.install()
+        self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
+        self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), cfg.trainer.keep_last)
+        self._check_resume_target()
+        self._setup_data()
+        self._setup_models()
+        self._setup_engine()
+        self.reward_fn = RewardFunction(cfg.reward)
+        self.kl_ctrl = (algos.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.target_kl, cfg.algorithm.kl_horizon)
+                        if cfg.algorithm.kl_ctrl == "adaptive" else algos.FixedKLController(cfg.algorithm.kl_coef))
+        if env.is_main:
+            with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
+                f.write(to_toml(cfg))
+            self.metrics.log_text("config", to_toml(cfg))
+        self._resume()
+
+    # ------------------------------------------------------------------ setup
+    def _check_resume_target(self) -> None:
+        t = self.cfg.trainer
+        if t.resume == "none" and self.checkpointer.latest() is not None:
+            raise RuntimeError(
+                f"trainer.resume = 'none' but {self.checkpointer.root} already holds checkpoints; starting "
+                "fresh would overwrite them. Use trainer.resume=auto to continue, or a new trainer.run_dir.")
+
+    def _setup_data(self) -> None:
+        cfg, env = self.cfg, self.env
+        d = cfg.data
+        if d.synthetic_task and not all(os.path.isfile(f) for f in d.train_files):
+            if env.is_main:
+                from spmd_rl.synthetic import write_synthetic
+
+                out_dir = os.path.dirname(d.train_files[0]) or "."
+                train, val = write_synthetic(d.synthetic_task, out_dir, d.synthetic_size,
+                                             max(1, d.synthetic_size // 4), cfg.trainer.seed)
+                if os.path.abspath(train) != os.path.abspath(d.train_files[0]):
+                    os.replace(train, d.train_files[0])
+                if d.val_files and os.path.abspath(val) != os.path.abspath(d.val_files[0]):
+                    os.replace(val, d.val_files[0])
+                log.info("wrote synthetic %r data to %s", d.synthetic_task, out_dir)
+            dist.barrier()
+        m = cfg.model
+        tok_spec = m.tokenizer if m.tokenizer else ""
+        self.tokenizer = load_tokenizer(tok_spec, m.path)
+        self.train_data = PromptDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.apply_chat_template)
+        if self.train_data.num_dropped:
+            log.warning("dropped %d training prompts longer than data.max_prompt_length = %d",
+                        self.train_data.num_dropped, d.max_prompt_length)
+        self.val_data = (PromptDataset(d.val_files, self.tokenizer, d.max_prompt_length, d.apply_chat_template)
+                         if d.val_files else None)
+        self.sampler = ShardedSampler(len(self.train_data), d.train_batch_size, env.rank, env.world_size,
+                                      cfg.trainer.seed, d.shuffle)
+        log.info("data: %d training prompts (%d steps per epoch), %d validation prompts",
+                 len(self.train_data), self.sampler.steps_per_epoch, len(self.val_data) if self.val_data else 0)
+
+    def _model_dir(self) -> str:
+        m = self.cfg.model
+        if m.init == "pretrained":
+            return m.path
+        config = random_model_config(m.arch, m.path, self.tokenizer)
+        return materialize_random_model(os.path.join(self.run_dir, "init_model"), config, m.seed,
+                                        DTYPES[m.dtype], self.tokenizer)
+
+    def _setup_models(self) -> None:
+        cfg, env = self.cfg, self.env
+        m, a, c = cfg.model, cfg.actor, cfg.critic
+        self.model_dir = self._model_dir()
+        master, compute = DTYPES[m.dtype], DTYPES[m.compute_dtype]
+        self.actor = apply_fsdp(load_causal_lm(self.model_dir, master, m.attn_implementation), env.mesh, compute,
+                                m.gradient_checkpointing)
+        self.n_params = count_parameters(self.actor)
+        self.actor_opt = make_optimizer(self.actor, a.lr, a.weight_decay, a.betas)
+        self.actor_sched = make_scheduler(self.actor_opt, a.warmup_steps, cfg.trainer.total_steps, a.lr_schedule, a.min_lr_ratio)
+        self.ref = None
+        if cfg.use_reference:
+            self.ref = apply_fsdp(load_causal_lm(self.model_dir, master, m.attn_implementation), env.mesh, compute)
+            self.ref.requires_grad_(False)
+        self.critic = self.critic_opt = self.critic_sched = None
+        if cfg.use_critic:
+            critic_dir = c.path or self.model_dir
+            self.critic = apply_fsdp(load_value_model(critic_dir, master, m.attn_implementation), env.mesh, compute,
+                                     m.gradient_checkpointing)
+            self.critic_opt = make_optimizer(self.critic, c.lr, c.weight_decay)
+            self.critic_sched = make_scheduler(self.critic_opt, c.warmup_steps, cfg.trainer.total_steps)
+        log.info("models ready: actor %.1fM parameters%s%s, from %s", self.n_params / 1e6,
+                 ", reference" if self.ref is not None else "", ", critic" if self.critic is not None else "",
+                 self.model_dir)
+
+    def _setup_engine(self) -> None:
+        cfg, env = self.cfg, self.env
+        r = cfg.rollout
+        eos = self.tokenizer.eos_token_id
+        if r.engine == "vllm":
+            from spmd_rl.rollout.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(cfg, self.model_dir, env.rank, env.world_size, env.local_rank, env.local_world_size)
+            self.engine.sleep()
+            self.engine_replica = env.rank // r.tensor_parallel_size
+        else:
+            from spmd_rl.rollout.hf_engine import HFEngine
+
+            dtype = torch.float32 if self.device.type == "cpu" else DTYPES[r.dtype]
+            model = load_causal_lm(self.model_dir, dtype, cfg.model.attn_implementation)
+            self.engine = HFEngine(model, self.tokenizer.pad_token_id, [eos], self.device)
+            self.engine_replica = env.rank
+        self.engine_dtype = torch.float32 if (r.engine == "hf" and self.device.type == "cpu") else DTYPES[r.dtype]
+        self.engine_step = -1  # the step whose weights the engine holds
+
+    # ------------------------------------------------------------------ checkpoints
+    def _stateful(self) -> dict:
+        models = {"actor": ModelAndOptimizer(self.actor, self.actor_opt)}
+        if self.critic is not None:
+            models["critic"] = ModelAndOptimizer(self.critic, self.critic_opt)
+        return models
+
+    def _trainer_state(self) -> dict:
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "actor_sched": self.actor_sched.state_dict(),
+                "critic_sched": self.critic_sched.state_dict() if self.critic_sched else None,
+                "kl_ctrl": self.kl_ctrl.state_dict(), "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate()}
+
+    def save_checkpoint(self) -> None:
+        t0 = time.perf_counter()
+        path = self.checkpointer.save(self.step, self._stateful(), self._trainer_state())
+        log.info("saved checkpoint %s in %.1fs", path, time.perf_counter() - t0)
+
+    def _resume(self) -> None:
+        t = self.cfg.trainer
+        path = None if t.resume == "none" else (self.checkpointer.latest() if t.resume == "auto" else t.resume)
+        if path is None:
+            return
+        state = self.checkpointer.load(path, self._stateful())
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.actor_sched.load_state_dict(state["actor_sched"])
+        if self.critic_sched and state["critic_sched"]:
+            self.critic_sched.load_state_dict(state["critic_sched"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.step, self.sampler.epoch,
+                 self.sampler.position)
+
+    # ------------------------------------------------------------------ rollout
+    def sync_weights(self, timer: PhaseTimer) -> None:
+        """Wake the engine and give it the actor's current weights (once per step at most)."""
+        if self.engine_step == self.step:
+            with timer("wake"):
+                self.engine.wake_up()
+            return
+        with timer("wake"):
+            self.engine.wake_up(["weights"])
+        with timer("weight_sync"):
+            self.engine.load_weights(iter_weights(self.actor, self.engine_dtype, self.cfg.rollout.weight_sync_bucket_mb))
+        with timer("wake"):
+            self.engine.wake_up(["kv_cache"])
+        self.engine_step = self.step
+
+    def _sampling(self, train: bool) -> SamplingParams:
+        r, d = self.cfg.rollout, self.cfg.data
+        stop = list(r.stop_token_ids)
+        seed = sampling_seed(self.cfg.trainer.seed, self.step if train else -1 - self.step, self.engine_replica)
+        if train:
+            return SamplingParams(r.n, r.temperature, r.top_p, r.top_k, d.max_response_length, stop, seed)
+        return SamplingParams(r.val_n, r.val_temperature, 1.0 if r.val_temperature == 0 else r.top_p,
+                              -1 if r.val_temperature == 0 else r.top_k, d.max_response_length, stop, seed)
+
+    def generate(self, records, train: bool, timer: PhaseTimer) -> Batch:
+        self.sync_weights(timer)
+        with timer("generate"):
+            prompts = [rec.prompt_ids for rec in records]
+            completions = self.engine.generate(prompts, self._sampling(train)) if prompts else []
+        with timer("sleep"):
+            self.engine.sleep()
+        if not records:
+            return None
+        meta = {"data_source": [r.data_source for r in records], "ground_truth": [r.ground_truth for r in records],
+                "extra_info": [r.extra_info for r in records], "index": [r.index for r in records]}
+        return build_rollout_batch(prompts, completions, self.tokenizer.pad_token_id, meta)
+
+    def score(self, batch: Batch) -> None:
+        texts = [decode_response(self.tokenizer, response_token_ids(batch, i)) for i in range(len(batch))]
+        results = self.reward_fn(batch.meta["data_source"], texts, batch.meta["ground_truth"], batch.meta["extra_info"])
+        batch["scores"] = torch.tensor([float(r["score"]) for r in results])
+        batch["acc"] = torch.tensor([float(r.get("acc", r["score"] > 0)) for r in results])
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> dict[str, float]:
+        cfg, env = self.cfg, self.env
+        timer = PhaseTimer(self.device)
+        t_step = time.perf_counter()
+        records = [self.train_data[i] for i in self.sampler.next_batch()]
+        batch = self.generate(records, train=True, timer=timer)
+        with timer("reward"):
+            self.score(batch)
+        temp = cfg.rollout.temperature
+        a, c = cfg.actor, cfg.critic
+        with timer("old_logprob"):
+            batch["old_logprobs"] = compute_logprobs(self.actor, batch, temp, a.micro_batch_size_per_gpu, self.device)
+        if self.ref is not None:
+            with timer("ref_logprob"):
+                batch["ref_logprobs"] = compute_logprobs(self.ref, batch, temp, a.micro_batch_size_per_gpu, self.device)
+        if self.critic is not None:
+            with timer("values"):
+                batch["values"] = compute_values(self.critic, batch, c.micro_batch_size_per_gpu, self.device)
+        with timer("adv"):
+            extra = self.compute_advantages(batch)
+        n = cfg.rollout.n
+        if self.critic is not None:
+            with timer("update_critic"):
+                cm = ppo_update(self.critic, self.critic_opt, batch, critic_loss_fn(self.critic, c),
+                                mini_batch_size=c.ppo_mini_batch_size * n // env.world_size,
+                                micro_batch_size=c.micro_batch_size_per_gpu, epochs=c.ppo_epochs,
+                                grad_clip=c.grad_clip, loss_agg_mode=c.loss_agg_mode, device=self.device)
+                self.critic_sched.step()
+        with timer("update_actor"):
+            am = ppo_update(self.actor, self.actor_opt, batch, actor_loss_fn(self.actor, a, temp),
+                            mini_batch_size=a.ppo_mini_batch_size * n // env.world_size,
+                            micro_batch_size=a.micro_batch_size_per_gpu, epochs=a.ppo_epochs,
+                            grad_clip=a.grad_clip, loss_agg_mode=a.loss_agg_mode, device=self.device)
+            self.actor_sched.step()
+        self.step += 1
+        timer.metrics["time/step"] = time.perf_counter() - t_step
+        metrics = self.step_metrics(batch, timer.metrics, extra)
+        metrics.update({f"actor/{k}": v for k, v in am.items()})
+        if self.critic is not None:
+            metrics.update({f"critic/{k}": v for k, v in cm.items()})
+        metrics = all_reduce_mean(metrics, self.device)
+        metrics.update(self.global_metrics(batch, timer.metrics))
+        return metrics
+
+    def compute_advantages(self, batch: Batch) -> dict[str, float]:
+        alg = self.cfg.algorithm
+        mask = batch["response_mask"]
+        extra: dict[str, float] = {}
+        token_rewards = algos.scores_to_token_rewards(batch["scores"], mask)
+        if alg.use_kl_in_reward:
+            token_rewards, kl = algos.apply_kl_penalty(token_rewards, batch["old_logprobs"], batch["ref_logprobs"],
+                                                       mask, self.kl_ctrl.value, alg.kl_penalty)
+            kl = float(all_reduce_mean({"kl": kl}, self.device)["kl"])
+            extra.update({"kl/reward_penalty": kl, "kl/coef": self.kl_ctrl.value})
+            self.kl_ctrl.update(kl, len(batch) * self.env.world_size)
+        group = dist.group.WORLD
+        est = alg.adv_estimator
+        if est == "gae":
+            adv, ret = algos.gae_advantages(token_rewards, batch["values"], mask, alg.gamma, alg.lam, whiten_group=group)
+        elif est == "grpo":
+            adv, ret = algos.grpo_advantages(batch["scores"], batch["group_ids"], mask, alg.norm_adv_by_std_in_grpo)
+        elif est == "rloo":
+            adv, ret = algos.rloo_advantages(batch["scores"], batch["group_ids"], mask)
+        else:
+            adv, ret = algos.reinforce_plus_plus_advantages(token_rewards, mask, alg.gamma, whiten_group=group)
+        batch["advantages"], batch["returns"] = adv, ret
+        return extra
+
+    def step_metrics(self, batch: Batch, times: dict[str, float], extra: dict[str, float]) -> dict[str, float]:
+        """Per-rank means (averaged over ranks by the caller)."""
+        mask = batch["response_mask"]
+        lens = batch["response_lens"].float()
+        max_len = self.cfg.data.max_response_length
+        diff = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs()
+        m = {
+            "reward/mean": batch["scores"].mean().item(),
+            "reward/acc": batch["acc"].mean().item(),
+            "response/length_mean": lens.mean().item(),
+            "response/clip_ratio": ((lens >= max_len) & ~batch["finished"]).float().mean().item(),
+            "prompt/length_mean": batch["prompt_lens"].float().mean().item(),
+            "adv/mean": algos.masked_mean(batch["advantages"], mask).item(),
+            "returns/mean": algos.masked_mean(batch["returns"], mask).item(),
+            "rollout/logprob_diff_mean": algos.masked_mean(diff, mask).item(),
+            "rollout/mismatch_kl": algos.masked_mean(
+                algos.kl_penalty(batch["rollout_logprobs"], batch["old_logprobs"], "k3"), mask).item(),
+            **times, **extra,
+        }
+        if "values" in batch:
+            m["critic/values_mean"] = algos.masked_mean(batch["values"], mask).item()
+        return m
+
+    def global_metrics(self, batch: Batch, times: dict[str, float]) -> dict[str, float]:
+        """Metrics that need max/sum over ranks rather than a mean."""
+        env = self.env
+        lens = batch["response_lens"].float()
+        diff = ((batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * batch["response_mask"]).max()
+        t = torch.tensor([lens.max().item(), diff.item(), batch["scores"].max().item(), -batch["scores"].min().item(),
+                          times["time/step"]], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        scores = batch["scores"].double()
+        s = all_reduce_sum(torch.tensor([scores.sum(), (scores ** 2).sum(), len(scores),
+                                         batch["attention_mask"].sum().item(), batch.num_response_tokens],
+                                        dtype=torch.float64, device=self.device))
+        mean = s[0] / s[2]
+        var = (s[1] / s[2] - mean ** 2).clamp(min=0) * s[2] / max(s[2] - 1, 1)
+        step_time = t[4].item()
+        out = {
+            "response/length_max": t[0].item(), "rollout/logprob_diff_max": t[1].item(),
+            "reward/max": t[2].item(), "reward/min": -t[3].item(), "reward/std": var.sqrt().item(),
+            "perf/tokens_per_sec": s[3].item() / step_time,
+            "perf/tokens_per_sec_per_gpu": s[3].item() / step_time / env.world_size,
+            "data/epoch": float(self.sampler.epoch), "actor/lr_sched": self.actor_sched.get_last_lr()[0],
+        }
+        peak = self.peak_flops()
+        if peak and "time/update_actor" in times:
+            # Training FLOPs: 6 per parameter per token (fwd + bwd), per epoch, over the update's time.
+            flops = 6 * self.n_params * s[3].item() * self.cfg.actor.ppo_epochs / env.world_size
+            out["perf/mfu_update_actor"] = flops / times["time/update_actor"] / peak
+        return out
+
+    def peak_flops(self) -> float:
+        if self.device.type != "cuda":
+            return 0.0
+        if self.cfg.trainer.peak_tflops:
+            return self.cfg.trainer.peak_tflops * 1e12
+        name = torch.cuda.get_device_name(self.device)
+        return 989e12 if ("H100" in name or "H200" in name) else 0.0
+
+    # ------------------------------------------------------------------ validation
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        if self.val_data is None:
+            return {}
+        timer = PhaseTimer(self.device)
+        sums: dict[str, float] = defaultdict(float)
+        for idx in iter_eval_batches(len(self.val_data), self.cfg.data.val_batch_size, self.env.rank, self.env.world_size):
+            records = [self.val_data[i] for i in idx]
+            batch = self.generate(records, train=False, timer=timer)
+            if batch is None:
+                continue
+            self.score(batch)
+            for i, src in enumerate(batch.meta["data_source"]):
+                for key in ("", f"/{src}"):
+                    sums[f"val{key}/reward_sum"] += float(batch["scores"][i])
+                    sums[f"val{key}/acc_sum"] += float(batch["acc"][i])
+                    sums[f"val{key}/count"] += 1
+        # every rank must reduce the same keys: gather the key set first
+        keys: list[list[str]] = [None] * self.env.world_size  # type: ignore[list-item]
+        dist.all_gather_object(keys, sorted(sums))
+        all_keys = sorted(set().union(*keys))
+        t = all_reduce_sum(torch.tensor([sums.get(k, 0.0) for k in all_keys], dtype=torch.float64, device=self.device))
+        total = dict(zip(all_keys, t.tolist()))
+        out = {}
+        for k in all_keys:
+            if k.endswith("/count"):
+                prefix = k[: -len("/count")]
+                out[f"{prefix}/reward_mean"] = total[f"{prefix}/reward_sum"] / total[k]
+                out[f"{prefix}/acc"] = total[f"{prefix}/acc_sum"] / total[k]
+        out["time/val"] = timer.metrics.get("time/generate", 0.0)
+        return out
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> str:
+        """Train to trainer.total_steps. Returns "finished", or "preempted" after a stop signal
+        (a checkpoint has then been written)."""
+        t = self.cfg.trainer
+        log.info(self.cfg.describe_layout(self.env.world_size))
+        if t.val_before_train and self.step == 0:
+            self._log_val(self.validate())
+        while self.step < t.total_steps:
+            metrics = self.train_step()
+            last = self.step == t.total_steps
+            if self.val_data is not None and (last or (t.val_every and self.step % t.val_every == 0)):
+                metrics.update(self.validate())
+            self.metrics.log(self.step, metrics)
+            if self.step % t.log_every == 0 or last:
+                log.info(summary_line(self.step, t.total_steps, metrics))
+                if "val/acc" in metrics:
+                    log.info("validation: acc %.3f reward %.3f", metrics["val/acc"], metrics["val/reward_mean"])
+            if last or (t.save_every and self.step % t.save_every == 0):
+                self.save_checkpoint()
+            if not last and self.stop.requested():
+                log.warning("stop signal received: checkpointing at step %d and exiting", self.step)
+                if not (t.save_every and self.step % t.save_every == 0):
+                    self.save_checkpoint()
+                return "preempted"
+        return "finished"
+
+    def _log_val(self, m: dict[str, float]) -> None:
+        if m:
+            self.metrics.log(self.step, m)
+            log.info("validation at step %d: acc %.3f reward %.3f", self.step, m["val/acc"], m["val/reward_mean"])
+
+    def close(self) -> None:
+        self.metrics.close()
+

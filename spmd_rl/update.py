@@ -1,0 +1,73 @@
+"""The PPO-style optimisation loop shared by actor and critic.
+
+`ppo_epochs` passes over the rank's rollouts, cut into mini-batches (one optimizer step each)
+and micro-batches (gradient accumulation). Losses are normalised by the *global* mini-batch
+count (tokens or sequences over all ranks, see `algorithms.agg_loss`), so the result does not
+depend on how many ranks or micro-batches the mini-batch was split into.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.batch import Batch, iter_micro_batches
+from spmd_rl.distributed import all_reduce_sum
+
+LossFn = Callable[[Batch, float], tuple[torch.Tensor, dict[str, float]]]
+"""loss_fn(micro_batch, denom) -> (loss, metrics). Metrics whose name ends in "loss" are already
+divided by `denom` and add up over micro-batches; all others are token means over the micro-batch
+and are weighted here by the micro-batch's share of the mini-batch's tokens."""
+
+
+def global_denominator(mini: Batch, loss_agg_mode: str, device: torch.device) -> float:
+    """The count a micro-batch's summed loss is divided by: global tokens (token-mean) or
+    sequences (seq-mean-*) of the mini-batch, over the ranks (FSDP averages gradients over ranks)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if loss_agg_mode == "token-mean":
+        tokens = all_reduce_sum(mini["response_mask"].sum().to(device, torch.float64))
+        return max(float(tokens), 1.0) / world
+    return float(len(mini))
+
+
+def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn: LossFn, *,
+               mini_batch_size: int, micro_batch_size: int, epochs: int, grad_clip: float,
+               loss_agg_mode: str, device: torch.device) -> dict[str, float]:
+    sums: dict[str, float] = defaultdict(float)
+    n_steps = 0
+    for _ in range(epochs):
+        for mini in batch.split(mini_batch_size):
+            denom = global_denominator(mini, loss_agg_mode, device)
+            token_denom = global_denominator(mini, "token-mean", device)
+            optimizer.zero_grad(set_to_none=True)
+            micros = list(iter_micro_batches(mini, micro_batch_size))
+            for i, micro in enumerate(micros):
+                # Reduce-scatter gradients only once per optimizer step.
+                if hasattr(model, "set_requires_gradient_sync"):
+                    model.set_requires_gradient_sync(i == len(micros) - 1)
+                loss, metrics = loss_fn(micro.to(device), denom)
+                loss.backward()
+                share = float(micro["response_mask"].sum()) / token_denom
+                for k, v in metrics.items():
+                    sums[k] += float(v) if k.endswith("loss") else float(v) * share
+            grad_norm = clip_grad_norm(model, grad_clip)
+            if torch.isfinite(torch.tensor(grad_norm)):
+                optimizer.step()
+            else:
+                sums["skipped_steps"] += 1.0
+            sums["grad_norm"] += grad_norm
+            n_steps += 1
+    out = {k: v / n_steps for k, v in sums.items()}
+    out["lr"] = optimizer.param_groups[0]["lr"]
+    return out
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)

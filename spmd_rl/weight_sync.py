@@ -1,0 +1,88 @@
+"""Stream the FSDP2 actor's weights, unsharded, into a rollout engine.
+
+The actor's parameters are DTensors sharded on dim 0 (FSDP2 `fully_shard`). We walk them in
+order and gather them a *bucket* at a time: each rank casts its local shards to the engine's
+dtype (halving the bytes moved for fp32 masters), packs them into one flat buffer, and a
+single `all_gather_into_tensor` per bucket brings every rank the full tensors. The bucket's
+tensors are handed to the engine, and the next bucket reuses nothing from it, so the extra
+memory peaks at about two buckets -- never a whole state dict, never a CPU copy.
+
+Tied parameters (Qwen2.5-0.5B's embedding / lm_head) appear once in `named_parameters()`, under
+the embedding's name; engines tie lm_head to it themselves.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+def _is_dim0_sharded(p: torch.Tensor) -> bool:
+    return isinstance(p, DTensor) and p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),)
+
+
+def _bucket_plan(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * dtype.itemsize
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, p))
+        size += nbytes
+    return [b for b in buckets if b]
+
+
+def _gather_bucket(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> NamedTensors:
+    """One collective for all dim-0-sharded DTensors of the bucket; others are passed through."""
+    sharded = [(n, p) for n, p in params if _is_dim0_sharded(p)]
+    out: dict[str, torch.Tensor] = {}
+    if sharded:
+        mesh = sharded[0][1].device_mesh
+        group = mesh.get_group()
+        world = mesh.size()
+        device = sharded[0][1].to_local().device
+        # Per parameter: ceil(dim0 / world) rows per rank (torch.chunk's split, as FSDP2 uses).
+        layout = []
+        total = 0
+        for name, p in sharded:
+            rows = math.ceil(p.shape[0] / world)
+            row_numel = math.prod(p.shape[1:])
+            layout.append((name, p, rows, row_numel, total))
+            total += rows * row_numel
+        send = torch.zeros(total, dtype=dtype, device=device)
+        for name, p, rows, row_numel, off in layout:
+            local = p.to_local()
+            send[off : off + local.numel()].copy_(local.reshape(-1))
+        recv = torch.empty(world * total, dtype=dtype, device=device)
+        dist.all_gather_into_tensor(recv, send, group=group)
+        recv = recv.view(world, total)
+        for name, p, rows, row_numel, off in layout:
+            full = recv[:, off : off + rows * row_numel].reshape(world * rows, *p.shape[1:])
+            out[name] = full[: p.shape[0]]
+    for name, p in params:
+        if name not in out:
+            t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            out[name] = t.to(dtype)
+    return [(name, out[name]) for name, _ in params]
+
+
+@torch.no_grad()
+def iter_weight_buckets(model: torch.nn.Module, dtype: torch.dtype, bucket_mb: int) -> Iterator[NamedTensors]:
+    """Yield the model's parameters as full tensors of `dtype`, one bucket (list of (name, tensor))
+    at a time. Collective: every rank of the FSDP mesh must iterate it to the end."""
+    for bucket in _bucket_plan(model, dtype, bucket_mb * 2**20):
+        yield _gather_bucket(bucket, dtype)
+
+
+def iter_weights(model: torch.nn.Module, dtype: torch.dtype, bucket_mb: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Like iter_weight_buckets, one (name, tensor) at a time (what `load_weights` takes)."""
+    for bucket in iter_weight_buckets(model, dtype, bucket_mb):
+        yield from bucket

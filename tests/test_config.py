@@ -1,0 +1,112 @@
+import dataclasses
+import os
+
+import pytest
+
+from spmd_rl.config import Config, ConfigError, field_docs, load_config, markdown_reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def valid_cfg(tmp_path, extra=()):
+    data = tmp_path / "train.parquet"
+    data.write_bytes(b"")
+    return load_config(None, [f'data.train_files=["{data}"]', 'model.init="random"', 'model.arch="tiny"',
+                              'model.tokenizer="char"', *extra])
+
+
+def test_every_key_is_documented():
+    for f in dataclasses.fields(Config):
+        section = f.default_factory()
+        docs = field_docs(type(section))
+        missing = [sf.name for sf in dataclasses.fields(section) if not docs.get(sf.name)]
+        assert not missing, f"[{f.name}] keys without a docstring: {missing}"
+    assert set(field_docs(Config)) == {f.name for f in dataclasses.fields(Config)}
+
+
+def test_docs_config_md_is_current():
+    with open(os.path.join(ROOT, "docs", "config.md")) as f:
+        assert f.read().strip() == markdown_reference().strip(), "regenerate: python -m spmd_rl.config --markdown > docs/config.md"
+
+
+def test_toml_and_overrides_with_types(tmp_path):
+    path = write(tmp_path, '[actor]\nlr = 1e-5\n[rollout]\nn = 4\nstop_token_ids = [3]\n')
+    cfg = load_config(path, ["actor.lr=2e-6", "rollout.n=8", "trainer.val_before_train=true",
+                             "rollout.cudagraph_capture_sizes=[1,2,4]", "trainer.experiment_name=abc",
+                             "actor.clip_ratio_high=1"])
+    assert cfg.actor.lr == 2e-6 and cfg.rollout.n == 8 and cfg.trainer.val_before_train is True
+    assert cfg.rollout.stop_token_ids == [3] and cfg.rollout.cudagraph_capture_sizes == [1, 2, 4]
+    assert cfg.trainer.experiment_name == "abc" and cfg.actor.clip_ratio_high == 1.0
+    assert isinstance(cfg.actor.clip_ratio_high, float)
+
+
+@pytest.mark.parametrize("text, overrides, needle", [
+    ("[actor]\nlrr = 1\n", [], "unknown config key 'actor.lrr'"),
+    ("[actr]\nlr = 1\n", [], "unknown config section [actr]"),
+    ("", ["rollout.n=four"], "rollout.n must be an integer"),
+    ("", ["actor.lr=true"], "actor.lr must be a number"),
+    ("", ["trainer.tensorboard=1"], "trainer.tensorboard must be true or false"),
+    ("", ["actor.lr"], "must look like section.key=value"),
+    ("", ["lr=1"], "must be section.key"),
+    ("[actor\n", [], "not valid TOML"),
+])
+def test_parse_errors_name_the_key(tmp_path, text, overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text), overrides)
+    assert needle in str(e.value)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent/x.toml")
+
+
+@pytest.mark.parametrize("overrides, world, needle", [
+    (["data.train_batch_size=6"], 4, "data.train_batch_size = 6 does not divide by the 4 ranks"),
+    (["data.train_batch_size=8", "actor.ppo_mini_batch_size=3"], 1, "actor.ppo_mini_batch_size = 3 must divide"),
+    (["data.train_batch_size=8", "actor.ppo_mini_batch_size=2", "rollout.n=1", "algorithm.adv_estimator=\"gae\""],
+     4, "do not divide by the 4 ranks"),
+    (["actor.micro_batch_size_per_gpu=3"], 1, "actor.micro_batch_size_per_gpu = 3 must divide"),
+    (["rollout.n=1"], 1, "set rollout.n >= 2"),
+    (["algorithm.adv_estimator=\"ppo\""], 1, "algorithm.adv_estimator = 'ppo' is not one of"),
+    (["rollout.tensor_parallel_size=2"], 2, 'needs rollout.engine = "vllm"'),
+    (["rollout.temperature=0"], 1, "rollout.temperature must be > 0"),
+    (["trainer.resume=\"/nope\""], 1, "is not a checkpoint directory"),
+    (["model.arch=\"gpt5\""], 1, "not a preset"),
+])
+def test_validation_errors(tmp_path, overrides, world, needle):
+    cfg = valid_cfg(tmp_path, overrides)
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(world_size=world)
+    assert needle in str(e.value)
+
+
+def test_tp_group_may_not_span_nodes(tmp_path):
+    cfg = valid_cfg(tmp_path, ['rollout.engine="vllm"', "rollout.tensor_parallel_size=4",
+                               "data.train_batch_size=24", "actor.ppo_mini_batch_size=24"])
+    cfg.validate(world_size=8, gpus_per_node=8)
+    cfg.validate(world_size=12, gpus_per_node=4)
+    with pytest.raises(ConfigError, match="would span two nodes"):
+        cfg.validate(world_size=12, gpus_per_node=6)
+
+
+def test_missing_model_and_data(tmp_path):
+    cfg = load_config(None, ["model.path=/no/model", f'data.train_files=["{tmp_path}/x.parquet"]'])
+    with pytest.raises(ConfigError, match="has no config.json"):
+        cfg.validate()
+    cfg = load_config(None, ['model.init="random"', 'model.arch="tiny"', 'model.tokenizer="char"',
+                             f'data.train_files=["{tmp_path}/x.parquet"]'])
+    with pytest.raises(ConfigError, match="does not exist"):
+        cfg.validate()
+
+
+def test_shipped_configs_parse():
+    for name in os.listdir(os.path.join(ROOT, "configs")):
+        if name.endswith(".toml"):
+            load_config(os.path.join(ROOT, "configs", name))
