@@ -53,7 +53,7 @@ def summary_line(step: int, total: int, m: dict[str, float]) -> str:
         f"step {step}/{total}",
         f"reward {g('reward/mean')}±{g('reward/std', '{:.2f}')} acc {g('reward/acc')}",
         f"len {g('response/length_mean', '{:.1f}')}/{g('response/length_max', '{:.0f}')}",
-        f"pg {g('actor/pg_loss', '{:.4f}')} clip {g('actor/pg_clipfrac')} ent {g('actor/entropy')}",
+        f"pg {g('actor/pg_loss', '{:.4f}')} clip {g('actor/clipfrac')} ent {g('actor/entropy')}",
     ]
     if "critic/vf_loss" in m:
         parts.append(f"vf {g('critic/vf_loss', '{:.4f}')}")

@@ -1,0 +1,159 @@
+"""Whole runs of the trainer on CPU: it learns, it resumes exactly, every algorithm runs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
+
+
+def torchrun_cmd(nproc, *overrides):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "spmd_rl.ppo", "--config", TINY, *overrides]
+
+
+def data_overrides(tmp_path):
+    d = tmp_path / "data"
+    return [f'data.train_files=["{d}/train.parquet"]', f'data.val_files=["{d}/val.parquet"]']
+
+
+def read_metrics(run_dir):
+    """step -> metrics, the last record of each step winning (a resumed run re-logs steps)."""
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            out.setdefault(rec["step"], {}).update(rec)
+    return out
+
+
+def kill_matching(needle):
+    """SIGKILL every process whose command line contains `needle` (torchrun's workers run in
+    process groups of their own, so killing the launcher's group is not enough)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle.encode() in f.read():
+                    os.kill(int(pid), signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            pass
+
+
+def run(cmd, timeout=600):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout + p.stderr
+
+
+def test_tiny_grpo_learns_on_two_ranks(tmp_path):
+    run_dir = tmp_path / "run"
+    out = run(torchrun_cmd(2, f"trainer.run_dir={run_dir}", *data_overrides(tmp_path)))
+    m = read_metrics(run_dir)
+    steps = sorted(s for s in m if "reward/mean" in m[s])
+    assert steps == list(range(1, 81)), steps
+    first = sum(m[s]["reward/mean"] for s in steps[:10]) / 10
+    last = sum(m[s]["reward/mean"] for s in steps[-10:]) / 10
+    assert last > first + 0.2, (first, last)
+    assert m[80]["val/acc"] > m[40]["val/acc"] - 0.05 and m[80]["val/acc"] > 0.3, (m[40]["val/acc"], m[80]["val/acc"])
+    # the rollout copy received exactly the actor's weights every step (fp32 on CPU)
+    assert max(m[s]["rollout/logprob_diff_max"] for s in steps) < 1e-4
+    assert "step 80/80" in out
+    assert os.path.isfile(run_dir / "config.toml") and os.listdir(run_dir / "tensorboard")
+    with open(run_dir / "checkpoints" / "latest") as f:
+        assert f.read().strip() == "step_80"
+
+
+def test_kill_and_resume_continues_identically(tmp_path):
+    common = ["trainer.total_steps=8", "trainer.save_every=2", "trainer.val_every=0", 'data.val_files=[]',
+              "trainer.tensorboard=false", *data_overrides(tmp_path)[:1]]
+    straight = tmp_path / "straight"
+    run(torchrun_cmd(2, f"trainer.run_dir={straight}", *common))
+
+    resumed = tmp_path / "resumed"
+    cmd = torchrun_cmd(2, f"trainer.run_dir={resumed}", *common)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    latest = resumed / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not latest.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    kill_matching(str(resumed))  # torchrun and its workers, no chance to clean up: like a node failure
+    proc.wait()
+    killed_at = int(latest.read_text().strip().split("_")[1])
+    assert 2 <= killed_at < 8, f"the run was not killed mid-way (latest = step_{killed_at})"
+
+    out = run(cmd)
+    assert f"resumed from {resumed / 'checkpoints' / f'step_{killed_at}'} at step {killed_at}" in out, out[-2000:]
+    a, b = read_metrics(straight), read_metrics(resumed)
+    assert sorted(b) == list(range(1, 9))
+    for step in range(killed_at + 1, 9):  # same data, same samples, same updates
+        for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "prompt/length_mean", "data/epoch"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-9), (step, key)
+
+
+ALGOS = {
+    "ppo_gae_kl_reward_adaptive": ['algorithm.adv_estimator="gae"', "algorithm.use_kl_in_reward=true",
+                                   'algorithm.kl_ctrl="adaptive"', "algorithm.kl_coef=0.05", "algorithm.target_kl=0.001",
+                                   "critic.lr=1e-3", "critic.ppo_mini_batch_size=4", "critic.micro_batch_size_per_gpu=16"],
+    "grpo_kl_loss_entropy_seqmean": ["actor.use_kl_loss=true", 'actor.kl_loss_type="k3"', "actor.entropy_coeff=0.01",
+                                     'actor.loss_agg_mode="seq-mean-token-mean"', "algorithm.norm_adv_by_std_in_grpo=false",
+                                     "actor.ppo_epochs=2"],
+    "rloo": ['algorithm.adv_estimator="rloo"', 'actor.loss_agg_mode="seq-mean-token-sum"'],
+    "reinforce_plus_plus": ['algorithm.adv_estimator="reinforce_plus_plus"', "algorithm.use_kl_in_reward=true",
+                            'algorithm.kl_penalty="k2"'],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALGOS))
+def test_every_algorithm_runs_and_updates(tmp_path, name):
+    """One rank in-process, a few steps: losses finite, the pieces each algorithm needs show up
+    in the metrics and move."""
+    from spmd_rl.ppo import main
+
+    run_dir = tmp_path / "run"
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k, None)
+    rc = main(["--config", TINY, f"trainer.run_dir={run_dir}", "trainer.total_steps=3", "trainer.val_every=0",
+               "data.train_batch_size=4", "data.synthetic_size=64", "trainer.tensorboard=false",
+               "rollout.n=4", "actor.micro_batch_size_per_gpu=8", *data_overrides(tmp_path), *ALGOS[name]])
+    assert rc == 0
+    m = read_metrics(run_dir)
+    assert sorted(s for s in m if "reward/mean" in m[s]) == [1, 2, 3]
+    for s in (1, 2, 3):
+        for k, v in m[s].items():
+            assert v == v and abs(v) != float("inf"), (s, k, v)
+    if "gae" in name:
+        assert m[1]["critic/values_mean"] == 0.0  # zero-initialised value head
+        assert m[3]["critic/values_mean"] != 0.0 and m[3]["critic/vf_loss"] > 0
+        assert m[1]["kl/coef"] == 0.05 and m[3]["kl/coef"] != 0.05  # the adaptive controller moved
+    if "kl_loss" in name:
+        # the policy starts as the reference and drifts away from it (2 epochs: step 1 is not 0)
+        assert 0 < m[1]["actor/kl_loss"] < m[3]["actor/kl_loss"]
+    if name == "reinforce_plus_plus":
+        assert "kl/reward_penalty" in m[3]
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "time/generate", "time/update_actor"):
+        assert k in m[3], k
+    documented = documented_metrics()
+    for k in m[3]:
+        per_source = k.startswith("val/") and k.rsplit("/", 1)[1] in ("reward_mean", "acc")  # val/<data_source>/...
+        assert k in ("step", "time") or k in documented or per_source, f"metric {k} is not in docs/metrics.md"
+
+
+def documented_metrics():
+    import re
+
+    with open(os.path.join(ROOT, "docs", "metrics.md")) as f:
+        names = set(re.findall(r"`([a-z_]+/[a-z_<>/]+)`", f.read()))
+    # expand `memory/<phase>_peak_gb` for the phases the trainer times
+    phases = [n.split("/")[1] for n in names if n.startswith("time/")]
+    return names | {f"memory/{p}_peak_gb" for p in phases}
