@@ -80,10 +80,10 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
         self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), cfg.trainer.keep_last)
         self._check_resume_target()
+        self.reward_fn = RewardFunction(cfg.reward)
         self._setup_data()
         self._setup_models()
         self._setup_engine()
-        self.reward_fn = RewardFunction(cfg.reward)
         self.kl_ctrl = (algos.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.target_kl, cfg.algorithm.kl_horizon)
                         if cfg.algorithm.kl_ctrl == "adaptive" else algos.FixedKLController(cfg.algorithm.kl_coef))
         if env.is_main:
@@ -125,6 +125,10 @@ class Trainer:
                         self.train_data.num_dropped, d.max_prompt_length)
         self.val_data = (PromptDataset(d.val_files, self.tokenizer, d.max_prompt_length, d.apply_chat_template)
                          if d.val_files else None)
+        sources = [r.data_source for r in self.train_data.records]
+        if self.val_data is not None:
+            sources += [r.data_source for r in self.val_data.records]
+        self.reward_fn.check_data_sources(sources)  # an unscorable data source fails before models load
         self.sampler = ShardedSampler(len(self.train_data), d.train_batch_size, env.rank, env.world_size,
                                       cfg.trainer.seed, d.shuffle)
         log.info("data: %d training prompts (%d steps per epoch), %d validation prompts",
