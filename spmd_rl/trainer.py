@@ -33,6 +33,7 @@ from spmd_rl.distributed import DistEnv, all_reduce_mean, all_reduce_sum
 from spmd_rl.metrics import MetricsLogger, summary_line
 from spmd_rl.models import (DTYPES, apply_fsdp, count_parameters, load_causal_lm, load_value_model,
                             materialize_random_model, random_model_config)
+from spmd_rl.offload import move_train_state
 from spmd_rl.optim import make_optimizer, make_scheduler
 from spmd_rl.preemption import StopFlag
 from spmd_rl.rewards import RewardFunction
@@ -185,7 +186,6 @@ class Trainer:
             self.engine = HFEngine(model, self.tokenizer.pad_token_id, [eos], self.device)
             self.engine_replica = env.rank
         self.engine_dtype = torch.float32 if (r.engine == "hf" and self.device.type == "cpu") else DTYPES[r.dtype]
-        self.engine_step = -1  # the step whose weights the engine holds
 
     # ------------------------------------------------------------------ checkpoints
     def _stateful(self) -> dict:
@@ -224,18 +224,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ rollout
     def sync_weights(self, timer: PhaseTimer) -> None:
-        """Wake the engine and give it the actor's current weights (once per step at most)."""
-        if self.engine_step == self.step:
-            with timer("wake"):
-                self.engine.wake_up()
-            return
+        """Wake the engine and give it the actor's current weights. Always a full sync: a vLLM
+        engine at sleep level 2 has no weights left after sleeping."""
         with timer("wake"):
             self.engine.wake_up(["weights"])
         with timer("weight_sync"):
             self.engine.load_weights(iter_weights(self.actor, self.engine_dtype, self.cfg.rollout.weight_sync_bucket_mb))
+        if self.cfg.rollout.offload_train_states:
+            with timer("offload"):
+                move_train_state(*self._train_state(), torch.device("cpu"))
         with timer("wake"):
             self.engine.wake_up(["kv_cache"])
-        self.engine_step = self.step
+
+    def _train_state(self) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:
+        models = [m for m in (self.actor, self.critic, self.ref) if m is not None]
+        return models, [o for o in (self.actor_opt, self.critic_opt) if o is not None]
 
     def _sampling(self, train: bool) -> SamplingParams:
         r, d = self.cfg.rollout, self.cfg.data
@@ -253,6 +256,11 @@ class Trainer:
             completions = self.engine.generate(prompts, self._sampling(train)) if prompts else []
         with timer("sleep"):
             self.engine.sleep()
+        if self.cfg.rollout.offload_train_states:
+            with timer("reload"):
+                move_train_state(*self._train_state(), self.device)
+        if self.device.type == "cuda":  # what sleep handed back (and, every step, whether anything leaks)
+            timer.metrics["memory/free_after_sleep_gb"] = torch.cuda.mem_get_info(self.device)[0] / 2**30
         if not records:
             return None
         meta = {"data_source": [r.data_source for r in records], "ground_truth": [r.ground_truth for r in records],

@@ -60,6 +60,7 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
                 sums["skipped_steps"] += 1.0
             sums["grad_norm"] += grad_norm
             n_steps += 1
+    optimizer.zero_grad(set_to_none=True)  # the rollout engine gets the gradients' memory
     out = {k: v / n_steps for k, v in sums.items()}
     out["lr"] = optimizer.param_groups[0]["lr"]
     return out
