@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from spmd_rl import algorithms as algos
+from spmd_rl.actor import reshard
 from spmd_rl.batch import Batch, iter_micro_batches
 from spmd_rl.config import CriticConfig
 
@@ -27,6 +28,7 @@ def compute_values(model: torch.nn.Module, batch: Batch, micro_batch_size: int, 
         v = forward_values(model, mb.to(device))
         out[row:row + len(mb), :v.shape[1]] = v.cpu()
         row += len(mb)
+    reshard(model)
     return out * batch["response_mask"]
 
 

@@ -253,7 +253,8 @@ class Trainer:
         self.sync_weights(timer)
         with timer("generate"):
             prompts = [rec.prompt_ids for rec in records]
-            completions = self.engine.generate(prompts, self._sampling(train)) if prompts else []
+            # every rank calls generate, also with no prompts: a TP group gathers its prompts collectively
+            completions = self.engine.generate(prompts, self._sampling(train))
         with timer("sleep"):
             self.engine.sleep()
         if self.cfg.rollout.offload_train_states:
@@ -469,4 +470,6 @@ class Trainer:
 
     def close(self) -> None:
         self.metrics.close()
+        if hasattr(self.engine, "close"):  # vLLM: before the process group goes away
+            self.engine.close()
 

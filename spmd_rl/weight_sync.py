@@ -42,7 +42,7 @@ def _bucket_plan(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int) 
 
 def _gather_bucket(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> NamedTensors:
     """One collective for all dim-0-sharded DTensors of the bucket; others are passed through."""
-    sharded = [(n, p) for n, p in params if _is_dim0_sharded(p)]
+    sharded = [(n, p) for n, p in params if _is_dim0_sharded(p) and p.device_mesh.size() > 1]
     out: dict[str, torch.Tensor] = {}
     if sharded:
         mesh = sharded[0][1].device_mesh
@@ -69,7 +69,10 @@ def _gather_bucket(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -
             out[name] = full[: p.shape[0]]
     for name, p in params:
         if name not in out:
-            t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            if isinstance(p, DTensor):  # a 1-rank mesh holds the whole tensor locally: no collective
+                t = p.to_local() if p.device_mesh.size() == 1 else p.full_tensor()
+            else:
+                t = p.detach()
             out[name] = t.to(dtype)
     return [(name, out[name]) for name, _ in params]
 

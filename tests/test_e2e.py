@@ -143,6 +143,8 @@ def test_every_algorithm_runs_and_updates(tmp_path, name):
         assert "kl/reward_penalty" in m[3]
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "time/generate", "time/update_actor"):
         assert k in m[3], k
+    # one rank: weight sync takes the local tensors without a collective; the copy must still be exact
+    assert max(m[s]["rollout/logprob_diff_max"] for s in (1, 2, 3)) < 1e-4
     documented = documented_metrics()
     for k in m[3]:
         per_source = k.startswith("val/") and k.rsplit("/", 1)[1] in ("reward_mean", "acc")  # val/<data_source>/...
