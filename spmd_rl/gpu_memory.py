@@ -1,0 +1,98 @@
+"""GPU memory reporting and the expandable-segments switch used around the colocated engine.
+
+PyTorch's `expandable_segments` allocator (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) helps
+training with variable sequence lengths, but memory that a sleep-mode vLLM engine allocates
+through it is not handed back by `sleep()` (vLLM's pool maps its own pages; see
+shared/notes/colocation-facts.md). The engine therefore switches expandable segments off from
+`wake_up` to `sleep` and back on afterwards, when the user asked for them (verl does the same).
+Nothing here needs a GPU to import.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+
+GiB = 2**30
+
+
+def expandable_segments_requested() -> bool:
+    """Whether the process was started with expandable segments on (PYTORCH_CUDA_ALLOC_CONF, or the
+    newer PYTORCH_ALLOC_CONF alias)."""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        conf = os.environ.get(var, "").replace(" ", "")
+        if "expandable_segments:True" in conf:
+            return True
+    return False
+
+
+def set_expandable_segments(enabled: bool) -> None:
+    """Switch the CUDA caching allocator's expandable segments on or off for new segments.
+    Existing segments stay as they are; call torch.cuda.empty_cache() to release cached ones."""
+    if torch.cuda.is_available():
+        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{'True' if enabled else 'False'}")
+
+
+def device_memory(device: torch.device | int | None = None) -> dict[str, float]:
+    """Device-level and PyTorch-level memory in GiB: free/used/total from the driver (this includes
+    vLLM's own pool and other processes), allocated/reserved/peak from PyTorch's allocator."""
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    return {
+        "free": free / GiB,
+        "used": (total - free) / GiB,
+        "total": total / GiB,
+        "torch_allocated": torch.cuda.memory_allocated(device) / GiB,
+        "torch_reserved": torch.cuda.memory_reserved(device) / GiB,
+        "torch_peak_allocated": torch.cuda.max_memory_allocated(device) / GiB,
+    }
+
+
+class PeakPoller:
+    """Samples the device's used memory (driver view) in a background thread, so a phase's peak
+    includes allocations PyTorch's counters do not see (vLLM's sleep-mode pool, NCCL buffers).
+
+        poller = PeakPoller(interval_s=0.01); poller.start()
+        poller.phase("sync"); ...; peaks = poller.stop()   # {"sync": GiB, ...}
+    """
+
+    def __init__(self, device: int | None = None, interval_s: float = 0.01):
+        self.device = torch.cuda.current_device() if device is None else device
+        self.interval_s = interval_s
+        self.peaks: dict[str, float] = {}
+        self._phase = "start"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def phase(self, name: str) -> None:
+        self._sample()
+        self._phase = name
+        self._sample()
+
+    def _sample(self) -> None:
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = (total - free) / GiB
+        if used > self.peaks.get(self._phase, -1.0):
+            self.peaks[self._phase] = used
+
+    def _run(self) -> None:
+        torch.cuda.set_device(self.device)
+        while not self._stop.is_set():
+            self._sample()
+            time.sleep(self.interval_s)
+
+    def start(self) -> "PeakPoller":
+        self._thread = threading.Thread(target=self._run, daemon=True, name="gpu-mem-poller")
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+        return dict(self.peaks)

@@ -1,0 +1,411 @@
+"""A vLLM engine colocated with the FSDP2 actor in the same torchrun process (GPU only).
+
+Every rank builds one `vllm.LLM` with `distributed_executor_backend="external_launcher"`: vLLM
+then runs its single worker in this process and joins the process group torchrun started.
+Tensor-parallel groups are `tensor_parallel_size` consecutive ranks (vLLM's own layout); each
+group is an independent replica. All ranks of a group must submit the same requests in the same
+order with the same RNG state, so `generate` gathers the group's prompts over a small gloo
+subgroup, generates all of them on every rank of the group and returns each rank its own slice.
+
+The engine starts asleep and follows the trainer's cycle (spmd_rl/rollout/base.py):
+
+    wake_up(["weights"]) -> load_weights(stream) -> wake_up(["kv_cache"]) -> generate -> sleep()
+
+with `torch.cuda.empty_cache()` right before waking and right after sleeping (PyTorch's cache must
+give memory back for vLLM's pool to take it, and the other way round), expandable segments off
+while awake (spmd_rl/gpu_memory.py) and the prefix cache reset after every weight load.
+
+Facts this module relies on (vLLM 0.26; checked on H100/H200, see tests/gpu/):
+- `load_format="dummy"`: start-up reads no checkpoint; the first `load_weights` gives the weights.
+- `sleep(level=2)` drops weights and KV cache; until the next `load_weights` the weights are
+  garbage, so `generate` refuses to run (sleep level 1 keeps a CPU copy instead).
+- `logprobs_mode="processed_logprobs"`: the returned log-prob of a sampled token is taken after
+  temperature (and after top-k/top-p, which renormalise over the kept tokens), i.e. what the actor
+  computes from logits / temperature when top_p = 1 and top_k = -1. Greedy requests get
+  log_softmax(logits) at temperature 1.
+- vLLM pads the embedding / lm_head rows to a multiple of 64 (Qwen2's 151936 / 152064 need none);
+  `load_weights` fills the real rows and the logits are cut back to the config's vocab_size, so
+  nothing is masked or padded in what we see: tokens past
+  the tokenizer's length but inside vocab_size (Qwen2.5: 151665..151935) can be sampled by both
+  engine and actor alike, as the config's vocab_size says.
+- With `skip_tokenizer_init=True` vLLM does not know the EOS token, so the EOS ids of the model's
+  config.json / generation_config.json are added to every request's stop_token_ids.
+- vLLM 0.26 runs dense models on its "V2" model runner, which samples with a counter-based Gumbel
+  kernel seeded per request; requests without a seed draw one from numpy's global RNG. Every
+  request here gets an explicit seed from (rollout.seed + replica, the call's seed, its index), so
+  a call is reproducible, all ranks of a TP group agree and replicas differ.
+- A sleeping engine still holds ~1.5-2.7 GiB of buffers outside its sleep pool (measured: 0.5B
+  eager 2.1 GiB, 7B TP=2 eager 2.5 GiB, 1.5B with CUDA graphs 1.5 GiB), plus ~0.3 GiB loaded on
+  the first rollout; `close()` gives them back.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import time
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.gpu_memory import expandable_segments_requested, set_expandable_segments
+from spmd_rl.rollout.base import Completion, SamplingParams
+
+log = logging.getLogger(__name__)
+
+TAGS = ("weights", "kv_cache")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def eos_token_ids(model_dir: str) -> list[int]:
+    """EOS ids named by the model directory's config.json and generation_config.json."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                value = json.load(f).get("eos_token_id")
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_mode: bool = True,
+                  **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments of `vllm.LLM` for this config. `dummy=False, sleep_mode=False` gives a plain
+    engine that reads the checkpoint from disk with otherwise identical settings (tests, bench)."""
+    r, d = cfg.rollout, cfg.data
+    kw: dict[str, Any] = dict(
+        model=model_dir,
+        tensor_parallel_size=r.tensor_parallel_size,
+        distributed_executor_backend="external_launcher",
+        dtype=r.dtype,
+        seed=seed,
+        skip_tokenizer_init=True,
+        load_format="dummy" if dummy else "auto",
+        enable_sleep_mode=sleep_mode,
+        logprobs_mode="processed_logprobs",
+        max_model_len=r.max_model_len or (d.max_prompt_length + d.max_response_length),
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.max_num_batched_tokens,
+        enforce_eager=r.enforce_eager,
+        enable_prefix_caching=r.enable_prefix_caching,
+        enable_chunked_prefill=r.enable_chunked_prefill,
+        disable_custom_all_reduce=r.disable_custom_all_reduce,
+    )
+    if r.cudagraph_capture_sizes:
+        kw["cudagraph_capture_sizes"] = list(r.cudagraph_capture_sizes)
+    kw.update(overrides)
+    return kw
+
+
+def inner_model(llm) -> torch.nn.Module:
+    """The nn.Module inside this process's vLLM worker (the one place that knows the path)."""
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+
+def shutdown_llm(llm) -> None:
+    """Free a (non-sleep-mode) engine's GPU memory in-process, keeping torch's default process
+    group alive. vLLM's own shutdown ends with `destroy_process_group()`, which would also take
+    down the trainer's group; here vLLM's groups are destroyed and the default one is left.
+    The caller must drop its own references to `llm` afterwards."""
+    from vllm.distributed import parallel_state as ps
+
+    original = ps.destroy_distributed_environment
+
+    def keep_default_group() -> None:
+        if ps._WORLD is not None:
+            ps._WORLD.destroy()
+        ps._WORLD = None
+        if hasattr(ps, "_NODE_COUNT"):
+            ps._NODE_COUNT = None
+
+    ps.destroy_distributed_environment = keep_default_group
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        ps.destroy_distributed_environment = original
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def to_vllm_sampling(sampling: SamplingParams, stop_token_ids: Iterable[int], **extra: Any):
+    """vLLM SamplingParams for our SamplingParams: token ids out, the sampled token's log-prob."""
+    from vllm import SamplingParams as VSP
+
+    greedy = sampling.greedy
+    return VSP(
+        n=1 if greedy else sampling.n,  # vLLM refuses n > 1 for greedy; copies are made instead
+        temperature=0.0 if greedy else sampling.temperature,
+        top_p=1.0 if greedy else sampling.top_p,
+        top_k=0 if (greedy or sampling.top_k <= 0) else sampling.top_k,
+        max_tokens=sampling.max_new_tokens,
+        stop_token_ids=sorted(set(stop_token_ids) | set(sampling.stop_token_ids)),
+        logprobs=0,
+        detokenize=False,
+        **extra,
+    )
+
+
+def _completion(out) -> Completion:
+    ids = list(out.token_ids)
+    if out.logprobs is None or len(out.logprobs) != len(ids):
+        raise RuntimeError(f"vLLM returned {0 if out.logprobs is None else len(out.logprobs)} log-probs for "
+                           f"{len(ids)} tokens")
+    lps = [float(out.logprobs[i][t].logprob) for i, t in enumerate(ids)]
+    if out.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a request with reason {out.finish_reason!r} (aborted?)")
+    return Completion(token_ids=ids, logprobs=lps, finish_reason=out.finish_reason)
+
+
+def prompt_logprobs(llm, seqs: list[list[int]]) -> list[list[float]]:
+    """Teacher-forced log p(seq[t] | seq[:t]) for t >= 1 from a vllm.LLM (prompt_logprobs=0).
+    Every rank of a TP group must pass the same sequences."""
+    from vllm import SamplingParams as VSP
+
+    if not seqs:
+        return []
+    sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": list(s)} for s in seqs], sp, use_tqdm=False)
+    res = []
+    for s, o in zip(seqs, outs):
+        pl = o.prompt_logprobs
+        res.append([float(pl[t][tok].logprob) for t, tok in enumerate(s) if t >= 1])
+    return res
+
+
+def _mix_seed(*parts: int) -> int:
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0x100000001B3 & 0xFFFFFFFFFFFFFFFF
+    return h % (2**63 - 1)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class VLLMEngine:
+    """The colocated vLLM rollout engine (RolloutEngine protocol of spmd_rl/rollout/base.py).
+
+    `cfg` is the run's spmd_rl Config; `model_dir` a Hugging Face model directory (only its
+    config is read at start-up: weights come from `load_weights`). Must be built on every rank,
+    collectively, after the default process group exists (torchrun env: RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Only one such engine may exist per process.
+    """
+
+    def __init__(self, cfg, model_dir: str, rank: int, world_size: int, local_rank: int, local_world_size: int):
+        r = cfg.rollout
+        tp = r.tensor_parallel_size
+        if tp < 1 or local_world_size % tp or world_size % tp:
+            raise ValueError(
+                f"rollout.tensor_parallel_size = {tp} must divide the {local_world_size} GPUs per node "
+                f"(and the world size {world_size}): a tensor-parallel group is {tp} consecutive ranks of "
+                f"one node. Use a divisor of {local_world_size}.")
+        if not dist.is_initialized():
+            raise RuntimeError("VLLMEngine needs the default process group: call "
+                               "spmd_rl.distributed.init_distributed() first (under torchrun)")
+        if r.sleep_level not in (1, 2):
+            raise ValueError(f"rollout.sleep_level must be 1 or 2, got {r.sleep_level}")
+        self.cfg = cfg
+        self.model_dir = model_dir
+        self.rank, self.world_size = rank, world_size
+        self.local_rank, self.local_world_size = local_rank, local_world_size
+        self.tp = tp
+        self.replica = rank // tp
+        self.tp_rank = rank % tp
+        self.sleep_level = r.sleep_level
+        self.engine_seed = r.seed + self.replica
+        self.stop_ids = eos_token_ids(model_dir)
+        if not self.stop_ids:
+            log.warning("%s names no eos_token_id: responses end only at stop_token_ids or the length limit",
+                        model_dir)
+        if r.top_p < 1.0 or r.top_k > 0:
+            log.warning("rollout.top_p/top_k truncate the sampling distribution: vLLM's processed log-probs "
+                        "are then renormalised over the kept tokens, while the actor's are not")
+
+        # One gloo subgroup per TP group for gathering prompts (CPU objects), created on every rank
+        # in the same order, as torch.distributed.new_group requires.
+        self._group = None
+        if tp > 1:
+            for g in range(world_size // tp):
+                pg = dist.new_group(list(range(g * tp, (g + 1) * tp)), backend="gloo")
+                if g == self.replica:
+                    self._group = pg
+
+        # torchrun sets these; vLLM's external launcher reads them.
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
+        os.environ.setdefault("WORLD_SIZE", str(world_size))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+        self._expandable = expandable_segments_requested()
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        self._expandable_off()
+        torch.cuda.empty_cache()
+        self.llm = LLM(**engine_kwargs(cfg, model_dir, self.engine_seed))
+        self.init_seconds = time.perf_counter() - t0
+        self._awake = set(TAGS)
+        self._weights_valid = False  # dummy weights until the first load_weights
+        self._prefix_cache_stale = False
+        self.sleep()
+        log.info("vLLM engine ready in %.1fs: replica %d, tp %d, sleep level %d, stop ids %s",
+                 self.init_seconds, self.replica, tp, self.sleep_level, self.stop_ids)
+
+    # ------------------------------------------------------------------ memory
+    def _expandable_off(self) -> None:
+        if self._expandable:
+            set_expandable_segments(False)
+
+    def _expandable_restore(self) -> None:
+        if self._expandable:
+            set_expandable_segments(True)
+
+    @property
+    def is_asleep(self) -> bool:
+        return not self._awake
+
+    def sleep(self) -> None:
+        """Give back vLLM's GPU memory (weights and KV cache; level 1 keeps a CPU copy of the
+        weights). No-op when already asleep."""
+        if not self._awake:
+            return
+        self.llm.sleep(level=self.sleep_level)
+        self._awake.clear()
+        if self.sleep_level >= 2:
+            self._weights_valid = False
+        torch.cuda.empty_cache()
+        self._expandable_restore()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take memory back for `tags` ("weights", "kv_cache"; None = both, weights first).
+        Without a load_weights in between, a level-2 sleep leaves garbage weights (generate refuses)."""
+        tags = list(TAGS) if tags is None else list(tags)
+        unknown = set(tags) - set(TAGS)
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}: use 'weights' and/or 'kv_cache'")
+        todo = [t for t in TAGS if t in tags and t not in self._awake]
+        if not todo:
+            return
+        self._expandable_off()
+        torch.cuda.empty_cache()
+        for tag in todo:  # weights before kv_cache, one tag per call: the documented order
+            self.llm.wake_up(tags=[tag])
+            self._awake.add(tag)
+        if "kv_cache" in todo:
+            self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
+        self._prefix_cache_stale = False
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
+        """Copy full tensors named as in the HF model (any iterable; consumed once, lazily) into
+        the engine. Needs wake_up(["weights"]) first. The prefix cache is reset once the KV cache is
+        awake (blocks computed with old weights must not be reused). `strict`: the stream must
+        cover every engine parameter (pass False to load a part)."""
+        if "weights" not in self._awake:
+            raise RuntimeError("load_weights needs the weights awake: call wake_up(['weights']) first")
+        model = inner_model(self.llm)
+        loaded = model.load_weights(weights)
+        if strict and isinstance(loaded, set):
+            missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+            if missing:
+                raise RuntimeError(f"load_weights left {len(missing)} engine parameters unset, e.g. {missing[:5]}")
+        self._weights_valid = True
+        self._prefix_cache_stale = True
+        if "kv_cache" in self._awake:
+            self._reset_prefix_cache()
+
+    # ------------------------------------------------------------------ generation
+    def _check_ready(self) -> None:
+        if set(TAGS) - self._awake:
+            raise RuntimeError(f"engine is asleep ({sorted(set(TAGS) - self._awake)}): call wake_up first")
+        if not self._weights_valid:
+            raise RuntimeError("the engine holds no valid weights (dummy start-up weights, or a level-2 sleep "
+                               "discarded them): wake_up(['weights']) and load_weights before generating")
+        if self._prefix_cache_stale:
+            self._reset_prefix_cache()
+
+    def _gather(self, payload):
+        """Payloads of every rank of this TP group, in rank order ([payload] when tp == 1)."""
+        if self._group is None:
+            return [payload]
+        out = [None] * self.tp
+        dist.all_gather_object(out, payload, group=self._group)
+        return out
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+        """`sampling.n` completions per prompt. Collective within the TP group: every rank calls it
+        (with its own, possibly empty, prompt list) and the same sampling settings."""
+        self._check_ready()
+        parts = self._gather(([list(map(int, p)) for p in prompts], _sampling_key(sampling)))
+        for i, (_, key) in enumerate(parts):
+            if key[:-1] != parts[0][1][:-1]:
+                raise ValueError(f"ranks {self.replica * self.tp} and {self.replica * self.tp + i} of one "
+                                 f"tensor-parallel group passed different sampling settings: {parts[0][1]} vs {key}")
+        seed = parts[0][1][-1]  # the group's first rank decides the seed
+        all_prompts = [p for ps, _ in parts for p in ps]
+        results: list[list[Completion]] = []
+        if all_prompts:
+            # An explicit seed per request, from (engine seed, call seed, position in the group's
+            # batch): the same on every rank of the group, different across replicas, and not drawn
+            # from numpy's global RNG (vLLM's default), which ranks of a group could consume
+            # differently. vLLM 0.26's V2 model runner (the default for dense models) turns it into
+            # a counter-based Gumbel seed per (request, position): no per-request cost; n > 1
+            # children get seed + index.
+            sps = [to_vllm_sampling(sampling, self.stop_ids, seed=_mix_seed(self.engine_seed, seed, j) % 2**62)
+                   for j in range(len(all_prompts))]
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps, use_tqdm=False)
+            for o in outs:
+                comps = [_completion(c) for c in sorted(o.outputs, key=lambda c: c.index)]
+                if sampling.greedy and sampling.n > 1:
+                    comps = [Completion(list(comps[0].token_ids), list(comps[0].logprobs), comps[0].finish_reason)
+                             for _ in range(sampling.n)]
+                results.append(comps)
+        start = sum(len(ps) for ps, _ in parts[: self.tp_rank])
+        return results[start : start + len(prompts)]
+
+    def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced log p(seq[t] | seq[:t]), t >= 1, for this rank's sequences (collective
+        within the TP group like generate). For checks of the synced weights."""
+        self._check_ready()
+        parts = self._gather([list(map(int, s)) for s in seqs])
+        all_seqs = [s for ps in parts for s in ps]
+        res = prompt_logprobs(self.llm, all_seqs)
+        start = sum(len(ps) for ps in parts[: self.tp_rank])
+        return res[start : start + len(seqs)]
+
+    def close(self) -> None:
+        """Shut the engine down in-process (its memory and vLLM's process groups; torch's default
+        group stays). Call before the process exits: a sleep-mode pool left to interpreter
+        finalisation can abort the process (pytorch/pytorch#145168)."""
+        if getattr(self, "llm", None) is not None:
+            # Map the pool back first: freeing an allocation that sleep unmapped would unmap it twice.
+            self.wake_up()
+            shutdown_llm(self.llm)
+            self.llm = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            self._expandable_restore()
+
+    def engine_parameter_bytes(self) -> int:
+        """Bytes of this rank's engine parameters (its TP shard, with vocab padding)."""
+        return sum(p.numel() * p.element_size() for p in inner_model(self.llm).parameters())
+
+
+def _sampling_key(s: SamplingParams) -> tuple:
+    return (s.n, s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(s.stop_token_ids), s.seed)
