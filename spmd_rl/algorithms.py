@@ -20,6 +20,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from spmd_rl.distributed import all_reduce_sum
+
 Denom = float | torch.Tensor | None
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -92,7 +94,7 @@ def masked_whiten(
     x64 = torch.where(keep, x.to(torch.float64), 0.0)
     stats = torch.stack([x64.sum(), (x64 * x64).sum(), keep.sum().to(torch.float64)])
     if group is not None and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+        stats = all_reduce_sum(stats, group=group)  # the batch may be on CPU while NCCL reduces on GPU
     total, total_sq, n = stats.unbind()
     mean = total / n.clamp_min(1.0)
     var = ((total_sq - total * mean) / (n - 1.0).clamp_min(1.0)).clamp_min(0.0)

@@ -97,8 +97,15 @@ def all_reduce_mean(values: dict[str, float], device: torch.device) -> dict[str,
     return dict(zip(keys, t.tolist()))
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = t.clone()
-        dist.all_reduce(t)
-    return t
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum over the group's ranks, wherever `t` lives: NCCL only reduces CUDA tensors, so CPU
+    tensors make the round trip through the current GPU."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return t
+    device = t.device
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        work = t.to(torch.device("cuda", torch.cuda.current_device()))
+    else:
+        work = t.clone()
+    dist.all_reduce(work, group=group)
+    return work.to(device)
