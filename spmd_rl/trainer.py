@@ -231,8 +231,11 @@ class Trainer:
         with timer("weight_sync"):
             self.engine.load_weights(iter_weights(self.actor, self.engine_dtype, self.cfg.rollout.weight_sync_bucket_mb))
         if self.cfg.rollout.offload_train_states:
+            before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
             with timer("offload"):
                 move_train_state(*self._train_state(), torch.device("cpu"))
+            if self.device.type == "cuda":
+                timer.metrics["memory/offloaded_gb"] = (before - torch.cuda.memory_allocated(self.device)) / 2**30
         with timer("wake"):
             self.engine.wake_up(["kv_cache"])
 
