@@ -49,7 +49,11 @@ def kill_matching(needle):
 
 def run(cmd, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_matching(next(a for a in cmd if a.startswith("trainer.run_dir=")))  # no orphaned workers
+        raise
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout + p.stderr
 
