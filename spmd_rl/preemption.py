@@ -15,8 +15,8 @@ record the signal; the trainer asks after every step:
 
 `requested()` all-reduces the flag (MAX) over the process group, so all ranks stop after the same
 step even when the signal reached only some of them. Whether the job then goes back to the queue is
-the launcher's business (launch/task.py): it requeues on the user signals, and leaves SIGTERM to
-SLURM (which requeues preempted jobs itself and must not resurrect cancelled ones).
+the launcher's business (launch/task.py): it requeues after the user signals and after the SIGTERM
+of a preemption, not after a plain SIGTERM (a cancelled job must stay cancelled).
 """
 
 from __future__ import annotations

@@ -1,0 +1,125 @@
+"""StopFlag: signals only set a flag; requested() is collective, so all ranks stop after the same step."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from spmd_rl.preemption import EXIT_PREEMPTED, REQUEUE_SIGNALS, StopFlag
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def stop():
+    """A freshly installed flag; the previous handlers come back afterwards."""
+    StopFlag._uninstall()
+    flag = StopFlag.install()
+    yield flag
+    StopFlag._uninstall()
+
+
+def _deliver(sig: signal.Signals) -> None:
+    os.kill(os.getpid(), sig)
+    time.sleep(0.01)  # Python runs the handler at the next bytecode boundary of the main thread
+
+
+def test_user_signal_sets_the_flag_and_asks_for_a_requeue(stop):
+    assert not stop.local() and not stop.requested()
+    _deliver(signal.SIGUSR2)
+    _deliver(signal.SIGUSR2)  # a second one is harmless
+    assert stop.local() and stop.requested()
+    assert stop.signals == {signal.SIGUSR2}
+    assert stop.requeue_requested
+    assert StopFlag.install() is stop, "install() must be idempotent: the trainer calls it again"
+
+
+def test_sigterm_stops_but_is_no_requeue_request(stop):
+    _deliver(signal.SIGTERM)
+    assert stop.requested() and stop.signals == {signal.SIGTERM}
+    assert not stop.requeue_requested
+    assert signal.SIGTERM not in REQUEUE_SIGNALS
+
+
+def test_install_keeps_the_handlers_it_replaced():
+    StopFlag._uninstall()
+    seen = []
+    before = signal.signal(signal.SIGUSR2, lambda s, f: seen.append(s))
+    try:
+        flag = StopFlag.install()
+        flag.previous_handler(signal.SIGUSR2)(signal.SIGUSR2, None)  # what the launcher does for submitit
+        assert seen == [signal.SIGUSR2]
+        _deliver(signal.SIGUSR2)
+        assert seen == [signal.SIGUSR2], "the replaced handler must not run on the signal itself"
+    finally:
+        StopFlag._uninstall()
+        signal.signal(signal.SIGUSR2, before)
+    assert EXIT_PREEMPTED not in (0, 1, 2)  # distinct from success, errors and config errors
+
+
+WORKER = textwrap.dedent("""
+    import json, os, random, sys, time
+    import torch.distributed as dist
+    from spmd_rl.preemption import StopFlag
+
+    stop = StopFlag.install()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    dist.barrier()
+    print("ready", flush=True)
+    step = 0
+    while step < 400:                      # ~20 s at most
+        step += 1
+        time.sleep(random.uniform(0.02, 0.08))  # ranks drift apart, as real steps do
+        if stop.requested():
+            break
+    print(json.dumps({"rank": rank, "step": step, "local": stop.local(),
+                      "signals": sorted(s.name for s in stop.signals)}), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_signal_to_one_rank_stops_all_ranks_after_the_same_step():
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=REPO)
+        procs.append(subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        deadline = time.monotonic() + 90
+        for p in procs:  # both ranks in the loop, handlers installed
+            line = p.stdout.readline()
+            assert line.strip() == "ready", f"worker did not start: {line!r} {p.stderr.read() if p.poll() is not None else ''}"
+            assert time.monotonic() < deadline
+        time.sleep(0.5)
+        procs[1].send_signal(signal.SIGTERM)  # only rank 1 hears it
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    r0, r1 = sorted(results, key=lambda r: r["rank"])
+    assert r0["step"] == r1["step"] < 400, results
+    assert r1["local"] and not r0["local"], results
+    assert r0["signals"] == r1["signals"] == ["SIGTERM"], "rank 0 must learn which signal rank 1 got"
