@@ -260,11 +260,11 @@ class Trainer:
             completions = self.engine.generate(prompts, self._sampling(train))
         with timer("sleep"):
             self.engine.sleep()
+        if self.device.type == "cuda":  # what sleep handed back (and, every step, whether anything leaks)
+            timer.metrics["memory/free_after_sleep_gb"] = torch.cuda.mem_get_info(self.device)[0] / 2**30
         if self.cfg.rollout.offload_train_states:
             with timer("reload"):
                 move_train_state(*self._train_state(), self.device)
-        if self.device.type == "cuda":  # what sleep handed back (and, every step, whether anything leaks)
-            timer.metrics["memory/free_after_sleep_gb"] = torch.cuda.mem_get_info(self.device)[0] / 2**30
         if not records:
             return None
         meta = {"data_source": [r.data_source for r in records], "ground_truth": [r.ground_truth for r in records],
