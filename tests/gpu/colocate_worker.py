@@ -11,6 +11,9 @@ Steps (random-weight model written once to --model-root, no hub):
   E. our VLLMEngine (load_format="dummy", sleep mode): `--cycles` rounds of
      wake(weights) -> load_weights(iter_weights(actor)) -> wake(kv) -> checks -> sleep, with the
      actor's weights perturbed between rounds; free device memory recorded at every stage.
+  T. (--train-steps > 0) the actor is trained (AdamW, cross-entropy) to answer every prompt with
+     one fixed 16-token continuation, synced into the engine, and the engine's greedy answers are
+     compared with the trained actor's own greedy decoding (no KV cache, fixed step count).
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=3)
     ap.add_argument("--gpu-mem", type=float, default=0.3)
     ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--train-steps", type=int, default=0, help="stage T: optimizer steps on the fixed-answer task")
     ap.add_argument("--model-root", default="/tmp/spmd_rl_models")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -254,11 +258,83 @@ def run(args, env, res: dict) -> None:
         row["free_asleep"] = free_gib()
         res["cycles"].append(row)
         log(json.dumps(row))
+    if args.train_steps > 0:
+        res["trained"] = check_trained_greedy(eng, actor, prompts, my_prompts, args, dev, V)
+        log("trained", json.dumps(res["trained"]))
     t = time.perf_counter()
     eng.close()
     res["t_close"] = time.perf_counter() - t
     res["free_after_close"] = free_gib()
     res["t_total"] = time.perf_counter() - t_start
+
+
+TARGET_LEN = 16
+
+
+def fixed_answer(V: int) -> list[int]:
+    """The learnable task of stage T: every prompt is answered with these tokens (not EOS)."""
+    return [(1000 + 7919 * i) % V for i in range(TARGET_LEN)]
+
+
+def train_fixed_answer(actor, prompts: list[list[int]], target: list[int], steps: int, dev) -> list[float]:
+    """Cross-entropy on the answer tokens only; every rank trains on all prompts (same batch)."""
+    from spmd_rl.optim import make_optimizer
+
+    opt = make_optimizer(actor, lr=5e-4, weight_decay=0.0)
+    seqs = [p + target for p in prompts]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, (p, s) in enumerate(zip(prompts, seqs)):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+        labels[i, len(p): len(s)] = torch.tensor(target)
+    ids, mask, labels = ids.to(dev), mask.to(dev), labels.to(dev)
+    losses = []
+    for _ in range(steps):
+        logits = actor(input_ids=ids, attention_mask=mask).logits.float()
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    del opt
+    return losses
+
+
+@torch.no_grad()
+def actor_greedy(actor, prompts: list[list[int]], n_tokens: int, dev) -> list[list[int]]:
+    """Greedy decoding by full forwards, one prompt at a time, a fixed number of steps (FSDP needs
+    the same forward count on every rank)."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p], device=dev)
+        for _ in range(n_tokens):
+            nxt = actor(input_ids=ids).logits[:, -1].float().argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+        out.append(ids[0, len(p):].tolist())
+    reshard(actor)
+    return out
+
+
+def check_trained_greedy(eng, actor, prompts, my_prompts, args, dev, V) -> dict:
+    target = fixed_answer(V)
+    actor.train()
+    losses = train_fixed_answer(actor, prompts, target, args.train_steps, dev)
+    actor.eval()
+    reshard(actor)
+    eng.wake_up(["weights"])
+    eng.load_weights(iter_weights(actor, torch.bfloat16, args.bucket_mb))
+    eng.wake_up(["kv_cache"])
+    got = [x[0].token_ids for x in eng.generate(my_prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=TARGET_LEN))]
+    eng.sleep()
+    want = actor_greedy(actor, my_prompts, TARGET_LEN, dev)
+    pairs = [(a, b) for g, w in zip(got, want) for a, b in zip(g, w)]
+    return {"loss_first": losses[0], "loss_last": losses[-1],
+            "actor_answers_target": sum(w == target for w in want), "prompts": len(want),
+            "engine_equals_actor": sum(g == w for g, w in zip(got, want)),
+            "token_agreement": sum(a == b for a, b in pairs) / max(1, len(pairs)),
+            "engine_lengths": [len(g) for g in got]}
 
 
 def check_generate(eng, actor, my_prompts, prompts, ref_greedy, tp, tp_rank, V, dev) -> dict:

@@ -63,9 +63,10 @@ def _skip_reason(nproc: int) -> str | None:
 
 
 LAYOUTS = [
-    ("0.5b-tp1", 1, ["--arch", "qwen2-0.5b", "--tp", "1"], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    ("0.5b-tp1", 1, ["--arch", "qwen2-0.5b", "--tp", "1", "--train-steps", "60"],
+     {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
     ("7b-tp2", 2, ["--arch", "qwen2-7b", "--tp", "2", "--gpu-mem", "0.4"], {}),
-    ("0.5b-tp1x2", 2, ["--arch", "qwen2-0.5b", "--tp", "1"], {}),
+    ("0.5b-tp1x2", 2, ["--arch", "qwen2-0.5b", "--tp", "1", "--train-steps", "60"], {}),
 ]
 if os.environ.get("SPMD_RL_GPU_FULL") == "1":
     LAYOUTS += [
@@ -184,3 +185,20 @@ def test_sleep_frees_memory_without_growth(layout):
         # the first rollout loads kernels / workspaces once (~0.3 GiB measured); after it, no drift
         assert train[0] - train[1] <= 0.5, (name, train)
         assert max(asleep) - min(asleep) < 0.25 and max(train[1:]) - min(train[1:]) < 0.25, (name, asleep, train)
+
+
+def test_trained_actor_greedy_equals_engine_greedy(layout):
+    """Stage T (0.5B layouts; the 7B one skips it for memory): after training on a learnable task
+    and a sync, vLLM's greedy answers are the trained actor's. The actor must have learnt the
+    answer (else equal greedy outputs of two untrained copies would prove nothing about the sync),
+    and the engine must agree on >= 7 of 8 prompts, >= 95% of tokens (bf16 argmax near-ties)."""
+    name, results = layout
+    if "trained" not in results[0]:
+        pytest.skip(f"{name} runs without --train-steps")
+    for r in results:
+        t = r["trained"]
+        assert t["loss_last"] < 0.1 * t["loss_first"], (name, t)
+        assert t["actor_answers_target"] >= 0.75 * t["prompts"], (name, t)
+        assert t["engine_equals_actor"] >= t["prompts"] - max(1, t["prompts"] // 8), (name, t)
+        assert t["token_agreement"] >= 0.95, (name, t)
+
