@@ -98,14 +98,6 @@ def naive_sync(eng, actor) -> None:
         eng.load_weights([(name, t.to(torch.bfloat16))], strict=False)
 
 
-def reshard(model) -> None:
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="qwen2-1.5b", choices=["qwen2-0.5b", "qwen2-1.5b", "qwen2-7b"])

@@ -172,20 +172,18 @@ class Trainer:
         cfg, env = self.cfg, self.env
         r = cfg.rollout
         eos = self.tokenizer.eos_token_id
+        self.engine_dtype = torch.float32 if (r.engine == "hf" and self.device.type == "cpu") else DTYPES[r.dtype]
         if r.engine == "vllm":
             from spmd_rl.rollout.vllm_engine import VLLMEngine
 
             self.engine = VLLMEngine(cfg, self.model_dir, env.rank, env.world_size, env.local_rank, env.local_world_size)
-            self.engine.sleep()
-            self.engine_replica = env.rank // r.tensor_parallel_size
+            self.engine_replica = env.rank // r.tensor_parallel_size  # (built asleep)
         else:
             from spmd_rl.rollout.hf_engine import HFEngine
 
-            dtype = torch.float32 if self.device.type == "cpu" else DTYPES[r.dtype]
-            model = load_causal_lm(self.model_dir, dtype, cfg.model.attn_implementation)
+            model = load_causal_lm(self.model_dir, self.engine_dtype, cfg.model.attn_implementation)
             self.engine = HFEngine(model, self.tokenizer.pad_token_id, [eos], self.device)
             self.engine_replica = env.rank
-        self.engine_dtype = torch.float32 if (r.engine == "hf" and self.device.type == "cpu") else DTYPES[r.dtype]
 
     # ------------------------------------------------------------------ checkpoints
     def _stateful(self) -> dict:
