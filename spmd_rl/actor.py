@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from spmd_rl import algorithms as algos
 from spmd_rl.batch import Batch, iter_micro_batches
@@ -46,9 +47,11 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, temperature: float, m
 
 def reshard(model: torch.nn.Module) -> None:
     """After a no-grad forward FSDP2 keeps the root's parameters (embeddings, lm_head, norm)
-    unsharded -- 2.2 GB per rank for a 7B model, held through the rollout. Free them."""
-    if hasattr(model, "reshard"):
-        model.reshard()
+    unsharded -- 2.2 GB per rank for a 7B model, held through the rollout. Free them, and those of
+    any other unit left unsharded (a no-op for units that already are)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def actor_loss_fn(model: torch.nn.Module, cfg: ActorConfig, temperature: float):

@@ -59,3 +59,24 @@ def _both(rank, world):
 def test_sync_tied_and_untied_3_ranks():
     # one process group for both cases: spawning processes dominates this test's time
     run_distributed(_both, 3)
+
+
+def _reshard_body(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from spmd_rl.actor import reshard
+    from spmd_rl.models import apply_fsdp
+
+    model = apply_fsdp(Qwen2ForCausalLM(tiny(True)), init_device_mesh("cpu", (world,)), torch.float32)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 67, (2, 9)))
+    # FSDP2 keeps the root unit's parameters (embeddings, norm) unsharded after a forward
+    assert any(not isinstance(p, DTensor) for p in model.parameters())
+    reshard(model)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_reshard_after_no_grad_forward_frees_unsharded_parameters():
+    run_distributed(_reshard_body, 2)
+

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from spmd_rl.actor import reshard  # noqa: E402  (the trainer's own: checked by root_sharded below)
 from spmd_rl.config import Config  # noqa: E402
 from spmd_rl.distributed import init_distributed  # noqa: E402
 from spmd_rl.gpu_memory import GiB  # noqa: E402
@@ -75,17 +76,6 @@ def teacher_forced(model, seqs: list[list[int]], device, temperature: float = 1.
         out_logits.append(lg)
         out_lp.append(lp)
     return out_logits, out_lp
-
-
-def reshard(model) -> None:
-    """Put every FSDP2 unit back to sharded parameters. FSDP2 keeps the root's parameters
-    (embeddings, final norm, lm_head) unsharded after a forward (it expects a backward next), so
-    after an inference-only forward `named_parameters()` would yield those as plain tensors."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
 
 
 def root_sharded(model) -> bool:
