@@ -29,7 +29,8 @@ class DistEnv:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host right now (for a local rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -42,7 +43,7 @@ def init_distributed(device: str = "auto") -> DistEnv:
     external_launcher, which both need a process group, work the same way there."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))

@@ -1,16 +1,11 @@
 """Run a test body in N gloo processes (CPU), the way torchrun would."""
 
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from spmd_rl.distributed import free_port
 
 
 def _entry(rank, world, port, fn, args, errors):
@@ -34,7 +29,7 @@ def run_distributed(fn, world: int, *args) -> None:
     """fn(rank, world, *args) in `world` processes; re-raises the first failure."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    mp.start_processes(_entry, args=(world, _free_port(), fn, args, errors), nprocs=world, join=True,
+    mp.start_processes(_entry, args=(world, free_port(), fn, args, errors), nprocs=world, join=True,
                        start_method="spawn")
     if not errors.empty():
         raise AssertionError(errors.get())

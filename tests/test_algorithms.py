@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import socket
 from datetime import timedelta
 
 import pytest
@@ -20,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from spmd_rl import algorithms as alg
+from spmd_rl.distributed import free_port
 
 SEEDS = [0, 1, 2]
 DTYPES = [torch.float32, torch.float64]
@@ -561,12 +561,6 @@ def test_fixed_kl_controller_and_builder():
 # --------------------------------------------------------------------------- global whitening
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _whiten_worker(rank: int, world: int, port: int, data_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -594,7 +588,7 @@ def test_masked_whiten_global_over_two_gloo_processes(tmp_path):
     values = randn((8, 12), 6)
     data_path = str(tmp_path / "data.pt")
     torch.save({"x": x, "mask": mask, "values": values, "bounds": [(0, 3), (3, 8)]}, data_path)
-    mp.spawn(_whiten_worker, args=(2, _free_port(), data_path, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_whiten_worker, args=(2, free_port(), data_path, str(tmp_path)), nprocs=2, join=True)
     shards = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     def joined(key, i=None):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ import time
 
 import pytest
 
+from spmd_rl.distributed import free_port
 from spmd_rl.preemption import EXIT_PREEMPTED, REQUEUE_SIGNALS, StopFlag
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,14 +87,8 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_signal_to_one_rank_stops_all_ranks_after_the_same_step():
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
