@@ -65,6 +65,21 @@ def event_time(fn, iters: int) -> float:
     return a.elapsed_time(b) / 1e3 / iters
 
 
+def timed_generate(fn) -> tuple[float, int]:
+    """(seconds, tokens generated) of one vllm LLM.generate call."""
+    t0 = time.perf_counter()
+    outs = fn()
+    return time.perf_counter() - t0, sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+
+def summarize_runs(runs: list[tuple[float, float]]) -> dict:
+    """Median throughput of repeated generate runs, and every run's tokens/s (their spread says
+    how far one ratio can be trusted)."""
+    tps = [n / s for s, n in runs]
+    return {"tok_per_s": statistics.median(tps), "runs_tok_per_s": tps, "s": [s for s, _ in runs],
+            "tokens": [n for _, n in runs]}
+
+
 def bandwidths(world: int) -> dict:
     """Device copy (bytes read + written per second), fp32->bf16 cast (likewise) and all_gather
     (bytes landing in each rank's output per second) on random data."""
@@ -113,6 +128,7 @@ def main() -> None:
     ap.add_argument("--buckets", default="64,256,512,2048", help="bucket sizes (MB) of our sync to time")
     ap.add_argument("--bucket-mb", type=int, default=512, help="our default bucket (rollout.weight_sync_bucket_mb)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each sync variant (median)")
+    ap.add_argument("--gen-reps", type=int, default=3, help="repetitions of each generate measurement (median)")
     ap.add_argument("--skip-plain", action="store_true")
     ap.add_argument("--model-root", default="/tmp/spmd_rl_models")
     ap.add_argument("--out", default="/tmp/bench_rollout")
@@ -175,15 +191,20 @@ def main() -> None:
         plain_probe = prompt_logprobs(llm, [probe])[0]
         poller.phase("plain_generate")
         torch.manual_seed(1)
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in P], vsp, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        ntok = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        res["plain_gen"] = {"s": dt, "tokens": ntok, "tok_per_s": ntok / dt}
-        say("plain", res["plain_gen"])
+        # Alternating the two request forms over the repetitions: drift of the machine (clocks,
+        # temperature) hits both alike. "seeded" gives every request its own seed as our engine does.
+        seeded = [to_vllm_sampling(sampling, [QWEN_EOS], seed=j) for j in range(len(P))]
+        runs: dict[str, list] = {"plain": [], "plain_seeded": []}
+        for _ in range(args.gen_reps):
+            runs["plain"].append(timed_generate(lambda: llm.generate([{"prompt_token_ids": p} for p in P], vsp,
+                                                                      use_tqdm=False)))
+            runs["plain_seeded"].append(timed_generate(lambda: llm.generate([{"prompt_token_ids": p} for p in P],
+                                                                             seeded, use_tqdm=False)))
+        res["plain_gen"], res["plain_seeded_gen"] = summarize_runs(runs["plain"]), summarize_runs(runs["plain_seeded"])
+        say("plain", res["plain_gen"], "seeded", res["plain_seeded_gen"])
         poller.phase("plain_shutdown")
         shutdown_llm(llm)
-        del llm, outs
+        del llm
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -222,17 +243,27 @@ def main() -> None:
     if not args.skip_plain:
         res["probe_max_abs_dlogp_vs_plain"] = max(abs(a - b) for a, b in zip(ours_probe, plain_probe))
     poller.phase("generate")
-    dist.barrier()
-    t0 = time.perf_counter()
-    comps = eng.generate(mine, sampling)
-    dt = time.perf_counter() - t0
-    ntok = torch.tensor([sum(len(c.token_ids) for x in comps for c in x)], device="cuda", dtype=torch.float64)
-    dtt = torch.tensor([dt], device="cuda", dtype=torch.float64)
-    dist.all_reduce(ntok)
-    dist.all_reduce(dtt, op=dist.ReduceOp.MAX)
     replicas = world // tp
-    res["ours_gen"] = {"s": dtt.item(), "tokens": ntok.item() / replicas, "tok_per_s": ntok.item() / replicas / dtt.item()}
-    say("ours", res["ours_gen"])
+    ours_runs = []
+    for _ in range(args.gen_reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        comps = eng.generate(mine, sampling)
+        dt = time.perf_counter() - t0
+        # every rank of a TP group returns its share; the group's tokens are the sum over its ranks
+        ntok = torch.tensor([sum(len(c.token_ids) for x in comps for c in x)], device="cuda", dtype=torch.float64)
+        dtt = torch.tensor([dt], device="cuda", dtype=torch.float64)
+        dist.all_reduce(ntok)
+        dist.all_reduce(dtt, op=dist.ReduceOp.MAX)
+        ours_runs.append((dtt.item(), ntok.item() / replicas))
+    res["ours_gen"] = summarize_runs(ours_runs)
+    # The same requests straight into our engine's vllm.LLM: what our wrapper (gathers, per-request
+    # sampling params, conversion of the outputs) costs on top of vLLM itself.
+    seeded = [to_vllm_sampling(sampling, [QWEN_EOS], seed=j) for j in range(len(P))]
+    res["ours_llm_only_gen"] = summarize_runs([
+        timed_generate(lambda: eng.llm.generate([{"prompt_token_ids": p} for p in P], seeded, use_tqdm=False))
+        for _ in range(args.gen_reps)])
+    say("ours", res["ours_gen"], "llm only", res["ours_llm_only_gen"])
     cycle_down("")
 
     # (b) sync variants, weights awake and KV cache asleep as in training
@@ -293,10 +324,17 @@ def print_table(res: dict, path: str) -> None:
              f"{a['max_tokens']} new tokens, T={a['temperature']}, {'eager' if a['eager'] else 'CUDA graphs'}",
              "-" * 78]
     if "plain_gen" in res:
-        p, o = res["plain_gen"], res["ours_gen"]
+        p, ps, o = res["plain_gen"], res["plain_seeded_gen"], res["ours_gen"]
         lines.append(f"generate  plain vLLM {p['tok_per_s']:9.0f} tok/s   ours {o['tok_per_s']:9.0f} tok/s   "
                      f"ratio {o['tok_per_s'] / p['tok_per_s']:.3f}  (init plain {res['plain_init_s']:.0f}s, "
                      f"ours {res['engine_init_s']:.0f}s)")
+        lines.append(f"          plain vLLM, a seed per request {ps['tok_per_s']:.0f} tok/s (ratio ours / it "
+                     f"{o['tok_per_s'] / ps['tok_per_s']:.3f}); medians of {len(o['runs_tok_per_s'])}, runs: plain "
+                     + ", ".join(f"{x:.0f}" for x in p["runs_tok_per_s"]) + "; seeded "
+                     + ", ".join(f"{x:.0f}" for x in ps["runs_tok_per_s"]) + "; ours "
+                     + ", ".join(f"{x:.0f}" for x in o["runs_tok_per_s"]))
+        lines.append(f"          our engine's vllm.LLM called directly (no wrapper): "
+                     f"{res['ours_llm_only_gen']['tok_per_s']:.0f} tok/s")
         lines.append(f"          prompt log-prob max |d| ours vs plain: {res['probe_max_abs_dlogp_vs_plain']:.2e}")
     else:
         lines.append(f"generate  ours {res['ours_gen']['tok_per_s']:.0f} tok/s")
