@@ -173,6 +173,8 @@ def main() -> None:
     mine = P[tp_rank * per:(tp_rank + 1) * per]  # contiguous shares: the group's union is P in order
     sampling = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_tokens, seed=1)
     vsp = to_vllm_sampling(sampling, [QWEN_EOS])
+    requests = [{"prompt_token_ids": p} for p in P]
+    seeded = [to_vllm_sampling(sampling, [QWEN_EOS], seed=j) for j in range(len(P))]  # a seed per request, as ours
     warm = SamplingParams(n=1, temperature=1.0, max_new_tokens=16, seed=0)
     probe = P[0][:64]
 
@@ -192,14 +194,11 @@ def main() -> None:
         poller.phase("plain_generate")
         torch.manual_seed(1)
         # Alternating the two request forms over the repetitions: drift of the machine (clocks,
-        # temperature) hits both alike. "seeded" gives every request its own seed as our engine does.
-        seeded = [to_vllm_sampling(sampling, [QWEN_EOS], seed=j) for j in range(len(P))]
+        # temperature) hits both alike.
         runs: dict[str, list] = {"plain": [], "plain_seeded": []}
         for _ in range(args.gen_reps):
-            runs["plain"].append(timed_generate(lambda: llm.generate([{"prompt_token_ids": p} for p in P], vsp,
-                                                                      use_tqdm=False)))
-            runs["plain_seeded"].append(timed_generate(lambda: llm.generate([{"prompt_token_ids": p} for p in P],
-                                                                             seeded, use_tqdm=False)))
+            runs["plain"].append(timed_generate(lambda: llm.generate(requests, vsp, use_tqdm=False)))
+            runs["plain_seeded"].append(timed_generate(lambda: llm.generate(requests, seeded, use_tqdm=False)))
         res["plain_gen"], res["plain_seeded_gen"] = summarize_runs(runs["plain"]), summarize_runs(runs["plain_seeded"])
         say("plain", res["plain_gen"], "seeded", res["plain_seeded_gen"])
         poller.phase("plain_shutdown")
@@ -259,10 +258,8 @@ def main() -> None:
     res["ours_gen"] = summarize_runs(ours_runs)
     # The same requests straight into our engine's vllm.LLM: what our wrapper (gathers, per-request
     # sampling params, conversion of the outputs) costs on top of vLLM itself.
-    seeded = [to_vllm_sampling(sampling, [QWEN_EOS], seed=j) for j in range(len(P))]
-    res["ours_llm_only_gen"] = summarize_runs([
-        timed_generate(lambda: eng.llm.generate([{"prompt_token_ids": p} for p in P], seeded, use_tqdm=False))
-        for _ in range(args.gen_reps)])
+    res["ours_llm_only_gen"] = summarize_runs(
+        [timed_generate(lambda: eng.llm.generate(requests, seeded, use_tqdm=False)) for _ in range(args.gen_reps)])
     say("ours", res["ours_gen"], "llm only", res["ours_llm_only_gen"])
     cycle_down("")
 
