@@ -7,40 +7,38 @@ ratio to the engine's log-probs is 1 when the weights agree (the mismatch metric
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 from spmd_rl import algorithms as algos
 from spmd_rl.batch import Batch, iter_micro_batches
 from spmd_rl.config import ActorConfig
+from spmd_rl.models import uses_packing
+from spmd_rl.packing import make_layout
 
 
 def forward_logprobs(model: torch.nn.Module, mb: Batch, temperature: float, with_entropy: bool = False,
                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, L] log p(token_t | tokens < t) (column 0 is 0), and optionally the entropy of the
-    distribution that predicted token t (differentiable only with entropy_grad)."""
-    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits
-    logits = logits[:, :-1].float() / temperature
-    targets = mb["input_ids"][:, 1:]
-    logp = torch.gather(F.log_softmax(logits, dim=-1), -1, targets[..., None])[..., 0]
-    logp = F.pad(logp, (1, 0))
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = F.pad(algos.entropy_from_logits(logits if entropy_grad else logits.detach()), (1, 0))
-    return logp, entropy
+    """[b, L] log p(token_t | tokens < t) (column 0 is 0), and optionally the entropy of the
+    distribution that predicted token t (differentiable only with entropy_grad). The model was
+    loaded by `models.load_causal_lm`: packed or padded input as it was loaded for, log-probs
+    from its hidden states (spmd_rl.logprob_head)."""
+    if not hasattr(model, "spmd_chunked_logprobs"):
+        raise TypeError("forward_logprobs needs a model from models.load_causal_lm or models.prepare_policy")
+    layout = make_layout(mb["input_ids"], mb["attention_mask"], uses_packing(model))
+    logp, entropy = model(**layout.inputs, use_cache=False, logprob_targets=layout.targets, temperature=temperature,
+                          with_entropy=with_entropy, entropy_grad=entropy_grad)
+    return layout.to_columns(logp), None if entropy is None else layout.to_columns(entropy)
 
 
 @torch.no_grad()
 def compute_logprobs(model: torch.nn.Module, batch: Batch, temperature: float, micro_batch_size: int,
-                     device: torch.device) -> torch.Tensor:
-    """Log-probs for the whole batch, [B, L] on CPU, in micro-batches."""
+                     device: torch.device, max_tokens: int = 0) -> torch.Tensor:
+    """Log-probs for the whole batch, [B, L] on CPU, in micro-batches (of `max_tokens` real tokens
+    when > 0, else of `micro_batch_size` rows)."""
     out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-    row = 0
-    for mb in iter_micro_batches(batch, micro_batch_size):
+    for rows, mb in iter_micro_batches(batch, micro_batch_size, max_tokens):
         logp, _ = forward_logprobs(model, mb.to(device), temperature)
-        out[row:row + len(mb), :logp.shape[1]] = logp.cpu()
-        row += len(mb)
+        out[rows, :logp.shape[1]] = logp.to("cpu", torch.float32)
     reshard(model)
     return out * batch["response_mask"]
 

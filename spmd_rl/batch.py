@@ -5,19 +5,21 @@ Every per-token tensor (log-probs, values, advantages, ...) is [B, L] and aligne
 `input_ids`: column t belongs to token t (the log-prob of token t given tokens < t). Only
 `response_mask` (1.0 on response tokens) decides which columns count.
 
-Because rows are left-aligned and self-describing (`attention_mask`), a packed layout (rows
-concatenated without padding, `cu_seqlens`) or token-budget micro-batches only change how
-`micro_batches` cuts and how models are called (see `iter_micro_batches`); the trainer and
-the loss functions never see the difference.
+Because rows are left-aligned and self-describing (`attention_mask`), token-budget micro-batches
+(`plan_micro_batches`) and the packed layout (rows concatenated without padding, see
+spmd_rl.packing) only change how micro-batches are cut and how models are called; the trainer
+and the loss functions see [b, L] micro-batches either way.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
+from spmd_rl.distributed import all_reduce_max_int
 from spmd_rl.rollout.base import Completion
 
 
@@ -113,8 +115,41 @@ def response_token_ids(batch: Batch, i: int) -> list[int]:
     return batch["input_ids"][i, start:start + int(batch["response_lens"][i])].tolist()
 
 
-def iter_micro_batches(batch: Batch, micro_batch_size: int) -> Iterator[Batch]:
-    """Fixed-size micro-batches, each trimmed to its own longest row. (Token-budget batching
-    and packing replace this function alone.)"""
-    for mb in batch.split(micro_batch_size):
-        yield mb.trimmed()
+def plan_micro_batches(lengths: list[int], micro_batch_size: int, max_tokens: int = 0) -> list[list[int]]:
+    """Row indices of each micro-batch of a (mini-)batch whose rows have `lengths` real tokens.
+
+    - `max_tokens <= 0`: consecutive rows, `micro_batch_size` per micro-batch.
+    - `max_tokens > 0` (token budget, for packed rows): as few micro-batches as keep each within
+      `max_tokens` real tokens, with the rows balanced by tokens across them (longest row first
+      into the lightest micro-batch). Every rank ends up with the same number of micro-batches
+      (the largest any rank needs): FSDP runs collectives in every forward, so ranks must make
+      the same number of calls. A row longer than the budget gets a micro-batch of its own.
+    """
+    n = len(lengths)
+    if max_tokens <= 0:
+        return [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
+    k = max(1, -(-sum(lengths) // max_tokens))
+    while k < n and max(sum(lengths[i] for i in b) for b in balanced_partition(lengths, k)) > max_tokens:
+        k += 1
+    k = min(all_reduce_max_int(k), -all_reduce_max_int(-n))  # agreed; never more than any rank's rows
+    return balanced_partition(lengths, k)
+
+
+def balanced_partition(lengths: list[int], k: int) -> list[list[int]]:
+    """Split row indices into `k` non-empty groups of similar total length (greedy: longest first,
+    into the group with the fewest tokens so far). Each group lists its rows in batch order."""
+    k = max(1, min(k, len(lengths)))
+    groups: list[list[int]] = [[] for _ in range(k)]
+    heap = [(0, g) for g in range(k)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        total, g = heapq.heappop(heap)
+        groups[g].append(i)
+        heapq.heappush(heap, (total + lengths[i], g))
+    return [sorted(g) for g in groups]
+
+
+def iter_micro_batches(batch: Batch, micro_batch_size: int, max_tokens: int = 0) -> Iterator[tuple[list[int], Batch]]:
+    """(row indices, micro-batch trimmed to its longest row) per `plan_micro_batches`."""
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    for rows in plan_micro_batches(lengths, micro_batch_size, max_tokens):
+        yield rows, batch.select(rows).trimmed()

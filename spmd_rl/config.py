@@ -64,6 +64,17 @@ class ModelConfig:
     """Recompute activations in backward (saves memory on long responses)."""
     seed: int = 0
     """Seed for random weights (`init = "random"`) and the critic's value head."""
+    remove_padding: bool = False
+    """Pack each micro-batch's sequences into one row without padding, for actor, reference and
+    critic, forward and backward: position ids restart per sequence and attention stays within a
+    sequence (PyTorch's variable-length FlashAttention kernel on CUDA, per-sequence SDPA on CPU).
+    No compute or memory goes to padding; needed for the token budgets (`*.max_token_len_per_gpu`)."""
+    chunked_logprobs: bool = True
+    """Compute token log-probs and entropy from the last hidden states in chunks, never holding the
+    [tokens, vocab] float32 logits (6 GB for 10k tokens of a 152k vocabulary); backward recomputes
+    each chunk. false = the plain full-logits path (more memory; kept for comparison)."""
+    fsdp_forward_prefetch: bool = False
+    """FSDP2: each decoder layer starts the all-gather of the next one explicitly in forward."""
 
 
 @dataclass
@@ -189,6 +200,19 @@ class ActorConfig:
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator for the loss: k1, k2, k3 / low_var_kl (k3 clamped to [-10, 10]), abs."""
+    max_token_len_per_gpu: int = 0
+    """Token budget of one actor-update micro-batch on one GPU (verl's dynamic batch size): each
+    mini-batch is cut into as few micro-batches as keep every one within this many real tokens,
+    sequences balanced across them, the same count on every rank. Needs model.remove_padding.
+    0 = micro-batches of `micro_batch_size_per_gpu` sequences. Must be >= data.max_prompt_length
+    + data.max_response_length."""
+    logprob_max_token_len_per_gpu: int = 0
+    """Token budget of the no-grad log-prob passes (old log-probs, reference) per micro-batch;
+    0 = twice `max_token_len_per_gpu` (no activations are kept for a backward)."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state (AdamW moments: 8 bytes per parameter, sharded) in CPU memory and
+    bring it to the GPU only for each optimizer step: the forward/backward passes get that memory,
+    each optimizer step pays two host<->device copies."""
 
 
 @dataclass
@@ -213,6 +237,11 @@ class CriticConfig:
     """Value clipping around the old values (0 = no clipping)."""
     loss_agg_mode: str = "token-mean"
     """Aggregation of the value loss (same modes as the actor)."""
+    max_token_len_per_gpu: int = 0
+    """Token budget of one critic-update micro-batch on one GPU (see actor.max_token_len_per_gpu);
+    0 = `micro_batch_size_per_gpu` sequences."""
+    forward_max_token_len_per_gpu: int = 0
+    """Token budget of the no-grad value pass per micro-batch; 0 = twice `max_token_len_per_gpu`."""
 
 
 @dataclass
@@ -509,6 +538,17 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
              f"{role}.micro_batch_size_per_gpu = {cfg_role.micro_batch_size_per_gpu} must divide the "
              f"{per_rank} sequences per rank of a mini-batch ({role}.ppo_mini_batch_size * rollout.n / ranks)")
         need(cfg_role.ppo_epochs >= 1, f"{role}.ppo_epochs must be >= 1")
+        budgets = {"max_token_len_per_gpu": cfg_role.max_token_len_per_gpu}
+        budgets.update({k: getattr(cfg_role, k) for k in ("logprob_max_token_len_per_gpu", "forward_max_token_len_per_gpu")
+                        if hasattr(cfg_role, k)})
+        longest = d.max_prompt_length + d.max_response_length
+        for key, budget in budgets.items():
+            need(budget >= 0, f"{role}.{key} must be >= 0 (0 = off)")
+            if budget:
+                need(m.remove_padding, f"{role}.{key} = {budget} builds micro-batches by tokens, which needs packed "
+                     "sequences: set model.remove_padding = true (or the budget to 0)")
+                need(budget >= longest, f"{role}.{key} = {budget} is below the longest possible sequence "
+                     f"(data.max_prompt_length + data.max_response_length = {longest}): raise it to at least {longest}")
 
     # algorithm
     need(r.n >= 1, "rollout.n must be >= 1")

@@ -7,27 +7,28 @@ at position t-1, the same shift as the actor's log-probs.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from spmd_rl import algorithms as algos
 from spmd_rl.actor import reshard
 from spmd_rl.batch import Batch, iter_micro_batches
 from spmd_rl.config import CriticConfig
+from spmd_rl.models import uses_packing
+from spmd_rl.packing import make_layout
 
 
 def forward_values(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
-    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits
-    return F.pad(out[:, :-1, 0].float(), (1, 0))
+    layout = make_layout(mb["input_ids"], mb["attention_mask"], uses_packing(model))
+    out = model(**layout.inputs, use_cache=False).logits
+    return layout.to_columns(out[..., 0].float())
 
 
 @torch.no_grad()
-def compute_values(model: torch.nn.Module, batch: Batch, micro_batch_size: int, device: torch.device) -> torch.Tensor:
+def compute_values(model: torch.nn.Module, batch: Batch, micro_batch_size: int, device: torch.device,
+                   max_tokens: int = 0) -> torch.Tensor:
     out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-    row = 0
-    for mb in iter_micro_batches(batch, micro_batch_size):
+    for rows, mb in iter_micro_batches(batch, micro_batch_size, max_tokens):
         v = forward_values(model, mb.to(device))
-        out[row:row + len(mb), :v.shape[1]] = v.cpu()
-        row += len(mb)
+        out[rows, :v.shape[1]] = v.to("cpu", torch.float32)
     reshard(model)
     return out * batch["response_mask"]
 

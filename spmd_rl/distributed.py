@@ -98,9 +98,9 @@ def all_reduce_mean(values: dict[str, float], device: torch.device) -> dict[str,
     return dict(zip(keys, t.tolist()))
 
 
-def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum over the group's ranks, wherever `t` lives: NCCL only reduces CUDA tensors, so CPU
-    tensors make the round trip through the current GPU."""
+def all_reduce_sum(t: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Sum (or `op`) over the group's ranks, wherever `t` lives: NCCL only reduces CUDA tensors,
+    so CPU tensors make the round trip through the current GPU."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return t
     device = t.device
@@ -108,5 +108,10 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
         work = t.to(torch.device("cuda", torch.cuda.current_device()))
     else:
         work = t.clone()
-    dist.all_reduce(work, group=group)
+    dist.all_reduce(work, op=op, group=group)
     return work.to(device)
+
+
+def all_reduce_max_int(value: int) -> int:
+    """The largest of every rank's `value` (1 process: the value itself)."""
+    return int(all_reduce_sum(torch.tensor([value], dtype=torch.int64), op=dist.ReduceOp.MAX)[0])

@@ -11,6 +11,7 @@ Nothing here needs a GPU to import.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -50,6 +51,42 @@ def device_memory(device: torch.device | int | None = None) -> dict[str, float]:
         "torch_reserved": torch.cuda.memory_reserved(device) / GiB,
         "torch_peak_allocated": torch.cuda.max_memory_allocated(device) / GiB,
     }
+
+
+def engine_pool_bytes() -> int:
+    """Bytes allocated in vLLM's sleep-mode pool (0 when vLLM is not loaded). PyTorch's allocator
+    counts these as allocated even while the engine sleeps and they hold no device memory, so
+    they are taken out of the training figures below."""
+    if "vllm" not in sys.modules:
+        return 0
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:
+        return 0
+    return int(CuMemAllocator.get_instance().get_current_usage())
+
+
+class PhaseMemory:
+    """Memory of one phase of a step, started at construction, read by `end(name)`:
+
+    - `memory/<name>_peak_gb`: the peak of what PyTorch tensors held during the phase, vLLM's pool
+      left out (training tensors; while the engine is awake, plus its buffers outside the pool);
+    - `memory/<name>_device_gb`: what the device really held at the phase's end (driver view: every
+      process, vLLM's mapped pool included, PyTorch's cached blocks included).
+
+    Neither can exceed the card: a figure above `memory/device_total_gb` is a bug."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def end(self, name: str) -> dict[str, float]:
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - engine_pool_bytes()
+        return {f"memory/{name}_peak_gb": peak / GiB, f"memory/{name}_device_gb": (total - free) / GiB,
+                "memory/device_total_gb": total / GiB}
 
 
 class PeakPoller:

@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config
 
+from spmd_rl import logprob_head, varlen_attention
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,12 +83,25 @@ def materialize_random_model(out_dir: str, config, seed: int, dtype: torch.dtype
     return out_dir
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """A causal LM on CPU in `dtype`, exactly as `from_pretrained` builds it."""
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", remove_padding: bool = False,
+                   chunked_logprobs: bool = True) -> torch.nn.Module:
+    """A causal LM on CPU in `dtype`, exactly as `from_pretrained` builds it, that can also be
+    called for token log-probs (spmd_rl.logprob_head; chunked from the hidden states unless
+    `chunked_logprobs` is false). `remove_padding`: it takes packed rows (spmd_rl.packing) through
+    the variable-length attention backend (which runs padded batches as sdpa does)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    return prepare_policy(model, remove_padding, chunked_logprobs)
 
 
-def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa") -> torch.nn.Module:
+def prepare_policy(model: torch.nn.Module, remove_padding: bool = False, chunked_logprobs: bool = True) -> torch.nn.Module:
+    """Make a causal LM callable for token log-probs (spmd_rl.actor.forward_logprobs): the
+    log-prob head, and with `remove_padding` the variable-length attention backend."""
+    _set_layout(model, remove_padding)
+    return logprob_head.install(model, chunked=chunked_logprobs)
+
+
+def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
+                     remove_padding: bool = False) -> torch.nn.Module:
     """The critic: the causal LM's backbone with a scalar head per token, initialised to zero so
     every rank starts from the same values (0) whatever the RNG."""
     model = AutoModelForTokenClassification.from_pretrained(
@@ -97,7 +112,19 @@ def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "
         head.weight.zero_()
         if getattr(head, "bias", None) is not None:
             head.bias.zero_()
+    _set_layout(model, remove_padding)
     return model
+
+
+def _set_layout(model: torch.nn.Module, remove_padding: bool) -> None:
+    if remove_padding:  # the varlen backend runs padded batches exactly as sdpa does, too
+        model.set_attn_implementation(varlen_attention.register())
+    model.spmd_remove_padding = remove_padding
+
+
+def uses_packing(model: torch.nn.Module) -> bool:
+    """Whether `model` was loaded to take packed rows (model.remove_padding)."""
+    return bool(getattr(model, "spmd_remove_padding", False))
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -105,15 +132,22 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(base.layers)
 
 
-def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, gradient_checkpointing: bool = False) -> torch.nn.Module:
+def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, gradient_checkpointing: bool = False,
+               forward_prefetch: bool = False) -> torch.nn.Module:
     """fully_shard every decoder layer, then the root (embeddings, norm, head). Parameters move to
-    the mesh's device; grads are reduced in float32."""
+    the mesh's device; grads are reduced in float32. `forward_prefetch`: each layer also starts
+    the all-gather of the next one (FSDP2 already overlaps one layer ahead implicitly; explicit
+    prefetch issues it earlier, which helps when a layer's compute is short)."""
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if forward_prefetch:
+        for layer, nxt in zip(layers, layers[1:]):
+            layer.set_modules_to_forward_prefetch([nxt])
     return model
 
 

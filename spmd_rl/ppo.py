@@ -46,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(cfg, env)
     try:
         status = trainer.fit()
-    finally:
-        trainer.close()
+    except BaseException:
+        trainer.close(failed=True)
+        raise
+    trainer.close()
     destroy_distributed()
     log.info("run %s: %s at step %d", cfg.run_dir, status, trainer.step)
     return 0 if status == "finished" else EXIT_PREEMPTED

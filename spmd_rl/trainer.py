@@ -13,6 +13,7 @@ One step:
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import random
@@ -30,6 +31,7 @@ from spmd_rl.config import Config, to_toml
 from spmd_rl.critic import compute_values, critic_loss_fn
 from spmd_rl.data import PromptDataset, ShardedSampler, iter_eval_batches
 from spmd_rl.distributed import DistEnv, all_reduce_mean, all_reduce_sum
+from spmd_rl.gpu_memory import PhaseMemory
 from spmd_rl.metrics import MetricsLogger, summary_line
 from spmd_rl.models import (DTYPES, apply_fsdp, count_parameters, load_causal_lm, load_value_model,
                             materialize_random_model, random_model_config)
@@ -46,7 +48,7 @@ log = logging.getLogger("spmd_rl")
 
 
 class PhaseTimer:
-    """Seconds (and peak GPU memory) per named phase of a step."""
+    """Seconds and GPU memory per named phase of a step (memory figures: gpu_memory.PhaseMemory)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -54,15 +56,11 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def __call__(self, name: str):
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+        memory = PhaseMemory(self.device) if self.device.type == "cuda" else None
         t0 = time.perf_counter()
         yield
-        if cuda:
-            torch.cuda.synchronize()
-            self.metrics[f"memory/{name}_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        if memory is not None:
+            self.metrics.update(memory.end(name))
         self.metrics[f"time/{name}"] = self.metrics.get(f"time/{name}", 0.0) + time.perf_counter() - t0
 
 
@@ -148,20 +146,23 @@ class Trainer:
         m, a, c = cfg.model, cfg.actor, cfg.critic
         self.model_dir = self._model_dir()
         master, compute = DTYPES[m.dtype], DTYPES[m.compute_dtype]
-        self.actor = apply_fsdp(load_causal_lm(self.model_dir, master, m.attn_implementation), env.mesh, compute,
-                                m.gradient_checkpointing)
+
+        def policy_model():
+            return load_causal_lm(self.model_dir, master, m.attn_implementation, m.remove_padding, m.chunked_logprobs)
+
+        self.actor = apply_fsdp(policy_model(), env.mesh, compute, m.gradient_checkpointing, m.fsdp_forward_prefetch)
         self.n_params = count_parameters(self.actor)
         self.actor_opt = make_optimizer(self.actor, a.lr, a.weight_decay, a.betas)
         self.actor_sched = make_scheduler(self.actor_opt, a.warmup_steps, cfg.trainer.total_steps, a.lr_schedule, a.min_lr_ratio)
         self.ref = None
         if cfg.use_reference:
-            self.ref = apply_fsdp(load_causal_lm(self.model_dir, master, m.attn_implementation), env.mesh, compute)
+            self.ref = apply_fsdp(policy_model(), env.mesh, compute, forward_prefetch=m.fsdp_forward_prefetch)
             self.ref.requires_grad_(False)
         self.critic = self.critic_opt = self.critic_sched = None
         if cfg.use_critic:
             critic_dir = c.path or self.model_dir
-            self.critic = apply_fsdp(load_value_model(critic_dir, master, m.attn_implementation), env.mesh, compute,
-                                     m.gradient_checkpointing)
+            self.critic = apply_fsdp(load_value_model(critic_dir, master, m.attn_implementation, m.remove_padding),
+                                     env.mesh, compute, m.gradient_checkpointing, m.fsdp_forward_prefetch)
             self.critic_opt = make_optimizer(self.critic, c.lr, c.weight_decay)
             self.critic_sched = make_scheduler(self.critic_opt, c.warmup_steps, cfg.trainer.total_steps)
         log.info("models ready: actor %.1fM parameters%s%s, from %s", self.n_params / 1e6,
@@ -239,7 +240,8 @@ class Trainer:
 
     def _train_state(self) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:
         models = [m for m in (self.actor, self.critic, self.ref) if m is not None]
-        return models, [o for o in (self.actor_opt, self.critic_opt) if o is not None]
+        actor_opt = None if self.cfg.actor.offload_optimizer else self.actor_opt  # already on CPU
+        return models, [o for o in (actor_opt, self.critic_opt) if o is not None]
 
     def _sampling(self, train: bool) -> SamplingParams:
         r, d = self.cfg.rollout, self.cfg.data
@@ -286,14 +288,18 @@ class Trainer:
             self.score(batch)
         temp = cfg.rollout.temperature
         a, c = cfg.actor, cfg.critic
+        lp_tokens = a.logprob_max_token_len_per_gpu or 2 * a.max_token_len_per_gpu
         with timer("old_logprob"):
-            batch["old_logprobs"] = compute_logprobs(self.actor, batch, temp, a.micro_batch_size_per_gpu, self.device)
+            batch["old_logprobs"] = compute_logprobs(self.actor, batch, temp, a.micro_batch_size_per_gpu, self.device,
+                                                     lp_tokens)
         if self.ref is not None:
             with timer("ref_logprob"):
-                batch["ref_logprobs"] = compute_logprobs(self.ref, batch, temp, a.micro_batch_size_per_gpu, self.device)
+                batch["ref_logprobs"] = compute_logprobs(self.ref, batch, temp, a.micro_batch_size_per_gpu, self.device,
+                                                         lp_tokens)
         if self.critic is not None:
             with timer("values"):
-                batch["values"] = compute_values(self.critic, batch, c.micro_batch_size_per_gpu, self.device)
+                batch["values"] = compute_values(self.critic, batch, c.micro_batch_size_per_gpu, self.device,
+                                                 c.forward_max_token_len_per_gpu or 2 * c.max_token_len_per_gpu)
         with timer("adv"):
             extra = self.compute_advantages(batch)
         n = cfg.rollout.n
@@ -302,13 +308,15 @@ class Trainer:
                 cm = ppo_update(self.critic, self.critic_opt, batch, critic_loss_fn(self.critic, c),
                                 mini_batch_size=c.ppo_mini_batch_size * n // env.world_size,
                                 micro_batch_size=c.micro_batch_size_per_gpu, epochs=c.ppo_epochs,
-                                grad_clip=c.grad_clip, loss_agg_mode=c.loss_agg_mode, device=self.device)
+                                grad_clip=c.grad_clip, loss_agg_mode=c.loss_agg_mode, device=self.device,
+                                max_tokens=c.max_token_len_per_gpu)
                 self.critic_sched.step()
         with timer("update_actor"):
             am = ppo_update(self.actor, self.actor_opt, batch, actor_loss_fn(self.actor, a, temp),
                             mini_batch_size=a.ppo_mini_batch_size * n // env.world_size,
                             micro_batch_size=a.micro_batch_size_per_gpu, epochs=a.ppo_epochs,
-                            grad_clip=a.grad_clip, loss_agg_mode=a.loss_agg_mode, device=self.device)
+                            grad_clip=a.grad_clip, loss_agg_mode=a.loss_agg_mode, device=self.device,
+                            max_tokens=a.max_token_len_per_gpu, offload_optimizer=a.offload_optimizer)
             self.actor_sched.step()
         self.step += 1
         timer.metrics["time/step"] = time.perf_counter() - t_step
@@ -469,8 +477,16 @@ class Trainer:
             self.metrics.log(self.step, m)
             log.info("validation at step %d: acc %.3f reward %.3f", self.step, m["val/acc"], m["val/reward_mean"])
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Release the run's resources. A sleeping vLLM engine must map its pool back to shut down,
+        so training state goes first; after a failed step (`failed`, e.g. out of memory, whose
+        traceback still holds tensors) the engine is not woken at all: a second out-of-memory
+        error inside vLLM would bury the first."""
         self.metrics.close()
-        if hasattr(self.engine, "close"):  # vLLM: before the process group goes away
+        self.actor = self.ref = self.critic = self.actor_opt = self.critic_opt = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if hasattr(self.engine, "close") and not failed:  # vLLM: before the process group goes away
             self.engine.close()
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from spmd_rl.batch import Batch, iter_micro_batches
 from spmd_rl.distributed import all_reduce_sum
+from spmd_rl.offload import move_optimizer_state
 
 LossFn = Callable[[Batch, float], tuple[torch.Tensor, dict[str, float]]]
 """loss_fn(micro_batch, denom) -> (loss, metrics). Metrics whose name ends in "loss" are already
@@ -35,7 +36,11 @@ def global_denominator(mini: Batch, loss_agg_mode: str, device: torch.device) ->
 
 def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn: LossFn, *,
                mini_batch_size: int, micro_batch_size: int, epochs: int, grad_clip: float,
-               loss_agg_mode: str, device: torch.device) -> dict[str, float]:
+               loss_agg_mode: str, device: torch.device, max_tokens: int = 0,
+               offload_optimizer: bool = False) -> dict[str, float]:
+    """`max_tokens > 0`: micro-batches by token budget (spmd_rl.batch.plan_micro_batches) instead
+    of `micro_batch_size` rows; the loss is normalised by the global mini-batch count either way.
+    `offload_optimizer`: the optimizer state lives on CPU and visits `device` for each step."""
     sums: dict[str, float] = defaultdict(float)
     n_steps = 0
     for _ in range(epochs):
@@ -43,7 +48,7 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
             denom = global_denominator(mini, loss_agg_mode, device)
             token_denom = global_denominator(mini, "token-mean", device)
             optimizer.zero_grad(set_to_none=True)
-            micros = list(iter_micro_batches(mini, micro_batch_size))
+            micros = [mb for _, mb in iter_micro_batches(mini, micro_batch_size, max_tokens)]
             for i, micro in enumerate(micros):
                 # Reduce-scatter gradients only once per optimizer step.
                 if hasattr(model, "set_requires_gradient_sync"):
@@ -55,7 +60,7 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
                     sums[k] += float(v) if k.endswith("loss") else float(v) * share
             grad_norm = clip_grad_norm(model, grad_clip)
             if torch.isfinite(torch.tensor(grad_norm)):
-                optimizer.step()
+                step_optimizer(optimizer, device, offload_optimizer)
             else:
                 sums["skipped_steps"] += 1.0
             sums["grad_norm"] += grad_norm
@@ -64,6 +69,16 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     out = {k: v / n_steps for k, v in sums.items()}
     out["lr"] = optimizer.param_groups[0]["lr"]
     return out
+
+
+def step_optimizer(optimizer: torch.optim.Optimizer, device: torch.device, offload: bool) -> None:
+    if offload:
+        move_optimizer_state(optimizer, device)
+    optimizer.step()
+    if offload:
+        move_optimizer_state(optimizer, torch.device("cpu"))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the copies must land before the memory is reused
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:

@@ -2,6 +2,7 @@
 whole mini-batch at once, for every loss aggregation mode; and the FSDP2-wrapped model gives
 the same log-probs as a plain `from_pretrained` model."""
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -55,14 +56,20 @@ def reference_grads(model, batch, mode):
     return {n: p.grad.float() for n, p in model.named_parameters()}
 
 
-def _update_body(rank, world):
+# (remove_padding, chunked_logprobs, max_tokens): the padded full-logits path in micro-batches of one
+# row, and packed rows with chunked log-probs in token-budget micro-batches (2-3 rows of <= 12 tokens).
+LAYOUTS = {"padded-full-logits": (False, False, 0), "packed-chunked-token-budget": (True, True, 20)}
+
+
+def _update_body(rank, world, layout):
     from torch.distributed.device_mesh import init_device_mesh
 
     from spmd_rl.actor import actor_loss_fn
     from spmd_rl.config import ActorConfig
-    from spmd_rl.models import apply_fsdp
+    from spmd_rl.models import apply_fsdp, prepare_policy
     from spmd_rl.update import ppo_update
 
+    remove_padding, chunked, max_tokens = LAYOUTS[layout]
     mesh = init_device_mesh("cpu", (world,))
     batch = make_batch()
     for mode in MODES:
@@ -72,22 +79,23 @@ def _update_body(rank, world):
         model.load_state_dict(plain.state_dict())
         ref = reference_grads(plain, batch, mode)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        apply_fsdp(model, mesh, torch.float32)
+        apply_fsdp(prepare_policy(model, remove_padding, chunked), mesh, torch.float32)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)  # delta = -grad exactly
         cfg = ActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode=mode)
         rows = len(batch) // world
         mine = batch.select(slice(rank * rows, (rank + 1) * rows))
         metrics = ppo_update(model, opt, mine, actor_loss_fn(model, cfg, 1.0), mini_batch_size=rows,
                              micro_batch_size=1, epochs=1, grad_clip=0.0, loss_agg_mode=mode,
-                             device=torch.device("cpu"))
+                             device=torch.device("cpu"), max_tokens=max_tokens)
         for n, p in model.named_parameters():
             got = before[n] - p.full_tensor()
             torch.testing.assert_close(got, ref[n], rtol=1e-4, atol=1e-6, msg=f"{mode} {n}")
         assert abs(metrics["grad_norm"] - torch.sqrt(sum((g.double() ** 2).sum() for g in ref.values())).item()) < 1e-4
 
 
-def test_distributed_micro_batched_update_matches_full_batch_reference():
-    run_distributed(_update_body, 2)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_distributed_micro_batched_update_matches_full_batch_reference(layout):
+    run_distributed(_update_body, 2, layout)
 
 
 def _fsdp_logprobs_body(rank, world, model_dir):

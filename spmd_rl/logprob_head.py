@@ -1,0 +1,188 @@
+"""Token log-probs and entropy straight from the last hidden states, without a [tokens, vocab]
+float32 tensor.
+
+The plain way (`model(...).logits.float()`, `log_softmax`, gather) holds the whole [tokens, vocab]
+logits in float32, plus the log-softmax and, under autograd, what backward needs: for a
+152k vocabulary that is 0.6 MB per token and copy, 6 GB for a micro-batch of 10k tokens. Here
+the LM head runs over chunks of positions; per chunk the float32 logits live only long enough to
+give each position its log-sum-exp, the target's log-prob and (optionally) the entropy. Backward
+recomputes each chunk's logits from the saved hidden states (one more head matmul per chunk)
+instead of keeping them.
+
+The numbers are the plain path's: logits = hidden @ W^T in the head's dtype (bf16 under FSDP
+mixed precision), upcast to float32, divided by the temperature, then log-softmax.
+
+`install(model)` gives a causal LM a second way to be called:
+
+    logp, entropy = model(input_ids=..., logprob_targets=targets, temperature=0.7, with_entropy=True)
+
+It goes through `model.__call__`, so FSDP2's root hooks run as for a normal forward: the head's
+weight is gathered, and its gradient reduce-scattered in backward, exactly as for `.logits`.
+Without `logprob_targets` the model behaves exactly as before.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+# Positions per chunk are chosen so a chunk's float32 [positions, vocab] temporaries stay near
+# this many elements (256 MiB each), whatever the vocabulary.
+CHUNK_ELEMENTS = 1 << 26
+
+
+def chunk_positions(vocab_size: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    return max(1, chunk_elements // max(vocab_size, 1))
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """float32 for bf16/fp16/fp32; float64 stays float64 (the tests' exact references)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """z = upcast(h @ W^T) / T for one chunk, and its log-sum-exp and target log-prob."""
+    z = _upcast(hidden @ weight.t()) / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets[:, None])[:, 0] - lse
+    return z, lse, logp
+
+
+def _entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    return lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], targets [N]) -> (log p(target) [N], entropy [N]) in chunks.
+
+    Gradients, with z = logits / T, p = softmax(z), H = entropy:
+      d logp_n / d z_j = 1[j = target] - p_j
+      d H_n / d z_j    = -p_j (log p_j + H_n)
+    and d z / d logits = 1 / T; the head's gradient is accumulated in float32 over the chunks.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, want_entropy: bool):
+        n, dtype = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
+        logp = torch.empty(n, dtype=dtype, device=hidden.device)
+        lse = torch.empty(n, dtype=dtype, device=hidden.device)
+        entropy = torch.zeros(n if want_entropy else 0, dtype=dtype, device=hidden.device)
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            z, lse[s:e], logp[s:e] = _chunk_stats(hidden[s:e], weight, targets[s:e], temperature)
+            if want_entropy:
+                entropy[s:e] = _entropy(z, lse[s:e])
+            del z
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.temperature, ctx.chunk, ctx.want_entropy = temperature, chunk, want_entropy
+        ctx.mark_non_differentiable(targets)
+        ctx.set_materialize_grads(False)  # an unused output (the logged entropy) costs nothing in backward
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
+        use_entropy = ctx.want_entropy and grad_entropy is not None
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        for s in range(0, hidden.shape[0], chunk):
+            e = min(s + chunk, hidden.shape[0])
+            h = hidden[s:e]
+            log_p = _upcast(h @ weight.t()) / t - lse[s:e, None]
+            p = log_p.exp()
+            g = p * (-grad_logp[s:e, None])
+            if use_entropy:
+                g -= p * (log_p + entropy[s:e, None]) * grad_entropy[s:e, None]
+            del p, log_p
+            g.scatter_add_(-1, targets[s:e, None], grad_logp[s:e, None].to(g.dtype))
+            g = (g / t).to(weight.dtype)
+            if need_h:
+                grad_h[s:e] = g @ weight
+            if need_w:
+                grad_w += g.t() @ h
+            del g
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+
+
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False, entropy_grad: bool = False,
+                   chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(targets) under softmax(hidden @ weight^T / temperature), float32, shaped like
+    `targets`; and the entropy of the same distributions when `with_entropy` (differentiable only
+    with `entropy_grad`: the bonus needs it, the logged metric does not)."""
+    shape = targets.shape
+    h = hidden.reshape(-1, hidden.shape[-1])
+    tg = targets.reshape(-1)
+    chunk = chunk or chunk_positions(weight.shape[0])
+    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    if not grad:
+        logp, ent = _ChunkedLogProbs.forward(_NoCtx(), h, weight, tg, temperature, chunk, with_entropy)
+    else:
+        logp, ent = _ChunkedLogProbs.apply(h, weight, tg, temperature, chunk, with_entropy)
+        if with_entropy and not entropy_grad:
+            ent = ent.detach()
+    return logp.reshape(shape), (ent.reshape(shape) if with_entropy else None)
+
+
+class _NoCtx:
+    """Stands in for autograd's ctx when no graph is built (no saved tensors kept alive)."""
+
+    def save_for_backward(self, *tensors):
+        pass
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+    def set_materialize_grads(self, value):
+        pass
+
+
+def full_logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                         with_entropy: bool = False, entropy_grad: bool = False):
+    """The plain path: the whole float32 [.., vocab] logits at once (model.chunked_logprobs = false;
+    also the reference the chunked path is tested against)."""
+    from spmd_rl.algorithms import entropy_from_logits
+
+    z = _upcast(logits) / temperature
+    logp = torch.gather(torch.log_softmax(z, dim=-1), -1, targets[..., None])[..., 0]
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(z if entropy_grad else z.detach())
+    return logp, entropy
+
+
+# --------------------------------------------------------------------------- model hook
+
+
+def _logprob_forward(self, *args, logprob_targets: torch.Tensor | None = None, temperature: float = 1.0,
+                     with_entropy: bool = False, entropy_grad: bool = False, **kwargs):
+    if logprob_targets is None:
+        return type(self).forward(self, *args, **kwargs)
+    if self.spmd_chunked_logprobs:
+        base = getattr(self, self.base_model_prefix)
+        hidden = base(*args, **kwargs).last_hidden_state
+        return token_logprobs(hidden, self.get_output_embeddings().weight, logprob_targets, temperature,
+                              with_entropy, entropy_grad)
+    logits = type(self).forward(self, *args, **kwargs).logits
+    return full_logits_logprobs(logits, logprob_targets, temperature, with_entropy, entropy_grad)
+
+
+def install(model: torch.nn.Module, chunked: bool = True) -> torch.nn.Module:
+    """Let `model(..., logprob_targets=...)` return (log-probs, entropy) (see the module doc), chunked
+    from the hidden states or (chunked=False) from the full logits. The chunked path needs a
+    bias-free linear LM head without logit soft-capping."""
+    head = model.get_output_embeddings()
+    config = model.config
+    plain_head = isinstance(head, torch.nn.Linear) and head.bias is None
+    if chunked and (not plain_head or getattr(config, "final_logit_softcapping", None)):
+        raise ValueError(f"{type(model).__name__}: the log-prob head needs a bias-free linear LM head without "
+                         "logit soft-capping; set model.chunked_logprobs = false for this model")
+    model.forward = types.MethodType(_logprob_forward, model)
+    model.spmd_chunked_logprobs = chunked
+    return model

@@ -1,0 +1,56 @@
+"""How a micro-batch is handed to a model: padded rows, or packed into one row without padding.
+
+A micro-batch (spmd_rl.batch) is [b, L] rows, left-aligned, right-padded. A layout turns it into
+model inputs and the model's per-position outputs back into [b, L] columns aligned with
+`input_ids`, shifted so that column t holds what the model said *before* token t (the log-prob of
+token t, the value before t; column 0 gets 0) -- the batch's convention.
+
+- `PaddedLayout`: the rows as they are, with the attention mask.
+- `PackedLayout` (`model.remove_padding`): the rows' real tokens concatenated into one [1, T] row,
+  position ids restarting at 0 per sequence (a left-aligned row's column *is* the position) and
+  the boundaries as `cu_seq_lens_*` for a variable-length attention backend
+  (spmd_rl.varlen_attention). No compute or memory is spent on padding.
+
+`targets` is the next token of every position (what its log-prob is of). Positions whose next
+token belongs to another sequence or is padding get some token too; their outputs never reach a
+column.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class PaddedLayout:
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        self.shape = input_ids.shape
+        self.inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        self.targets = torch.roll(input_ids, -1, dims=1)
+
+    def to_columns(self, out: torch.Tensor) -> torch.Tensor:
+        """[b, L] per-position outputs -> [b, L] columns (column t = output at position t - 1)."""
+        return F.pad(out[:, :-1], (1, 0))
+
+
+class PackedLayout:
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        self.shape = input_ids.shape
+        lens = attention_mask.sum(1)
+        self.rows, self.cols = attention_mask.bool().nonzero(as_tuple=True)  # row by row, left to right
+        packed = input_ids[self.rows, self.cols][None]
+        cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+        max_len = int(lens.max())
+        self.inputs = {"input_ids": packed, "position_ids": self.cols[None],
+                       "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+        self.targets = torch.roll(packed, -1, dims=1)
+        self.num_tokens = packed.shape[1]
+
+    def to_columns(self, out: torch.Tensor) -> torch.Tensor:
+        """[1, T] per-position outputs -> [b, L] columns; a sequence's first token gets 0."""
+        shifted = torch.roll(out[0], 1).masked_fill(self.cols == 0, 0)
+        return shifted.new_zeros(self.shape).index_put((self.rows, self.cols), shifted)
+
+
+def make_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool) -> PaddedLayout | PackedLayout:
+    return (PackedLayout if packed else PaddedLayout)(input_ids, attention_mask)
