@@ -120,6 +120,19 @@ def _set_layout(model: torch.nn.Module, remove_padding: bool) -> None:
     if remove_padding:  # the varlen backend runs padded batches exactly as sdpa does, too
         model.set_attn_implementation(varlen_attention.register())
     model.spmd_remove_padding = remove_padding
+    disable_dropout(model)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Zero every dropout: the PPO ratio compares log-probs of the same weights across passes, so
+    the forward must be deterministic. The models then train in train() mode (which transformers'
+    gradient checkpointing requires) with eval() numerics."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "dropout", "hidden_dropout", "activation_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
 
 
 def uses_packing(model: torch.nn.Module) -> bool:
@@ -139,7 +152,10 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, gradien
     the all-gather of the next one (FSDP2 already overlaps one layer ahead implicitly; explicit
     prefetch issues it earlier, which helps when a layer's compute is short)."""
     if gradient_checkpointing:
+        # transformers checkpoints a layer only in train() mode; from_pretrained returns eval()
+        # models, so without this the switch did nothing. Dropout is off (disable_dropout).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     layers = decoder_layers(model)
     for layer in layers:

@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
 
+    # Training tensors of changing shapes (packed rows) fragment the caching allocator; expandable
+    # segments let empty_cache() give every free page back before the engine wakes. The vLLM engine
+    # switches them off while it is awake (spmd_rl/gpu_memory.py). A user's own setting wins.
+    if cfg.rollout.engine == "vllm" and not any(v in os.environ for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
     from spmd_rl.distributed import destroy_distributed, init_distributed, seed_everything, setup_logging
     from spmd_rl.preemption import EXIT_PREEMPTED
     from spmd_rl.trainer import Trainer

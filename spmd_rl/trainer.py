@@ -147,16 +147,18 @@ class Trainer:
         self.model_dir = self._model_dir()
         master, compute = DTYPES[m.dtype], DTYPES[m.compute_dtype]
 
-        def policy_model():
-            return load_causal_lm(self.model_dir, master, m.attn_implementation, m.remove_padding, m.chunked_logprobs)
+        def policy_model(dtype):
+            return load_causal_lm(self.model_dir, dtype, m.attn_implementation, m.remove_padding, m.chunked_logprobs)
 
-        self.actor = apply_fsdp(policy_model(), env.mesh, compute, m.gradient_checkpointing, m.fsdp_forward_prefetch)
+        self.actor = apply_fsdp(policy_model(master), env.mesh, compute, m.gradient_checkpointing, m.fsdp_forward_prefetch)
         self.n_params = count_parameters(self.actor)
         self.actor_opt = make_optimizer(self.actor, a.lr, a.weight_decay, a.betas)
         self.actor_sched = make_scheduler(self.actor_opt, a.warmup_steps, cfg.trainer.total_steps, a.lr_schedule, a.min_lr_ratio)
         self.ref = None
         if cfg.use_reference:
-            self.ref = apply_fsdp(policy_model(), env.mesh, compute, forward_prefetch=m.fsdp_forward_prefetch)
+            # frozen: stored in the compute dtype (forward numerics are the same as fp32 masters cast
+            # to it for every forward, at half or a quarter of the memory)
+            self.ref = apply_fsdp(policy_model(compute), env.mesh, compute, forward_prefetch=m.fsdp_forward_prefetch)
             self.ref.requires_grad_(False)
         self.critic = self.critic_opt = self.critic_sched = None
         if cfg.use_critic:

@@ -215,3 +215,47 @@ def test_token_budget_config_needs_remove_padding_and_room_for_the_longest_seque
         cfg.validate()
     cfg.actor.max_token_len_per_gpu = 300
     cfg.validate()
+
+
+def test_gradient_checkpointing_really_saves_activations_and_dropout_is_off(tmp_path):
+    """transformers checkpoints a layer only in train() mode, so apply_fsdp must put the model there
+    (the switch silently did nothing before), with every dropout zeroed so the forward stays
+    deterministic. Checked by what autograd saves for backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from spmd_rl.actor import forward_logprobs
+    from spmd_rl.distributed import free_port
+    from spmd_rl.models import apply_fsdp, load_causal_lm
+
+    import os
+
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model_dir = str(tmp_path)  # a model whose config asks for attention dropout
+    AutoModelForCausalLM.from_config(tiny_config(attention_dropout=0.5)).save_pretrained(model_dir)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        mb = ragged_batch([40, 64])
+        saved = {}
+        for gc_on in (False, True):
+            model = apply_fsdp(load_causal_lm(model_dir, torch.float64, remove_padding=True), mesh, torch.float64,
+                               gradient_checkpointing=gc_on)
+            count = [0]
+
+            def pack(t):
+                count[0] += t.numel()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                logp, _ = forward_logprobs(model, mb, 1.0)
+            saved[gc_on] = count[0]
+            again, _ = forward_logprobs(model, mb, 1.0)
+            torch.testing.assert_close(again, logp, rtol=0, atol=0)  # deterministic in train() mode
+            assert model.training == gc_on
+            assert all(layer.self_attn.attention_dropout == 0.0 for layer in model.model.layers)
+        assert saved[True] < 0.5 * saved[False], saved
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,283 @@
+"""Benchmark of the training side (actor update and no-grad log-prob pass), each feature on/off,
+in one torchrun run; MFU against the bf16 matmul peak measured in the same run.
+
+    torchrun --nproc-per-node=1 scripts/bench_train.py --arch qwen2-0.5b,qwen2-1.5b --out $OUT
+    torchrun --nproc-per-node=2 scripts/bench_train.py --arch qwen2-7b --out $OUT
+
+Per rank: `--seqs` sequences (prompt 60-120 tokens, response uniform 32..`--max-response`: the
+ragged lengths of RL rollouts), as one PPO mini-batch. The code timed is the trainer's own:
+`update.ppo_update` with `actor.actor_loss_fn` (forward, backward, grad clip, AdamW step) and
+`actor.compute_logprobs`, on an FSDP2 actor (fp32 masters, bf16 compute) of a random-weight model
+of the preset shape. Variants (`--variants`):
+  padded-full     padded micro-batches of --mbs rows, full [tokens, vocab] fp32 logits (the old path)
+  padded-chunked  the same, log-probs from the hidden states in chunks
+  packed          packed rows (varlen attention), chunked log-probs, micro-batches of --budget tokens
+  packed-nogc     packed without gradient checkpointing
+(the padded variants run with gradient checkpointing; packed too unless -nogc).
+MFU = 6 (update) or 2 (log-prob pass) x parameters x real tokens / seconds / peak; peak memory is
+PyTorch's max allocated and the driver's used memory at the end. Then the largest packed token
+budget that fits one micro-batch of the update, with and without checkpointing (doubling until
+out of memory). Prints a table last (rank 0); JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from spmd_rl.actor import actor_loss_fn, compute_logprobs  # noqa: E402
+from spmd_rl.batch import Batch  # noqa: E402
+from spmd_rl.config import ActorConfig  # noqa: E402
+from spmd_rl.distributed import init_distributed  # noqa: E402
+from spmd_rl.gpu_memory import GiB  # noqa: E402
+from spmd_rl.actor import reshard  # noqa: E402
+from spmd_rl.models import (apply_fsdp, count_parameters, load_causal_lm, materialize_random_model,  # noqa: E402
+                            random_model_config)
+from spmd_rl.optim import make_optimizer  # noqa: E402
+from spmd_rl.update import ppo_update  # noqa: E402
+from spmd_rl.varlen_attention import register as register_varlen  # noqa: E402
+
+VARIANTS = {  # name: (packed, chunked, gradient checkpointing)
+    "padded-full": (False, False, True),
+    "padded-chunked": (False, True, True),
+    "packed": (True, True, True),
+    "packed-nogc": (True, True, False),
+}
+
+
+def cuda_sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def matmul_peak_tflops(device) -> float:
+    if device.type != "cuda":
+        return float("nan")  # CPU smoke runs of this script
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        torch.cuda.synchronize()
+        best = max(best, 10 * 2 * n**3 / (time.perf_counter() - t) / 1e12)
+    return best
+
+
+def rollout_batch(seqs: int, vocab: int, max_response: int, seed: int, fixed_len: int = 0) -> Batch:
+    """Ragged RL-like rows; `fixed_len`: every row exactly that long (the largest-budget search)."""
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.randint(60, 121, (seqs,), generator=g)
+    rlen = torch.randint(32, max_response + 1, (seqs,), generator=g)
+    if fixed_len:
+        rlen = fixed_len - plen
+    L = int((plen + rlen).max())
+    ids = torch.randint(0, vocab, (seqs, L), generator=g)
+    attn = torch.zeros(seqs, L, dtype=torch.long)
+    resp = torch.zeros(seqs, L)
+    for i in range(seqs):
+        p, r = int(plen[i]), int(rlen[i])
+        attn[i, :p + r] = 1
+        resp[i, p:p + r] = 1
+    return Batch({"input_ids": ids * attn, "attention_mask": attn, "response_mask": resp,
+                  "old_logprobs": -torch.rand(seqs, L, generator=g) * resp,
+                  "advantages": torch.randn(seqs, L, generator=g) * resp})
+
+
+def set_variant(model, packed: bool, chunked: bool, gc_on: bool) -> None:
+    model.set_attn_implementation(register_varlen() if packed else "sdpa")
+    model.spmd_remove_padding = packed
+    model.spmd_chunked_logprobs = chunked
+    if gc_on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # transformers checkpoints only in train() mode (dropout is off: models.disable_dropout)
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def timed(fn, model, opt):
+    """(seconds, result, error or None, memory) of fn(); after an out-of-memory error the model is
+    brought back to a clean state (resharded, no gradients) so the next variant can run."""
+    cuda = torch.cuda.is_available()
+    cuda_sync()
+    dist.barrier()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    try:
+        out, err = fn(), None
+    except torch.OutOfMemoryError as e:
+        out, err = None, f"OOM ({str(e).splitlines()[0][:80]})"
+    cuda_sync()
+    secs = time.perf_counter() - t
+    mem = {}
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        mem = {"peak_gib": torch.cuda.max_memory_allocated() / GiB, "device_gib": (total - free) / GiB}
+    flag = torch.tensor([0 if err is None else 1], dtype=torch.int64)  # ranks must agree, or the next collective hangs
+    from spmd_rl.distributed import all_reduce_sum
+
+    if int(all_reduce_sum(flag)[0]) and err is None:
+        err = "OOM on another rank"
+    if err:
+        opt.zero_grad(set_to_none=True)
+        model.set_requires_gradient_sync(True)
+        reshard(model)
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return secs, out, err, mem
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="qwen2-0.5b", help="comma-separated presets")
+    ap.add_argument("--seqs", type=int, default=256, help="sequences per rank (one mini-batch)")
+    ap.add_argument("--max-response", type=int, default=512)
+    ap.add_argument("--mbs", type=int, default=16, help="rows per micro-batch of the padded variants")
+    ap.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch of the packed variants")
+    ap.add_argument("--logprob-budget", type=int, default=0, help="tokens per log-prob micro-batch (0 = 2 x budget)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--reps", type=int, default=2, help="timed repetitions (after one warm-up); the best counts")
+    ap.add_argument("--fit-start", type=int, default=8192, help="first budget of the largest-budget search")
+    ap.add_argument("--max-budget", type=int, default=131072, help="stop the largest-budget search here")
+    ap.add_argument("--skip-fit", action="store_true", help="skip the largest-budget search")
+    ap.add_argument("--model-root", default="/tmp/spmd_rl_models")
+    ap.add_argument("--out", default="/tmp/bench_train")
+    args = ap.parse_args()
+
+    env = init_distributed("auto")
+    dev = env.device
+    os.makedirs(args.out, exist_ok=True)
+    peak = matmul_peak_tflops(dev)
+    results = {"peak_tflops_measured": peak, "world": env.world_size,
+               "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+               "torch": torch.__version__, "args": vars(args), "rows": []}
+    for arch in args.arch.split(","):
+        results["rows"] += bench_arch(arch, args, env, peak)
+        gc.collect()
+        torch.cuda.empty_cache()
+    if env.is_main:
+        path = os.path.join(args.out, f"bench_train_w{env.world_size}.json")
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+        print_table(results, path)
+    dist.destroy_process_group()
+
+
+def bench_arch(arch: str, args, env, peak: float) -> list[dict]:
+    dev = env.device
+    config = random_model_config(arch)
+    mdir = materialize_random_model(os.path.join(args.model_root, arch), config, seed=0, dtype=torch.bfloat16)
+    compute = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = apply_fsdp(load_causal_lm(mdir, torch.float32), env.mesh, compute, gradient_checkpointing=True)
+    n_params = count_parameters(model)
+    opt = make_optimizer(model, 1e-6, 0.0, [0.9, 0.999])
+    batch = rollout_batch(args.seqs, config.vocab_size, args.max_response, seed=env.rank)
+    tokens = int(batch["attention_mask"].sum())
+    all_tokens = tokens * env.world_size
+    acfg = ActorConfig()
+    rows = []
+    for name in args.variants.split(","):
+        packed, chunked, gc_on = VARIANTS[name]
+        set_variant(model, packed, chunked, gc_on)
+        budget = args.budget if packed else 0
+        lp_budget = (args.logprob_budget or 2 * args.budget) if packed else 0
+
+        def update():
+            return ppo_update(model, opt, batch, actor_loss_fn(model, acfg, 1.0), mini_batch_size=len(batch),
+                              micro_batch_size=args.mbs, epochs=1, grad_clip=1.0, loss_agg_mode="token-mean",
+                              device=dev, max_tokens=budget)
+
+        def logprobs():
+            return compute_logprobs(model, batch, 1.0, args.mbs, dev, lp_budget)
+
+        row = {"arch": arch, "variant": name, "params": n_params, "tokens_per_rank": tokens,
+               "micro": f"{args.budget} tok" if packed else f"{args.mbs} seqs", "gc": gc_on}
+        for phase, fn, flops_per_token in (("update", update, 6), ("logprob", logprobs, 2)):
+            best, err, mem = None, None, None
+            for rep in range(args.reps + 1):
+                secs, _, err, m = timed(fn, model, opt)
+                if err:
+                    break
+                if rep and (best is None or secs < best):
+                    best, mem = secs, m
+            if err:
+                row[phase] = {"error": err}
+                continue
+            row[phase] = {"s": best, "tok_s_gpu": tokens / best, **(mem or {}),
+                          "mfu_measured": flops_per_token * n_params * all_tokens / env.world_size / best / (peak * 1e12),
+                          "mfu_989": flops_per_token * n_params * all_tokens / env.world_size / best / 989e12}
+        rows.append(row)
+        if env.is_main:
+            print(json.dumps(row), flush=True)
+    if not args.skip_fit:
+        for gc_on in (True, False):
+            rows.append(largest_budget(model, opt, acfg, config.vocab_size, gc_on, args, env, arch))
+    del model, opt
+    return rows
+
+
+def largest_budget(model, opt, acfg, vocab: int, gc_on: bool, args, env, arch: str) -> dict:
+    """Double a single packed micro-batch's tokens until the update runs out of memory."""
+    set_variant(model, True, True, gc_on)
+    fits, budget, mem = 0, args.fit_start, None
+    while budget <= args.max_budget:
+        n = budget // 512
+        b = rollout_batch(n, vocab, 512, seed=1, fixed_len=512)
+
+        def update():
+            return ppo_update(model, opt, b, actor_loss_fn(model, acfg, 1.0), mini_batch_size=n, micro_batch_size=n,
+                              epochs=1, grad_clip=1.0, loss_agg_mode="token-mean", device=env.device, max_tokens=0)
+
+        _, _, err, m = timed(update, model, opt)
+        if err:
+            break
+        fits, mem = int(b["attention_mask"].sum()), m
+        budget *= 2
+    row = {"arch": arch, "variant": f"largest packed micro-batch, gc {'on' if gc_on else 'off'}",
+           "fits_tokens": fits, **(mem or {})}
+    if env.is_main:
+        print(json.dumps(row), flush=True)
+    return row
+
+
+
+def print_table(res: dict, path: str) -> None:
+    print(f"\nbench_train: {res['device']} x{res['world']}, torch {res['torch']}, bf16 matmul peak measured "
+          f"{res['peak_tflops_measured']:.0f} TFLOP/s (MFU columns: vs measured / vs 989)")
+    print(f"{'arch':11} {'variant':15} {'micro':>10} {'tok/rank':>8} | {'update s':>8} {'tok/s/gpu':>9} {'MFU':>11} "
+          f"{'peak GiB':>8} | {'logprob s':>9} {'tok/s/gpu':>9} {'MFU':>11} {'peak GiB':>8}")
+    for r in res["rows"]:
+        if "fits_tokens" in r:
+            print(f"{r['arch']:11} {r['variant']}: {r['fits_tokens']} tokens fit "
+                  f"(peak {r.get('peak_gib', float('nan')):.1f} GiB)")
+            continue
+        cells = []
+        for phase in ("update", "logprob"):
+            p = r[phase]
+            if "error" in p:
+                cells.append(f"{p['error'][:46]:46}")
+            else:
+                cells.append(f"{p['s']:8.2f} {p['tok_s_gpu']:9.0f} {100 * p['mfu_measured']:4.1f}/{100 * p['mfu_989']:4.1f}% "
+                             f"{p.get('peak_gib', float('nan')):8.1f}")
+        print(f"{r['arch']:11} {r['variant']:15} {r['micro']:>10} {r['tokens_per_rank']:8d} | {cells[0]} | {cells[1]}")
+    print(f"(json: {path})")
+
+
+if __name__ == "__main__":
+    main()
