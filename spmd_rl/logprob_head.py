@@ -41,16 +41,25 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z = upcast(h @ W^T) / T, a fresh tensor the caller may overwrite. For small models the
+    [chunk, vocab] element-wise passes, not the matmul, dominate the head, so each pass counts."""
+    z = _upcast(hidden @ weight.t())
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
 def _chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
-    """z = upcast(h @ W^T) / T for one chunk, and its log-sum-exp and target log-prob."""
-    z = _upcast(hidden @ weight.t()) / temperature
+    """z, and its log-sum-exp and target log-prob, for one chunk."""
+    z = _scaled_logits(hidden, weight, temperature)
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets[:, None])[:, 0] - lse
     return z, lse, logp
 
 
 def _entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    return lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    """lse - sum softmax(z) * z; overwrites z."""
+    weighted = (z - lse[:, None]).exp_().mul_(z).sum(-1)
+    return lse - weighted
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -93,14 +102,18 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             e = min(s + chunk, hidden.shape[0])
             h = hidden[s:e]
-            log_p = _upcast(h @ weight.t()) / t - lse[s:e, None]
-            p = log_p.exp()
-            g = p * (-grad_logp[s:e, None])
+            log_p = _scaled_logits(h, weight, t).sub_(lse[s:e, None])
             if use_entropy:
-                g -= p * (log_p + entropy[s:e, None]) * grad_entropy[s:e, None]
-            del p, log_p
+                p = log_p.exp()
+                # -p * g_logp - p * (log p + H) * g_H, computed into log_p's memory
+                g = log_p.add_(entropy[s:e, None]).mul_(grad_entropy[s:e, None]).add_(grad_logp[s:e, None]).mul_(p).neg_()
+                del p
+            else:
+                g = log_p.exp_().mul_(-grad_logp[s:e, None])
             g.scatter_add_(-1, targets[s:e, None], grad_logp[s:e, None].to(g.dtype))
-            g = (g / t).to(weight.dtype)
+            if t != 1.0:
+                g.div_(t)
+            g = g.to(weight.dtype)
             if need_h:
                 grad_h[s:e] = g @ weight
             if need_w:
