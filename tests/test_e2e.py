@@ -84,17 +84,22 @@ def test_kill_and_resume_continues_identically(tmp_path):
 
     resumed = tmp_path / "resumed"
     cmd = torchrun_cmd(2, f"trainer.run_dir={resumed}", *common)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    # The asynchronous save of step 4 is written but held back from its commit (a save in flight)
+    # while training goes on: the kill must leave step_2 as the checkpoint to resume from.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, SPMD_RL_CHECKPOINT_FAULT="delay@4:600")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     latest = resumed / "checkpoints" / "latest"
     deadline = time.time() + 300
-    while not latest.exists() and proc.poll() is None and time.time() < deadline:
+    while proc.poll() is None and time.time() < deadline and not (
+            (resumed / "metrics.jsonl").exists() and '"step": 5,' in (resumed / "metrics.jsonl").read_text()):
         time.sleep(0.05)
     kill_matching(str(resumed))  # torchrun and its workers, no chance to clean up: like a node failure
     proc.wait()
+    assert "step_4: training stalled" in (resumed / "trainer.log").read_text()
+    assert os.path.isdir(resumed / "checkpoints" / "step_4.tmp") and not os.path.exists(resumed / "checkpoints" / "step_4")
     killed_at = int(latest.read_text().strip().split("_")[1])
-    assert 2 <= killed_at < 8, f"the run was not killed mid-way (latest = step_{killed_at})"
+    assert killed_at == 2, f"latest = step_{killed_at}: the save in flight must not become the latest"
 
     out = run(cmd)
     assert f"resumed from {resumed / 'checkpoints' / f'step_{killed_at}'} at step {killed_at}" in out, out[-2000:]

@@ -1,0 +1,193 @@
+"""Checkpoints: asynchronous saves hold the staged state, failures never become `latest`,
+broken checkpoints are detected and skipped, and a directory of only broken ones is an error."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import pytest
+import torch
+
+from spmd_rl.checkpoint import MANIFEST, CheckpointError, Checkpointer, ModelAndOptimizer, verify
+from dist_utils import run_distributed
+
+
+def make_model(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()  # optimizer state exists
+    return model, opt
+
+
+def snapshot(model, opt):
+    """Independent copy of what a checkpoint must hold: parameters and Adam moments."""
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    moments = [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)} for p in model.parameters()]
+    return params, moments
+
+
+def train_step(model, opt):
+    model(torch.randn(3, 8)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def assert_holds(model, opt, snap):
+    params, moments = snap
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, params[k], rtol=0, atol=0)
+    for p, m in zip(model.parameters(), moments):
+        for k, v in m.items():
+            torch.testing.assert_close(opt.state[p][k], v, rtol=0, atol=0)
+
+
+def test_async_save_holds_the_state_of_its_step_while_training_goes_on(tmp_path, monkeypatch):
+    """The write is held back until two more steps changed every weight in place: the checkpoint
+    must still hold the weights and Adam moments of the step it was taken at."""
+    model, opt = make_model()
+    ck = Checkpointer(str(tmp_path), keep_last=2, async_save=True)
+    gate = threading.Event()
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    write = FileSystemWriter.write_data
+
+    def held_write(self, plan, planner):
+        assert gate.wait(60)
+        return write(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", held_write)
+    snap = snapshot(model, opt)
+    ck.save(1, {"actor": ModelAndOptimizer(model, opt)}, {"step": 1})
+    assert ck.latest() is None, "nothing may be visible before the write finished"
+    for _ in range(2):
+        train_step(model, opt)
+    gate.set()
+    ck.wait()
+    ck.close()
+    assert ck.latest() == str(tmp_path / "step_1") and verify(ck.latest()) is None
+
+    fresh, fresh_opt = make_model(seed=1)
+    state = Checkpointer(str(tmp_path), keep_last=2).load(ck.latest(), {"actor": ModelAndOptimizer(fresh, fresh_opt)})
+    assert state == {"step": 1}
+    assert_holds(fresh, fresh_opt, snap)
+
+
+def test_a_save_failing_in_the_background_is_raised_and_never_becomes_latest(tmp_path, monkeypatch, caplog):
+    model, opt = make_model()
+    ck = Checkpointer(str(tmp_path), keep_last=5, async_save=True)
+    models = {"actor": ModelAndOptimizer(model, opt)}
+    ck.save(1, models, {"step": 1})
+    ck.wait()
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    def broken_write(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", broken_write)
+    with caplog.at_level(logging.ERROR, logger="spmd_rl.checkpoint"):
+        ck.save(2, models, {"step": 2})  # returns: the failure happens in the background
+        with pytest.raises(CheckpointError, match=r"step 2 failed.*No space left"):
+            ck.save(3, models, {"step": 3})  # the next save reports it
+        assert "checkpoint of step 2 failed in the background" in caplog.text
+    ck.close()
+    assert ck.latest() == str(tmp_path / "step_1")
+    assert ck.complete_steps() == [1] and ck.find_resume("auto") == str(tmp_path / "step_1")
+
+
+def save_steps(root, steps, async_save):
+    model, opt = make_model()
+    ck = Checkpointer(str(root), keep_last=len(steps), async_save=async_save)
+    snaps = {}
+    for s in steps:
+        train_step(model, opt)
+        snaps[s] = snapshot(model, opt)
+        ck.save(s, {"actor": ModelAndOptimizer(model, opt)}, {"step": s})
+    ck.close()
+    return snaps
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "metadata"])
+def test_a_broken_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog, damage):
+    snaps = save_steps(tmp_path, [2, 4], async_save=False)
+    broken = tmp_path / "step_4"
+    data = sorted(f for f in os.listdir(broken) if f.endswith(".distcp"))[0]
+    if damage == "truncate":
+        with open(broken / data, "r+b") as f:
+            f.truncate(os.path.getsize(broken / data) // 2)
+    elif damage == "delete":
+        os.remove(broken / data)
+    else:
+        with open(broken / ".metadata", "r+b") as f:
+            f.truncate(10)
+    assert verify(str(broken)) is not None and verify(str(tmp_path / "step_2")) is None
+    ck = Checkpointer(str(tmp_path), keep_last=2)
+    with caplog.at_level(logging.WARNING, logger="spmd_rl.checkpoint"):
+        path = ck.find_resume("auto")
+    assert path == str(tmp_path / "step_2")
+    assert f"checkpoint {broken} is broken" in caplog.text and "resuming from" in caplog.text
+    model, opt = make_model(seed=3)
+    assert ck.load(path, {"actor": ModelAndOptimizer(model, opt)}) == {"step": 2}
+    assert_holds(model, opt, snaps[2])
+
+
+def test_only_broken_checkpoints_is_a_one_line_error(tmp_path):
+    save_steps(tmp_path, [2], async_save=True)
+    os.remove(tmp_path / "step_2" / "trainer_state_rank0.pt")
+    with pytest.raises(CheckpointError) as e:
+        Checkpointer(str(tmp_path), keep_last=2).find_resume("auto")
+    msg = str(e.value)
+    assert "\n" not in msg and str(tmp_path) in msg and "trainer_state_rank0.pt is missing" in msg
+    assert "move that directory away" in msg
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        Checkpointer(str(tmp_path), keep_last=2).find_resume(str(tmp_path / "step_2"))
+
+
+def test_manifest_sizes_catch_a_file_shortened_past_what_metadata_covers(tmp_path):
+    save_steps(tmp_path, [1], async_save=True)
+    path = tmp_path / "step_1"
+    assert os.path.isfile(path / MANIFEST)
+    with open(path / "trainer_state_rank0.pt", "r+b") as f:  # not a DCP file: only the manifest knows its size
+        f.truncate(os.path.getsize(path / "trainer_state_rank0.pt") - 1)
+    assert "trainer_state_rank0.pt has" in verify(str(path))
+
+
+def test_unfinished_saves_alone_start_fresh(tmp_path):
+    os.makedirs(tmp_path / "step_2.tmp")
+    assert Checkpointer(str(tmp_path), keep_last=2).find_resume("auto") is None
+
+
+def _two_rank_async_fsdp(rank, world, root):
+    """FSDP2 over 2 gloo ranks: async saves through the checkpointer's own gloo group while the
+    default group keeps training; the resumed shards equal the staged ones."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, _ = make_model()
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ck = Checkpointer(root, keep_last=2, async_save=True)
+    local = {}
+    for step in (1, 2, 3):
+        train_step(model, opt)
+        local[step] = [p.to_local().clone() for p in model.parameters()]
+        ck.save(step, {"actor": ModelAndOptimizer(model, opt)}, {"step": step, "rank": rank})
+    train_step(model, opt)  # training (default group collectives) while step 3 is written
+    ck.close()
+    assert ck.complete_steps() == [2, 3]
+    assert ck.find_resume("auto") == os.path.join(root, "step_3")
+    fresh, _ = make_model(seed=5)
+    fully_shard(fresh, mesh=mesh)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    state = Checkpointer(root, keep_last=2).load(os.path.join(root, "step_3"), {"actor": ModelAndOptimizer(fresh, fresh_opt)})
+    assert state == {"step": 3, "rank": rank}
+    for p, ref in zip(fresh.parameters(), local[3]):
+        torch.testing.assert_close(p.to_local(), ref, rtol=0, atol=0)
+
+
+def test_async_save_with_fsdp_on_two_gloo_ranks(tmp_path):
+    run_distributed(_two_rank_async_fsdp, 2, str(tmp_path))
