@@ -313,6 +313,10 @@ class Checkpointer:
             shutil.rmtree(os.path.join(self.root, f"step_{old}"), ignore_errors=True)
         log.info("checkpoint step_%d complete", step)
 
+    def in_flight(self) -> bool:
+        """Whether this rank's part of the last asynchronous save is still running."""
+        return self._pending is not None and not self._pending.done()
+
     def wait(self) -> None:
         """Wait for the save in flight, if any. Collective when one was in flight. Raises
         CheckpointError on every rank if it failed on any rank."""

@@ -205,9 +205,9 @@ class Trainer:
         """Checkpoint the current step; `wait`: return only once it is complete (end of the run)."""
         t0 = time.perf_counter()
         path = self.checkpointer.save(self.step, self._stateful(), self._trainer_state())
-        stall = time.perf_counter() - t0
         if wait:
             self.checkpointer.wait()
+        stall = time.perf_counter() - t0
         self.metrics.log(self.step, {"time/checkpoint": stall})
         log.info("checkpoint %s: training stalled %.1fs%s", path, stall,
                  ", writing in the background" if self.checkpointer.async_save and not wait else "")

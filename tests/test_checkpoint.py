@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
 
+from spmd_rl.preemption import EXIT_PREEMPTED
 from spmd_rl.checkpoint import MANIFEST, CheckpointError, Checkpointer, ModelAndOptimizer, verify
 from dist_utils import run_distributed
 
@@ -191,3 +196,91 @@ def _two_rank_async_fsdp(rank, world, root):
 
 def test_async_save_with_fsdp_on_two_gloo_ranks(tmp_path):
     run_distributed(_two_rank_async_fsdp, 2, str(tmp_path))
+
+
+# --------------------------------------------------------------------------- whole runs (2 ranks)
+
+
+def launch_ranks(run_dir, logs, overrides, fault=""):
+    """The trainer's 2 ranks with torchrun's environment, each with its own exit status."""
+    from spmd_rl.distributed import free_port
+    from test_e2e import ROOT, TINY
+
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.pop("SPMD_RL_CHECKPOINT_FAULT", None)
+        if fault:
+            env["SPMD_RL_CHECKPOINT_FAULT"] = fault
+        out = open(logs / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, "-m", "spmd_rl.ppo", "--config", TINY,
+                                       f"trainer.run_dir={run_dir}", *overrides], cwd=ROOT, env=env,
+                                      stdout=out, stderr=subprocess.STDOUT))
+    return procs
+
+
+def finish(procs, timeout=300):
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_preemption_waits_for_the_save_in_flight_then_falls_back_past_a_broken_checkpoint(tmp_path):
+    """SIGTERM (both ranks, as SLURM sends it) while the async save of step 4 is held back 4 s:
+    the ranks finish their step, wait for step 4, checkpoint their step and exit 3. Then a
+    truncated file in that latest checkpoint: the restart warns, names it and resumes from step_4.
+    Then every checkpoint broken: a one-line error and exit 2, nothing written."""
+    from test_e2e import data_overrides, read_metrics
+
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    common = ["trainer.save_every=2", "trainer.val_every=0", "data.val_files=[]", "trainer.tensorboard=false",
+              *data_overrides(tmp_path)[:1]]
+    procs = launch_ranks(run_dir, tmp_path, ["trainer.total_steps=40", *common], fault="delay@4:4")
+    deadline = time.time() + 300
+    log = run_dir / "trainer.log"
+    while not (log.exists() and "step_4: training stalled" in log.read_text()):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), (tmp_path / "rank0.log").read_text()
+        time.sleep(0.05)
+    assert not (ckpts / "step_4").exists(), "step 4 must still be in flight when the signal comes"
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    codes = finish(procs)
+    text = log.read_text()
+    assert codes == [EXIT_PREEMPTED, EXIT_PREEMPTED], (codes, (tmp_path / "rank0.log").read_text()[-3000:])
+    stopped = max(read_metrics(run_dir))
+    assert 4 <= stopped < 40
+    assert (ckpts / "latest").read_text().strip() == f"step_{stopped}"
+    assert text.index("checkpoint step_4 complete") < text.index(f"checkpoint step_{stopped} complete")
+    for s in {4, stopped}:
+        assert verify(str(ckpts / f"step_{s}"), 2) is None
+
+    if stopped == 4:  # the signal was seen right after step 4: nothing newer to break
+        pytest.skip("stopped at step 4")  # (a step takes ~1 s, the commit is held 4 s: not expected)
+    data = sorted(f for f in os.listdir(ckpts / f"step_{stopped}") if f.endswith(".distcp"))[-1]
+    with open(ckpts / f"step_{stopped}" / data, "r+b") as f:
+        f.truncate(os.path.getsize(ckpts / f"step_{stopped}" / data) - 7)
+    procs = launch_ranks(run_dir, tmp_path, [f"trainer.total_steps={stopped + 1}", *common])
+    assert finish(procs) == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    text = (tmp_path / "rank0.log").read_text()
+    assert f"checkpoint {ckpts / f'step_{stopped}'} is broken" in text and data in text
+    assert f"resumed from {ckpts / 'step_4'} at step 4" in text
+
+    for d in os.listdir(ckpts):
+        if d.startswith("step_"):
+            os.remove(ckpts / d / "trainer_state_rank1.pt")
+    before = {d: sorted(os.listdir(ckpts / d)) for d in os.listdir(ckpts) if d.startswith("step_")}
+    metrics_size = os.path.getsize(run_dir / "metrics.jsonl")
+    procs = launch_ranks(run_dir, tmp_path, [f"trainer.total_steps={stopped + 4}", *common])
+    assert finish(procs) == [2, 2]
+    errors = [line for r in range(2) for line in (tmp_path / f"rank{r}.log").read_text().splitlines()
+              if line.startswith("checkpoint error:")]
+    assert len(errors) == 1 and str(ckpts) in errors[0] and "trainer_state_rank1.pt is missing" in errors[0], errors
+    assert "Traceback" not in (tmp_path / "rank0.log").read_text() + (tmp_path / "rank1.log").read_text()
+    assert before == {d: sorted(os.listdir(ckpts / d)) for d in os.listdir(ckpts) if d.startswith("step_")}
+    assert os.path.getsize(run_dir / "metrics.jsonl") == metrics_size
