@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+from dist_utils import run_distributed
+
 from spmd_rl.preemption import EXIT_PREEMPTED
 from spmd_rl.checkpoint import MANIFEST, CheckpointError, Checkpointer, ModelAndOptimizer, verify
 
@@ -162,6 +164,31 @@ def test_manifest_sizes_catch_a_file_shortened_past_what_metadata_covers(tmp_pat
 def test_unfinished_saves_alone_start_fresh(tmp_path):
     os.makedirs(tmp_path / "step_2.tmp")
     assert Checkpointer(str(tmp_path), keep_last=2).find_resume("auto") is None
+
+
+def _failure_on_one_rank(rank, world, root):
+    """Rank 0's commit fails (its verification finds a file cut short) while rank 1's write went
+    fine: both ranks must raise at the next save, together, and step 1 stays the latest."""
+    model, opt = make_model()
+    models = {"actor": ModelAndOptimizer(model, opt)}
+    ck = Checkpointer(root, keep_last=5, async_save=True)
+    ck.save(1, models, {"step": 1})
+    ck.wait()
+    if rank == 0:
+        import spmd_rl.checkpoint as mod
+
+        mod.verify = lambda path, world_size=None: "__0_0.distcp is truncated (injected)"
+    ck.save(2, models, {"step": 2})
+    train_step(model, opt)
+    with pytest.raises(CheckpointError) as e:
+        ck.save(3, models, {"step": 3})
+    assert ("truncated (injected)" if rank == 0 else "on another rank") in str(e.value), str(e.value)
+    ck.close()
+    assert ck.complete_steps() == [1] and open(os.path.join(root, "latest")).read().strip() == "step_1"
+
+
+def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
+    run_distributed(_failure_on_one_rank, 2, str(tmp_path))
 
 
 # --------------------------------------------------------------------------- whole runs (2 ranks)
