@@ -159,6 +159,11 @@ class RolloutConfig:
     engine generates, and back before training (GPU only). Costs about 3 s + 1 s per step for a
     0.5B actor + critic (PCIe); worth it when the engine needs the memory (memory/offloaded_gb
     shows what it frees)."""
+    compile_cache_dir: str = ""
+    """vLLM's compilation cache (VLLM_CACHE_ROOT: torch.compile/Inductor/Triton artifacts), kept
+    across restarts so a warm restart skips compilation; empty = <run_dir>/compile_cache. Point it
+    at a shared path to reuse it across runs of the same model and settings. A VLLM_CACHE_ROOT
+    already in the environment wins."""
 
 
 @dataclass
@@ -311,6 +316,14 @@ class TrainerConfig:
     """Write TensorBoard events under <run_dir>/tensorboard."""
     peak_tflops: float = 0.0
     """Per-GPU dense bf16 peak for MFU; 0 = from the GPU name (H100/H200: 989)."""
+    async_save: bool = True
+    """Write checkpoints in the background: the step waits only while the state is copied to host
+    memory (pinned on GPU; it costs host RAM of the size of this rank's model + optimizer shards,
+    kept for the run), the files are written while the next steps train; at most one save in
+    flight; a checkpoint becomes `latest` only once written and verified. false = the step waits
+    for the whole write. The end of the run and a stop signal wait for the save in flight. With
+    rollout.offload_train_states the state moves every step, so every save pays the first save's
+    allocation and pinning of those buffers."""
 
 
 @dataclass

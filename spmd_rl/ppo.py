@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.rollout.engine == "vllm" and not any(v in os.environ for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
+    from spmd_rl.checkpoint import CheckpointError
     from spmd_rl.distributed import destroy_distributed, init_distributed, seed_everything, setup_logging
     from spmd_rl.preemption import EXIT_PREEMPTED
     from spmd_rl.trainer import Trainer
@@ -49,16 +50,26 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(cfg.run_dir, exist_ok=True)
     setup_logging(env.rank, os.path.join(cfg.run_dir, "trainer.log"))
     seed_everything(cfg.trainer.seed + env.rank)
-    trainer = Trainer(cfg, env)
+    try:
+        trainer = Trainer(cfg, env)
+    except CheckpointError as e:  # a run directory's checkpoints the user must sort out: one line, rank 0
+        if env.is_main:
+            print(f"checkpoint error: {e}", file=sys.stderr)
+        destroy_distributed()
+        return 2
     try:
         status = trainer.fit()
+    except CheckpointError as e:  # raised on every rank alike; the previous checkpoint is still the latest
+        if env.is_main:
+            print(f"checkpoint error: {e}", file=sys.stderr)
+        status = "failed"
     except BaseException:
         trainer.close(failed=True)
         raise
     trainer.close()
     destroy_distributed()
     log.info("run %s: %s at step %d", cfg.run_dir, status, trainer.step)
-    return 0 if status == "finished" else EXIT_PREEMPTED
+    return {"finished": 0, "failed": 1}.get(status, EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":

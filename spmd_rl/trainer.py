@@ -26,7 +26,7 @@ import torch.distributed as dist
 from spmd_rl import algorithms as algos
 from spmd_rl.actor import actor_loss_fn, compute_logprobs
 from spmd_rl.batch import Batch, build_rollout_batch, response_token_ids
-from spmd_rl.checkpoint import Checkpointer, ModelAndOptimizer
+from spmd_rl.checkpoint import CheckpointError, Checkpointer, ModelAndOptimizer
 from spmd_rl.config import Config, to_toml
 from spmd_rl.critic import compute_values, critic_loss_fn
 from spmd_rl.data import PromptDataset, ShardedSampler, iter_eval_batches
@@ -77,7 +77,8 @@ class Trainer:
         self.step = 0
         self.stop = StopFlag.install()
         self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
-        self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), cfg.trainer.keep_last)
+        self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), cfg.trainer.keep_last,
+                                         cfg.trainer.async_save)
         self._check_resume_target()
         self.reward_fn = RewardFunction(cfg.reward)
         self._setup_data()
@@ -94,10 +95,11 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _check_resume_target(self) -> None:
         t = self.cfg.trainer
-        if t.resume == "none" and self.checkpointer.latest() is not None:
-            raise RuntimeError(
+        if t.resume == "none" and self.checkpointer.has_checkpoints():
+            raise CheckpointError(
                 f"trainer.resume = 'none' but {self.checkpointer.root} already holds checkpoints; starting "
                 "fresh would overwrite them. Use trainer.resume=auto to continue, or a new trainer.run_dir.")
+        self.resume_path = self.checkpointer.find_resume(t.resume)  # verified now, loaded once models exist
 
     def _setup_data(self) -> None:
         cfg, env = self.cfg, self.env
@@ -177,8 +179,9 @@ class Trainer:
         eos = self.tokenizer.eos_token_id
         self.engine_dtype = torch.float32 if (r.engine == "hf" and self.device.type == "cpu") else DTYPES[r.dtype]
         if r.engine == "vllm":
-            from spmd_rl.rollout.vllm_engine import VLLMEngine
+            from spmd_rl.rollout.vllm_engine import VLLMEngine, use_cache_root
 
+            use_cache_root(r.compile_cache_dir or os.path.join(self.run_dir, "compile_cache"))
             self.engine = VLLMEngine(cfg, self.model_dir, env.rank, env.world_size, env.local_rank, env.local_world_size)
             self.engine_replica = env.rank // r.tensor_parallel_size  # (built asleep)
         else:
@@ -201,14 +204,19 @@ class Trainer:
                 "kl_ctrl": self.kl_ctrl.state_dict(), "torch_rng": torch.get_rng_state(),
                 "python_rng": random.getstate()}
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, wait: bool = False) -> None:
+        """Checkpoint the current step; `wait`: return only once it is complete (end of the run)."""
         t0 = time.perf_counter()
         path = self.checkpointer.save(self.step, self._stateful(), self._trainer_state())
-        log.info("saved checkpoint %s in %.1fs", path, time.perf_counter() - t0)
+        if wait:
+            self.checkpointer.wait()
+        stall = time.perf_counter() - t0
+        self.metrics.log(self.step, {"time/checkpoint": stall})
+        log.info("checkpoint %s: training stalled %.1fs%s", path, stall,
+                 ", writing in the background" if self.checkpointer.async_save and not wait else "")
 
     def _resume(self) -> None:
-        t = self.cfg.trainer
-        path = None if t.resume == "none" else (self.checkpointer.latest() if t.resume == "auto" else t.resume)
+        path = self.resume_path
         if path is None:
             return
         state = self.checkpointer.load(path, self._stateful())
@@ -466,12 +474,14 @@ class Trainer:
                 if "val/acc" in metrics:
                     log.info("validation: acc %.3f reward %.3f", metrics["val/acc"], metrics["val/reward_mean"])
             if last or (t.save_every and self.step % t.save_every == 0):
-                self.save_checkpoint()
+                self.save_checkpoint(wait=last)
             if not last and self.stop.requested():
                 log.warning("stop signal received: checkpointing at step %d and exiting", self.step)
                 if not (t.save_every and self.step % t.save_every == 0):
                     self.save_checkpoint()
+                self.checkpointer.wait()  # exit with the requeue code only once the checkpoint is complete
                 return "preempted"
+        self.checkpointer.wait()
         return "finished"
 
     def _log_val(self, m: dict[str, float]) -> None:
@@ -484,6 +494,7 @@ class Trainer:
         so training state goes first; after a failed step (`failed`, e.g. out of memory, whose
         traceback still holds tensors) the engine is not woken at all: a second out-of-memory
         error inside vLLM would bury the first."""
+        self.checkpointer.close()  # the save in flight completes (or fails) before anything goes away
         self.metrics.close()
         self.actor = self.ref = self.critic = self.actor_opt = self.critic_opt = None
         gc.collect()

@@ -107,6 +107,18 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
     return kw
 
 
+def use_cache_root(path: str) -> str:
+    """Make vLLM keep its caches under `path` (VLLM_CACHE_ROOT; set before the engine is built,
+    unless the environment already names one). vLLM 0.26 puts its torch.compile artifacts in
+    VLLM_CACHE_ROOT/torch_compile_cache/<config hash>/rank_<r>_<dp>/ and points Inductor's and
+    Triton's caches inside them, so a restart with the same model and settings loads compiled
+    graphs instead of compiling. CUDA graphs are captured again at every start (vLLM keeps none
+    on disk). Returns the root in use."""
+    root = os.environ.setdefault("VLLM_CACHE_ROOT", os.path.abspath(path))
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
 def inner_model(llm) -> torch.nn.Module:
     """The nn.Module inside this process's vLLM worker (the one place that knows the path)."""
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner

@@ -1,0 +1,271 @@
+"""Checkpoints: asynchronous saves hold the staged state, failures never become `latest`,
+broken checkpoints are detected and skipped, and a directory of only broken ones is an error."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+from spmd_rl.preemption import EXIT_PREEMPTED
+from spmd_rl.checkpoint import MANIFEST, CheckpointError, Checkpointer, ModelAndOptimizer, verify
+
+
+def make_model(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()  # optimizer state exists
+    return model, opt
+
+
+def snapshot(model, opt):
+    """Independent copy of what a checkpoint must hold: parameters and Adam moments."""
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    moments = [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)} for p in model.parameters()]
+    return params, moments
+
+
+def train_step(model, opt):
+    model(torch.randn(3, 8)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def assert_holds(model, opt, snap):
+    params, moments = snap
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, params[k], rtol=0, atol=0)
+    for p, m in zip(model.parameters(), moments):
+        for k, v in m.items():
+            torch.testing.assert_close(opt.state[p][k], v, rtol=0, atol=0)
+
+
+def test_async_save_holds_the_state_of_its_step_while_training_goes_on(tmp_path, monkeypatch):
+    """The write is held back until two more steps changed every weight in place: the checkpoint
+    must still hold the weights and Adam moments of the step it was taken at."""
+    model, opt = make_model()
+    ck = Checkpointer(str(tmp_path), keep_last=2, async_save=True)
+    gate = threading.Event()
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    write = FileSystemWriter.write_data
+
+    def held_write(self, plan, planner):
+        assert gate.wait(60)
+        return write(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", held_write)
+    snap = snapshot(model, opt)
+    ck.save(1, {"actor": ModelAndOptimizer(model, opt)}, {"step": 1})
+    assert ck.latest() is None, "nothing may be visible before the write finished"
+    for _ in range(2):
+        train_step(model, opt)
+    gate.set()
+    ck.wait()
+    ck.close()
+    assert ck.latest() == str(tmp_path / "step_1") and verify(ck.latest()) is None
+
+    fresh, fresh_opt = make_model(seed=1)
+    state = Checkpointer(str(tmp_path), keep_last=2).load(ck.latest(), {"actor": ModelAndOptimizer(fresh, fresh_opt)})
+    assert state == {"step": 1}
+    assert_holds(fresh, fresh_opt, snap)
+
+
+def test_a_save_failing_in_the_background_is_raised_and_never_becomes_latest(tmp_path, monkeypatch, caplog):
+    model, opt = make_model()
+    ck = Checkpointer(str(tmp_path), keep_last=5, async_save=True)
+    models = {"actor": ModelAndOptimizer(model, opt)}
+    ck.save(1, models, {"step": 1})
+    ck.wait()
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    def broken_write(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", broken_write)
+    with caplog.at_level(logging.ERROR, logger="spmd_rl.checkpoint"):
+        ck.save(2, models, {"step": 2})  # returns: the failure happens in the background
+        with pytest.raises(CheckpointError, match=r"step 2 failed.*No space left"):
+            ck.save(3, models, {"step": 3})  # the next save reports it
+        assert "checkpoint of step 2 failed in the background" in caplog.text
+    ck.close()
+    assert ck.latest() == str(tmp_path / "step_1")
+    assert ck.complete_steps() == [1] and ck.find_resume("auto") == str(tmp_path / "step_1")
+
+
+def save_steps(root, steps, async_save):
+    model, opt = make_model()
+    ck = Checkpointer(str(root), keep_last=len(steps), async_save=async_save)
+    snaps = {}
+    for s in steps:
+        train_step(model, opt)
+        snaps[s] = snapshot(model, opt)
+        ck.save(s, {"actor": ModelAndOptimizer(model, opt)}, {"step": s})
+    ck.close()
+    return snaps
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "metadata"])
+def test_a_broken_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog, damage):
+    snaps = save_steps(tmp_path, [2, 4], async_save=False)
+    broken = tmp_path / "step_4"
+    data = sorted(f for f in os.listdir(broken) if f.endswith(".distcp"))[0]
+    if damage == "truncate":
+        with open(broken / data, "r+b") as f:
+            f.truncate(os.path.getsize(broken / data) // 2)
+    elif damage == "delete":
+        os.remove(broken / data)
+    else:
+        with open(broken / ".metadata", "r+b") as f:
+            f.truncate(10)
+    assert verify(str(broken)) is not None and verify(str(tmp_path / "step_2")) is None
+    ck = Checkpointer(str(tmp_path), keep_last=2)
+    with caplog.at_level(logging.WARNING, logger="spmd_rl.checkpoint"):
+        path = ck.find_resume("auto")
+    assert path == str(tmp_path / "step_2")
+    assert f"checkpoint {broken} is broken" in caplog.text and "resuming from" in caplog.text
+    model, opt = make_model(seed=3)
+    assert ck.load(path, {"actor": ModelAndOptimizer(model, opt)}) == {"step": 2}
+    assert_holds(model, opt, snaps[2])
+
+
+def test_only_broken_checkpoints_is_a_one_line_error(tmp_path):
+    save_steps(tmp_path, [2], async_save=True)
+    os.remove(tmp_path / "step_2" / "trainer_state_rank0.pt")
+    with pytest.raises(CheckpointError) as e:
+        Checkpointer(str(tmp_path), keep_last=2).find_resume("auto")
+    msg = str(e.value)
+    assert "\n" not in msg and str(tmp_path) in msg and "trainer_state_rank0.pt is missing" in msg
+    assert "move that directory away" in msg
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        Checkpointer(str(tmp_path), keep_last=2).find_resume(str(tmp_path / "step_2"))
+
+
+def test_manifest_sizes_catch_a_file_shortened_past_what_metadata_covers(tmp_path):
+    save_steps(tmp_path, [1], async_save=True)
+    path = tmp_path / "step_1"
+    assert os.path.isfile(path / MANIFEST)
+    with open(path / "trainer_state_rank0.pt", "r+b") as f:  # not a DCP file: only the manifest knows its size
+        f.truncate(os.path.getsize(path / "trainer_state_rank0.pt") - 1)
+    assert "trainer_state_rank0.pt has" in verify(str(path))
+
+
+def test_unfinished_saves_alone_start_fresh(tmp_path):
+    os.makedirs(tmp_path / "step_2.tmp")
+    assert Checkpointer(str(tmp_path), keep_last=2).find_resume("auto") is None
+
+
+def _failure_on_one_rank(rank, world, root):
+    """Rank 0's commit fails (its verification finds a file cut short) while rank 1's write went
+    fine: both ranks must raise at the next save, together, and step 1 stays the latest."""
+    model, opt = make_model()
+    models = {"actor": ModelAndOptimizer(model, opt)}
+    ck = Checkpointer(root, keep_last=5, async_save=True)
+    ck.save(1, models, {"step": 1})
+    ck.wait()
+    if rank == 0:
+        import spmd_rl.checkpoint as mod
+
+        mod.verify = lambda path, world_size=None: "__0_0.distcp is truncated (injected)"
+    ck.save(2, models, {"step": 2})
+    train_step(model, opt)
+    with pytest.raises(CheckpointError) as e:
+        ck.save(3, models, {"step": 3})
+    assert ("truncated (injected)" if rank == 0 else "on another rank") in str(e.value), str(e.value)
+    ck.close()
+    assert ck.complete_steps() == [1] and open(os.path.join(root, "latest")).read().strip() == "step_1"
+
+
+def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
+    run_distributed(_failure_on_one_rank, 2, str(tmp_path))
+
+
+# --------------------------------------------------------------------------- whole runs (2 ranks)
+
+
+def launch_ranks(run_dir, logs, overrides, fault=""):
+    """The trainer's 2 ranks with torchrun's environment, each with its own exit status."""
+    from spmd_rl.distributed import free_port
+    from test_e2e import ROOT, TINY
+
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.pop("SPMD_RL_CHECKPOINT_FAULT", None)
+        if fault:
+            env["SPMD_RL_CHECKPOINT_FAULT"] = fault
+        out = open(logs / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, "-m", "spmd_rl.ppo", "--config", TINY,
+                                       f"trainer.run_dir={run_dir}", *overrides], cwd=ROOT, env=env,
+                                      stdout=out, stderr=subprocess.STDOUT))
+    return procs
+
+
+def finish(procs, timeout=300):
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_preemption_waits_for_the_save_in_flight_and_broken_checkpoints_are_a_one_line_error(tmp_path):
+    """SIGTERM (both ranks, as SLURM sends it) while the async save of step 4 is held back 4 s:
+    the ranks finish their step, wait for step 4, checkpoint their step and exit 3. Then every
+    checkpoint broken: a one-line error on rank 0 and exit 2, nothing in the run directory touched.
+    (A SIGKILL with a save in flight and the fallback past a truncated checkpoint: test_e2e.py's
+    kill-and-resume test.)"""
+    from test_e2e import data_overrides, read_metrics
+
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    common = ["trainer.save_every=2", "trainer.val_every=0", "data.val_files=[]", "trainer.tensorboard=false",
+              *data_overrides(tmp_path)[:1]]
+    procs = launch_ranks(run_dir, tmp_path, ["trainer.total_steps=40", *common], fault="delay@4:4")
+    deadline = time.time() + 300
+    log = run_dir / "trainer.log"
+    while not (log.exists() and "step_4: training stalled" in log.read_text()):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), (tmp_path / "rank0.log").read_text()
+        time.sleep(0.05)
+    assert not (ckpts / "step_4").exists(), "step 4 must still be in flight when the signal comes"
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    codes = finish(procs)
+    text = log.read_text()
+    assert codes == [EXIT_PREEMPTED, EXIT_PREEMPTED], (codes, (tmp_path / "rank0.log").read_text()[-3000:])
+    stopped = max(read_metrics(run_dir))
+    assert 4 <= stopped < 40
+    assert (ckpts / "latest").read_text().strip() == f"step_{stopped}"
+    assert "checkpoint step_4 complete" in text
+    assert text.index("checkpoint step_4 complete") <= text.index(f"checkpoint step_{stopped} complete")
+    steps = Checkpointer(str(ckpts), keep_last=2).complete_steps()
+    assert steps[-1] == stopped and len(steps) == 2, steps
+    for s in steps:
+        assert verify(str(ckpts / f"step_{s}"), 2) is None
+
+    for s in steps:
+        os.remove(ckpts / f"step_{s}" / "trainer_state_rank1.pt")
+    before = {d: sorted(os.listdir(ckpts / d)) for d in os.listdir(ckpts) if d != "latest"}
+    metrics_size = os.path.getsize(run_dir / "metrics.jsonl")
+    procs = launch_ranks(run_dir, tmp_path, [f"trainer.total_steps={stopped + 4}", *common])
+    assert finish(procs) == [2, 2]
+    errors = [line for r in range(2) for line in (tmp_path / f"rank{r}.log").read_text().splitlines()
+              if line.startswith("checkpoint error:")]
+    assert len(errors) == 1 and str(ckpts) in errors[0] and "trainer_state_rank1.pt is missing" in errors[0], errors
+    assert "Traceback" not in (tmp_path / "rank0.log").read_text() + (tmp_path / "rank1.log").read_text()
+    assert before == {d: sorted(os.listdir(ckpts / d)) for d in os.listdir(ckpts) if d != "latest"}
+    assert os.path.getsize(run_dir / "metrics.jsonl") == metrics_size
