@@ -26,7 +26,7 @@ from spmd_rl import algorithms as algos
 from spmd_rl.actor import actor_loss_fn, compute_logprobs
 from spmd_rl.batch import Batch, build_rollout_batch, response_token_ids
 from spmd_rl.checkpoint import Checkpointer, ModelAndOptimizer
-from spmd_rl.config import Config, to_toml
+from spmd_rl.config import Config, ConfigError, to_toml
 from spmd_rl.critic import compute_values, critic_loss_fn
 from spmd_rl.data import PromptDataset, ShardedSampler, iter_eval_batches
 from spmd_rl.distributed import DistEnv, all_reduce_mean, all_reduce_sum
@@ -38,6 +38,7 @@ from spmd_rl.optim import make_optimizer, make_scheduler
 from spmd_rl.preemption import StopFlag
 from spmd_rl.rewards import RewardFunction
 from spmd_rl.rollout.base import SamplingParams
+from spmd_rl.startup import startup_clock
 from spmd_rl.tokenizer import decode_response, load_tokenizer
 from spmd_rl.update import ppo_update
 from spmd_rl.weight_sync import iter_weights
@@ -78,26 +79,31 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.step = 0
         self.stop = StopFlag.install()
+        self.startup = startup_clock()  # logs each phase's seconds; time/startup_* in the first step
         self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
         self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), cfg.trainer.keep_last)
         self._check_resume_target()
         self.reward_fn = RewardFunction(cfg.reward)
-        self._setup_data()
+        with self.startup("data"):
+            self._setup_data()
         self._setup_models()
-        self._setup_engine()
+        with self.startup("engine"):
+            self._setup_engine()
         self.kl_ctrl = (algos.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.target_kl, cfg.algorithm.kl_horizon)
                         if cfg.algorithm.kl_ctrl == "adaptive" else algos.FixedKLController(cfg.algorithm.kl_coef))
         if env.is_main:
             with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
                 f.write(to_toml(cfg))
             self.metrics.log_text("config", to_toml(cfg))
-        self._resume()
+        with self.startup("checkpoint_load"):
+            self._resume()
+        self.startup.finish()
 
     # ------------------------------------------------------------------ setup
     def _check_resume_target(self) -> None:
         t = self.cfg.trainer
         if t.resume == "none" and self.checkpointer.latest() is not None:
-            raise RuntimeError(
+            raise ConfigError(
                 f"trainer.resume = 'none' but {self.checkpointer.root} already holds checkpoints; starting "
                 "fresh would overwrite them. Use trainer.resume=auto to continue, or a new trainer.run_dir.")
 
@@ -146,13 +152,16 @@ class Trainer:
     def _setup_models(self) -> None:
         cfg, env = self.cfg, self.env
         m, a, c = cfg.model, cfg.actor, cfg.critic
+        self.startup.begin("model_build")
         self.model_dir = self._model_dir()
         master, compute = DTYPES[m.dtype], DTYPES[m.compute_dtype]
-        self.actor = apply_fsdp(load_causal_lm(self.model_dir, master, m.attn_implementation), env.mesh, compute,
-                                m.gradient_checkpointing)
+        actor = load_causal_lm(self.model_dir, master, m.attn_implementation)
+        self.startup.begin("fsdp_wrap")
+        self.actor = apply_fsdp(actor, env.mesh, compute, m.gradient_checkpointing)
         self.n_params = count_parameters(self.actor)
         self.actor_opt = make_optimizer(self.actor, a.lr, a.weight_decay, a.betas)
         self.actor_sched = make_scheduler(self.actor_opt, a.warmup_steps, cfg.trainer.total_steps, a.lr_schedule, a.min_lr_ratio)
+        self.startup.begin("reference_critic")
         self.ref = None
         if cfg.use_reference:
             self.ref = apply_fsdp(load_causal_lm(self.model_dir, master, m.attn_implementation), env.mesh, compute)
@@ -164,6 +173,7 @@ class Trainer:
                                      m.gradient_checkpointing)
             self.critic_opt = make_optimizer(self.critic, c.lr, c.weight_decay)
             self.critic_sched = make_scheduler(self.critic_opt, c.warmup_steps, cfg.trainer.total_steps)
+        self.startup.end()
         log.info("models ready: actor %.1fM parameters%s%s, from %s", self.n_params / 1e6,
                  ", reference" if self.ref is not None else "", ", critic" if self.critic is not None else "",
                  self.model_dir)
@@ -450,6 +460,7 @@ class Trainer:
             last = self.step == t.total_steps
             if self.val_data is not None and (last or (t.val_every and self.step % t.val_every == 0)):
                 metrics.update(self.validate())
+            metrics.update(self.startup.take_metrics())
             self.metrics.log(self.step, metrics)
             if self.step % t.log_every == 0 or last:
                 log.info(summary_line(self.step, t.total_steps, metrics))
@@ -470,7 +481,9 @@ class Trainer:
             log.info("validation at step %d: acc %.3f reward %.3f", self.step, m["val/acc"], m["val/reward_mean"])
 
     def close(self) -> None:
-        self.metrics.close()
-        if hasattr(self.engine, "close"):  # vLLM: before the process group goes away
-            self.engine.close()
+        """Stop what the trainer started: the engine (vLLM: before the process group goes away),
+        TensorBoard's writer thread, the start-up heartbeat. Also on a half-built trainer."""
+        for part in ("engine", "metrics", "startup"):
+            if hasattr(getattr(self, part, None), "close"):
+                getattr(self, part).close()
 
