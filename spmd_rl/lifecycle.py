@@ -12,7 +12,7 @@ pthread_exit, whose unwinding meets the noexcept work destructor: std::terminate
 pytorch/pytorch#190489 and tests/test_lifecycle.py, which forces that timing.
 
 So a rank tears down in a fixed order, all of it while the interpreter is fully alive
-(`RankRun.close`):
+(spmd_rl/ppo.py's `main` owns it, on every path: finished, preempted, crashed):
 
   1. the trainer's own workers: the rollout engine (vLLM: before the process group goes), the
      TensorBoard writer thread, the start-up heartbeat, checkpoint writers;
@@ -76,7 +76,7 @@ def die_with_launcher() -> bool:
         log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this rank will not stop if torchrun dies",
                     ctypes.get_errno())
         return False
-    if os.getppid() != parent or parent == 1:  # the launcher died before the watch was armed
+    if os.getppid() != parent:  # the launcher died before the watch was armed
         os.write(2, f"[spmd_rl pid {os.getpid()}] the launcher is gone; exiting\n".encode())
         os.kill(os.getpid(), signal.SIGKILL)
     return True
