@@ -8,7 +8,8 @@
 #   finish   trainer.total_steps=1: torchrun exits 0, checkpoints/latest = step_1.
 #   preempt  SIGTERM to both ranks once step 1 is logged (as SLURM signals every task): each rank
 #            exits 3 (EXIT_PREEMPTED) after writing a checkpoint; torchrun reports it as a failure (1).
-#   config   an unknown config key: each rank exits 2 before any process group exists.
+#   config   an unknown config key: ranks exit 2 before any process group exists (torchrun's
+#            root cause is 2; a rank it SIGTERMs while still starting may end with -15).
 #   all      N runs of each mode.
 # Every run also checks that no process of the run is left behind. A failed run keeps its directory
 # (log + cores, when `ulimit -c` allows) under $STRESS_DIR; PYTHONFAULTHANDLER=1 puts the Python
@@ -69,8 +70,12 @@ one_run() {  # $1 = mode, $2 = index; prints a reason and returns 1 on failure
       [[ -s "$dir/run/checkpoints/latest" ]] || { echo "no checkpoint written on preemption"; return 1; } ;;
     config)
       (cd "$dir" && exec "${cmd[@]}" trainer.no_such_key=1) >"$dir/log" 2>&1; rc=$?
+      # The first rank to fail makes torchrun SIGTERM the others; one still starting up (before
+      # any handler exists) then ends with -15. The root cause must be 2, the rest 2 or -15.
       codes="$(rank_codes "$dir/log")"
-      if [[ $rc -ne 1 || "$codes" != "2 " ]]; then echo "torchrun exit $rc, rank codes '$codes' (want 1 and '2 ')"; return 1; fi
+      local root; root="$(sed -n '/Root Cause/,$p' "$dir/log" | grep -oE 'exitcode *: *-?[0-9]+' | head -1 | grep -oE -- '-?[0-9]+$')"
+      if [[ $rc -ne 1 || "$root" != 2 || ! "$codes" =~ ^(-15 )?2\ $ ]]; then
+        echo "torchrun exit $rc, root cause '$root', rank codes '$codes' (want 1, 2, '2 ' or '-15 2 ')"; return 1; fi
       grep -q "config error: " "$dir/log" || { echo "no 'config error:' line"; return 1; } ;;
     *) echo "unknown mode $mode"; return 1 ;;
   esac
