@@ -228,7 +228,6 @@ def bench_arch(arch: str, args, env, peak: float) -> list[dict]:
     if not args.skip_fit:
         for gc_on in (True, False):
             rows.append(largest_budget(model, opt, acfg, config.vocab_size, gc_on, args, env, arch))
-    del model, opt
     return rows
 
 

@@ -40,6 +40,7 @@ from spmd_rl.optim import make_optimizer, make_scheduler
 from spmd_rl.preemption import StopFlag
 from spmd_rl.rewards import RewardFunction
 from spmd_rl.rollout.base import SamplingParams
+from spmd_rl.startup import startup_clock
 from spmd_rl.tokenizer import decode_response, load_tokenizer
 from spmd_rl.update import ppo_update
 from spmd_rl.weight_sync import iter_weights
@@ -76,21 +77,26 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.step = 0
         self.stop = StopFlag.install()
+        self.startup = startup_clock()  # logs each phase's seconds; time/startup_* in the first step
         self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
         self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), cfg.trainer.keep_last,
                                          cfg.trainer.async_save)
         self._check_resume_target()
         self.reward_fn = RewardFunction(cfg.reward)
-        self._setup_data()
+        with self.startup("data"):
+            self._setup_data()
         self._setup_models()
-        self._setup_engine()
+        with self.startup("engine"):
+            self._setup_engine()
         self.kl_ctrl = (algos.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.target_kl, cfg.algorithm.kl_horizon)
                         if cfg.algorithm.kl_ctrl == "adaptive" else algos.FixedKLController(cfg.algorithm.kl_coef))
         if env.is_main:
             with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
                 f.write(to_toml(cfg))
             self.metrics.log_text("config", to_toml(cfg))
-        self._resume()
+        with self.startup("checkpoint_load"):
+            self._resume()
+        self.startup.finish()
 
     # ------------------------------------------------------------------ setup
     def _check_resume_target(self) -> None:
@@ -146,16 +152,20 @@ class Trainer:
     def _setup_models(self) -> None:
         cfg, env = self.cfg, self.env
         m, a, c = cfg.model, cfg.actor, cfg.critic
+        self.startup.begin("model_build")
         self.model_dir = self._model_dir()
         master, compute = DTYPES[m.dtype], DTYPES[m.compute_dtype]
 
         def policy_model(dtype):
             return load_causal_lm(self.model_dir, dtype, m.attn_implementation, m.remove_padding, m.chunked_logprobs)
 
-        self.actor = apply_fsdp(policy_model(master), env.mesh, compute, m.gradient_checkpointing, m.fsdp_forward_prefetch)
+        actor = policy_model(master)
+        self.startup.begin("fsdp_wrap")
+        self.actor = apply_fsdp(actor, env.mesh, compute, m.gradient_checkpointing, m.fsdp_forward_prefetch)
         self.n_params = count_parameters(self.actor)
         self.actor_opt = make_optimizer(self.actor, a.lr, a.weight_decay, a.betas)
         self.actor_sched = make_scheduler(self.actor_opt, a.warmup_steps, cfg.trainer.total_steps, a.lr_schedule, a.min_lr_ratio)
+        self.startup.begin("reference_critic")
         self.ref = None
         if cfg.use_reference:
             # frozen: stored in the compute dtype (forward numerics are the same as fp32 masters cast
@@ -169,6 +179,7 @@ class Trainer:
                                      env.mesh, compute, m.gradient_checkpointing, m.fsdp_forward_prefetch)
             self.critic_opt = make_optimizer(self.critic, c.lr, c.weight_decay)
             self.critic_sched = make_scheduler(self.critic_opt, c.warmup_steps, cfg.trainer.total_steps)
+        self.startup.end()
         log.info("models ready: actor %.1fM parameters%s%s, from %s", self.n_params / 1e6,
                  ", reference" if self.ref is not None else "", ", critic" if self.critic is not None else "",
                  self.model_dir)
@@ -468,6 +479,7 @@ class Trainer:
             last = self.step == t.total_steps
             if self.val_data is not None and (last or (t.val_every and self.step % t.val_every == 0)):
                 metrics.update(self.validate())
+            metrics.update(self.startup.take_metrics())
             self.metrics.log(self.step, metrics)
             if self.step % t.log_every == 0 or last:
                 log.info(summary_line(self.step, t.total_steps, metrics))
@@ -489,17 +501,19 @@ class Trainer:
             self.metrics.log(self.step, m)
             log.info("validation at step %d: acc %.3f reward %.3f", self.step, m["val/acc"], m["val/reward_mean"])
 
-    def close(self, failed: bool = False) -> None:
-        """Release the run's resources. A sleeping vLLM engine must map its pool back to shut down,
-        so training state goes first; after a failed step (`failed`, e.g. out of memory, whose
-        traceback still holds tensors) the engine is not woken at all: a second out-of-memory
-        error inside vLLM would bury the first."""
-        self.checkpointer.close()  # the save in flight completes (or fails) before anything goes away
-        self.metrics.close()
+    def close(self) -> None:
+        """Stop what the trainer started, also on a half-built trainer: the checkpoint save in flight
+        completes (or fails) first; training state is released before the vLLM engine shuts down
+        (a sleeping engine maps its pool back to do so, and after a failed, say out-of-memory, step
+        that memory must not still be held by training tensors); the engine goes before the process
+        group; then TensorBoard's writer thread and the start-up heartbeat."""
+        if hasattr(self, "checkpointer"):
+            self.checkpointer.close()
         self.actor = self.ref = self.critic = self.actor_opt = self.critic_opt = None
         gc.collect()
-        if self.device.type == "cuda":
+        if getattr(self, "device", None) is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
-        if hasattr(self.engine, "close") and not failed:  # vLLM: before the process group goes away
-            self.engine.close()
+        for part in ("engine", "metrics", "startup"):
+            if hasattr(getattr(self, part, None), "close"):
+                getattr(self, part).close()
 

@@ -97,11 +97,3 @@ def register() -> str:
     AttentionInterface.register(NAME, varlen_attention_forward)
     AttentionMaskInterface.register(NAME, _mask)
     return NAME
-
-
-def cuda_varlen_available() -> bool:
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
