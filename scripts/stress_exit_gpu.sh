@@ -40,7 +40,8 @@ for ((i = 1; i <= N; i++)); do
   [[ -n "$busy" ]] && why+="GPU apps left: $busy; "
   (( now > base + TOL_MIB )) && why+="GPU memory ${now} MiB > ${base}+${TOL_MIB}; "
   if [[ -z "$why" ]]; then
-    echo "run $i/$N ok ($((SECONDS - t0))s, startup $(grep -o 'start-up: [0-9.]*s since the process started' "$OUT/run_$i.log" | grep -o '[0-9.]*s'))"
+    echo "run $i/$N ok ($((SECONDS - t0))s, startup $(grep -o 'start-up: [0-9.]*s since the process started' "$OUT/run_$i.log" | grep -o '[0-9.]*s' | head -1))"
+    rm -rf "$dir"  # a 0.5B run leaves ~7 GB (model, checkpoint): ten of them filled a 64 GB disk
   else
     fails=$((fails + 1)); echo "run $i/$N FAILED: $why(log $OUT/run_$i.log)"
     [[ -n "$left" ]] && kill -9 $left 2>/dev/null
