@@ -79,7 +79,7 @@ def test_teardown_joins_the_process_group_threads_a_mesh_keeps_alive():
         assert "threads after teardown: []" in p.stdout, (rank, p.stdout)
 
 
-@pytest.mark.parametrize("mode,n", [("finish", 2), ("preempt", 2), ("config", 3)])
+@pytest.mark.parametrize("mode,n", [("finish", 1), ("preempt", 1), ("config", 2)])  # N=200 by hand (issue 13)
 def test_stress_exit_each_mode_exits_with_its_documented_code(tmp_path, mode, n):
     """scripts/stress_exit.sh: 0 finished, 3 (EXIT_PREEMPTED) on SIGTERM, 2 on a config error;
     every run, and no process left behind. (200 runs of a mode: run the script by hand.)"""
