@@ -6,7 +6,10 @@ import shutil
 
 import pytest
 
-from test_e2e import data_overrides, read_metrics, run, torchrun_cmd
+import os
+import re
+
+from test_e2e import ROOT, data_overrides, documented_metrics, read_metrics, run, torchrun_cmd
 
 BATCH = 4
 COMMON = [f"data.train_batch_size={BATCH}", "data.synthetic_size=256", "rollout.n=8", "actor.ppo_mini_batch_size=4",
@@ -39,6 +42,12 @@ def test_dynamic_sampling_trains_on_full_informative_batches_and_resumes_identic
     assert any(m[s]["dynamic_sampling/rounds"] > 1 for s in m)
     assert 0 <= m[4]["val/pass@1"] <= m[4]["val/pass@2"] <= m[4]["val/pass@4"] <= 1
     assert m[4]["val/mean@4"] == pytest.approx(m[4]["val/acc"])  # every prompt has 4 samples
+
+    with open(os.path.join(ROOT, "docs", "metrics.md")) as f:
+        doc = f.read()
+    for key in set().union(*(m[s] for s in m)):
+        generic = re.sub(r"@\d+$", "@<k>", key.replace("/synthetic/successor/", "/<data_source>/"))
+        assert key in ("step", "time") or key in documented_metrics() or f"`{generic}`" in doc, key
 
     # the run as if it had stopped after step 2: only that checkpoint and the metrics up to it
     resumed = tmp_path / "resumed"
