@@ -59,9 +59,17 @@ def actor_loss_fn(model: torch.nn.Module, cfg: ActorConfig, temperature: float):
         mask = mb["response_mask"]
         need_entropy_grad = cfg.entropy_coeff != 0  # entropy is always logged; only its bonus needs a gradient
         logp, entropy = forward_logprobs(model, mb, temperature, with_entropy=True, entropy_grad=need_entropy_grad)
-        pg_loss, m = algos.policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask,
-                                       cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
-                                       cfg.loss_agg_mode, denom=denom)
+        old, adv = mb["old_logprobs"], mb["advantages"]
+        w = mb["rollout_is_weights"] if "rollout_is_weights" in mb else None  # rollout correction (TIS)
+        if cfg.policy_loss == "gspo":
+            pg_loss, m = algos.gspo_loss(logp, old, adv, mask, cfg.gspo_clip_ratio_low, cfg.gspo_clip_ratio_high,
+                                         cfg.loss_agg_mode, denom=denom, is_weights=w)
+        elif cfg.policy_loss == "cispo":
+            pg_loss, m = algos.cispo_loss(logp, old, adv, mask, cfg.cispo_clip_ratio_high, cfg.loss_agg_mode,
+                                          denom=denom, is_weights=w)
+        else:
+            pg_loss, m = algos.policy_loss(logp, old, adv, mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
+                                           cfg.clip_ratio_c, cfg.loss_agg_mode, denom=denom, is_weights=w)
         loss = pg_loss
         metrics = {"pg_loss": pg_loss.item(), "entropy": algos.masked_mean(entropy.detach(), mask).item(),
                    **{k: float(v) for k, v in m.items()}}

@@ -191,6 +191,7 @@ def policy_loss(
     clip_ratio_c: float,
     loss_agg_mode: str,
     denom: Denom = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with asymmetric clip and dual clip (Ye et al. 2020, as verl).
 
@@ -221,13 +222,84 @@ def policy_loss(
     else:
         dual = torch.zeros_like(clipped)
 
-    loss = agg_loss(pg, mask, loss_agg_mode, denom)
+    loss = agg_loss(_weighted(pg, is_weights), mask, loss_agg_mode, denom)
     with torch.no_grad():
         metrics = {
             "clipfrac": masked_mean(clipped.to(dtype), mask),
             "clipfrac_lower": masked_mean(dual.to(dtype), mask),
             "ppo_kl": masked_mean(-log_ratio, mask),
         }
+    return loss, metrics
+
+
+def _weighted(per_token: torch.Tensor, is_weights: torch.Tensor | None) -> torch.Tensor:
+    """Per-token loss times the rollout-correction IS weights (data: no gradient flows into them)."""
+    return per_token if is_weights is None else per_token * _as(is_weights, per_token.dtype).detach()
+
+
+def gspo_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    loss_agg_mode: str,
+    denom: Denom = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), token form GSPO-token.
+
+    The sequence ratio s_i = exp(mean over the row's tokens of (logprob - old_logprob)) (a
+    geometric mean of token ratios) is clipped per sequence: per token
+    pg = max(-A * s, -A * clip(s, 1 - low, 1 + high)), with s_t = sg[s_i] * pi_t / sg[pi_t], whose
+    value is s_i and whose gradient is s_i * grad log pi_t (as verl; log s clamped to <= 10).
+    The paper clips with tiny ranges (3e-4 / 4e-4) and aggregates "seq-mean-token-mean".
+    Metrics: "clipfrac" (tokens of clipped sequences), "ppo_kl".
+    """
+    dtype = _compute_dtype(logprob, old_logprob, advantages)
+    logprob, old_logprob, adv = (_as(t, dtype) for t in (logprob, old_logprob, advantages))
+    m = _as(mask, dtype)
+    log_ratio = (logprob - old_logprob) * m
+    seq_log_ratio = log_ratio.sum(-1) / m.sum(-1).clamp_min(1.0)
+    log_s = (logprob - logprob.detach() + seq_log_ratio.detach()[:, None]).clamp(max=10.0)
+    s = torch.exp(log_s)
+    pg_unclipped = -adv * s
+    pg_clipped = -adv * s.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    loss = agg_loss(_weighted(pg, is_weights), mask, loss_agg_mode, denom)
+    with torch.no_grad():
+        metrics = {"clipfrac": masked_mean((pg_clipped > pg_unclipped).to(dtype), mask),
+                   "ppo_kl": masked_mean(-log_ratio, mask)}
+    return loss, metrics
+
+
+def cispo_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_high: float,
+    loss_agg_mode: str,
+    denom: Denom = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1 report, 2025): per token pg = -sg[min(ratio, 1 + high)] * A * logprob.
+
+    Every token keeps a gradient (unlike PPO, where clipped tokens get none); only the
+    importance weight is truncated, and it carries no gradient. No lower bound, as MiniMax-M1.
+    Metrics: "clipfrac" (tokens whose weight was capped), "ppo_kl".
+    """
+    dtype = _compute_dtype(logprob, old_logprob, advantages)
+    logprob, old_logprob, adv = (_as(t, dtype) for t in (logprob, old_logprob, advantages))
+    log_ratio = logprob - old_logprob
+    ratio = torch.exp(log_ratio.detach().clamp(-20.0, 20.0))
+    weight = ratio.clamp(max=1.0 + clip_ratio_high)
+    pg = -adv * weight * logprob
+    loss = agg_loss(_weighted(pg, is_weights), mask, loss_agg_mode, denom)
+    with torch.no_grad():
+        metrics = {"clipfrac": masked_mean((ratio > 1.0 + clip_ratio_high).to(dtype), mask),
+                   "ppo_kl": masked_mean(-log_ratio, mask)}
     return loss, metrics
 
 
@@ -322,6 +394,16 @@ def apply_kl_penalty(
     rewards = _as(token_scores, dtype) - kl_coef * kld
     mean_kl = masked_mean(kld, m, dim=-1).mean()
     return rewards, float(mean_kl)
+
+
+@torch.no_grad()
+def overlong_penalty(response_lens: torch.Tensor, max_length: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025), added to each sequence's score: 0 up to
+    max_length - buffer tokens, then linear down to -factor at max_length (and beyond)."""
+    if buffer <= 0:
+        return torch.zeros(response_lens.shape, dtype=torch.float32)
+    over = response_lens.to(torch.float64) - (max_length - buffer)
+    return (-factor * (over / buffer).clamp(0.0, 1.0)).float()
 
 
 # --------------------------------------------------------------------------- advantages
@@ -510,7 +592,8 @@ def build_kl_controller(
 
 __all__ = [
     "masked_sum", "masked_mean", "masked_whiten", "kl_penalty", "loss_denominator", "agg_loss",
-    "policy_loss", "value_loss", "entropy_from_logits", "scores_to_token_rewards", "apply_kl_penalty",
+    "policy_loss", "gspo_loss", "cispo_loss", "value_loss", "overlong_penalty", "entropy_from_logits",
+    "scores_to_token_rewards", "apply_kl_penalty",
     "gae_advantages", "reinforce_plus_plus_advantages", "grpo_advantages", "rloo_advantages",
     "FixedKLController", "AdaptiveKLController", "build_kl_controller",
 ]

@@ -218,6 +218,17 @@ class ActorConfig:
     """Keep the optimizer state (AdamW moments: 8 bytes per parameter, sharded) in CPU memory and
     bring it to the GPU only for each optimizer step: the forward/backward passes get that memory,
     each optimizer step pays two host<->device copies."""
+    policy_loss: str = "vanilla"
+    """Policy loss: "vanilla" (= "ppo": the clipped PPO surrogate with clip_ratio_low/high/c),
+    "gspo" (GSPO, Zheng et al. 2025: one geometric-mean ratio per sequence, clipped per sequence
+    with gspo_clip_ratio_low/high; the paper aggregates "seq-mean-token-mean"), or "cispo" (CISPO,
+    MiniMax-M1 2025: stop-gradient IS weight min(ratio, 1 + cispo_clip_ratio_high) times log-prob)."""
+    gspo_clip_ratio_low: float = 3e-4
+    """GSPO: sequence ratio clip below 1 (the GSPO paper's 3e-4)."""
+    gspo_clip_ratio_high: float = 4e-4
+    """GSPO: sequence ratio clip above 1 (the GSPO paper's 4e-4)."""
+    cispo_clip_ratio_high: float = 4.0
+    """CISPO: the IS weight is capped at 1 + this (no lower cap, as MiniMax-M1)."""
 
 
 @dataclass
@@ -271,6 +282,32 @@ class AlgorithmConfig:
     """Adaptive controller: the KL it steers towards."""
     kl_horizon: int = 10000
     """Adaptive controller: horizon (in samples) of its proportional update."""
+    rollout_is: str = ""
+    """Rollout-mismatch correction, truncated importance sampling (TIS, Yao et al. 2025): the
+    actor's loss is weighted by min(pi_old / pi_engine, rollout_is_threshold) of each "token", of
+    each "sequence" (product of token ratios) or "geometric" (their geometric mean); "" = off."""
+    rollout_is_threshold: float = 2.0
+    """Cap C of the truncated IS weight (TIS uses 2)."""
+    rollout_mask: str = ""
+    """Rollout-mismatch correction, masked IS (ICE-POP style): drop from the actor's loss (numerator
+    and denominator) each "token", "sequence" or "geometric" (sequence by geometric mean) whose ratio
+    pi_old / pi_engine lies outside [rollout_mask_low, rollout_mask_high]; "" = off."""
+    rollout_mask_low: float = 0.5
+    """Lower bound of the kept ratio (IcePop uses 0.5)."""
+    rollout_mask_high: float = 2.0
+    """Upper bound of the kept ratio (IcePop uses 2)."""
+    rollout_reject_sequences: bool = False
+    """Drop every sequence holding any token whose ratio is outside [rollout_mask_low,
+    rollout_mask_high] (verl's token veto), with or without rollout_mask."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling (Yu et al. 2025): drop prompt groups whose rewards are all equal (no
+    GRPO signal) and generate more batches until data.train_batch_size informative groups are
+    collected (the surplus is discarded)."""
+    dynamic_sampling_max_rounds: int = 10
+    """DAPO: most generation rounds per step (1 = no extra round); when reached, the step is
+    filled up with uninformative groups (metric dynamic_sampling/padded_groups) and a warning."""
+    overlong_filtering: bool = False
+    """DAPO overlong filtering: responses cut at data.max_response_length leave the actor's loss."""
 
 
 @dataclass
@@ -283,6 +320,12 @@ class RewardConfig:
     """GSM8K answer extraction: "strict" (the "#### N" line) or "flexible" (last number)."""
     format_bonus: float = 0.0
     """Added to the score when the response has the expected answer format (0 = off)."""
+    overlong_buffer: int = 0
+    """DAPO overlong reward shaping (Yu et al. 2025): responses longer than
+    data.max_response_length - overlong_buffer tokens get a penalty growing linearly to
+    -overlong_penalty_factor at the limit (0 = off)."""
+    overlong_penalty_factor: float = 1.0
+    """DAPO: the penalty at data.max_response_length tokens."""
 
 
 @dataclass
@@ -391,10 +434,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "actor.lr_schedule": ("constant", "cosine"),
     "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "actor.kl_loss_type": ("k1", "k2", "k3", "low_var_kl", "abs"),
+    "actor.policy_loss": ("vanilla", "ppo", "gspo", "cispo"),
     "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus"),
     "algorithm.kl_penalty": ("k1", "k2", "k3", "low_var_kl", "abs"),
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
+    "algorithm.rollout_is": ("", "token", "sequence", "geometric"),
+    "algorithm.rollout_mask": ("", "token", "sequence", "geometric"),
     "reward.gsm8k_method": ("strict", "flexible"),
     "trainer.device": ("auto", "cuda", "cpu"),
 }
@@ -575,6 +621,20 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     need(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "actor.clip_ratio_c must be > 1 (or 0 to turn dual clip off)")
     need(len(a.betas) == 2, "actor.betas must be two numbers, e.g. [0.9, 0.999]")
     need(0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1, "algorithm.gamma and algorithm.lam must be in [0, 1]")
+    need(a.gspo_clip_ratio_low >= 0 and a.gspo_clip_ratio_high >= 0 and a.cispo_clip_ratio_high >= 0,
+         "actor.gspo_clip_ratio_low/high and actor.cispo_clip_ratio_high must be >= 0")
+    need(alg.rollout_is_threshold > 0, "algorithm.rollout_is_threshold must be > 0 (TIS uses 2)")
+    need(0 < alg.rollout_mask_low <= 1 <= alg.rollout_mask_high,
+         "algorithm.rollout_mask_low/high must satisfy 0 < low <= 1 <= high (IcePop uses 0.5 and 2)")
+    if alg.dynamic_sampling:
+        need(alg.adv_estimator in ("grpo", "rloo"), "algorithm.dynamic_sampling filters prompt groups: use "
+             f"algorithm.adv_estimator = grpo or rloo (got {alg.adv_estimator!r})")
+        need(alg.dynamic_sampling_max_rounds >= 1, "algorithm.dynamic_sampling_max_rounds must be >= 1")
+    need(0 <= cfg.reward.overlong_buffer < d.max_response_length,
+         "reward.overlong_buffer must be in [0, data.max_response_length) (0 = off)")
+    need(r.val_n >= 1, "rollout.val_n must be >= 1")
+    need(r.val_n == 1 or r.val_temperature > 0,
+         "rollout.val_n > 1 needs rollout.val_temperature > 0 (greedy samples are all the same)")
 
     # rollout engine
     tp = r.tensor_parallel_size

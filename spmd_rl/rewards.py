@@ -107,6 +107,18 @@ def score_synthetic(response: str, ground_truth: str, format_bonus: float = 0.0)
 # --------------------------------------------------------------------------- dispatch
 
 
+def extract_answer(data_source: str, response: str, gsm8k_method: str = "strict") -> str | None:
+    """The final answer a built-in scorer would grade (for maj@k votes): the integer of synthetic
+    tasks, GSM8K's number; for other sources the stripped response itself."""
+    if data_source.startswith("synthetic/"):
+        answer = extract_first_integer(response)
+        return normalize_number(answer) if answer is not None else None
+    if "gsm8k" in data_source.lower():
+        return extract_gsm8k_answer(response, gsm8k_method)
+    return response.strip() or None
+
+
+
 def builtin_scorer(data_source: str, cfg: RewardConfig) -> Callable[[str, str], dict]:
     """scorer(response, ground_truth) for a data source, or RewardError naming the fix."""
     if data_source.startswith("synthetic/"):

@@ -32,17 +32,20 @@ from spmd_rl.critic import compute_values, critic_loss_fn
 from spmd_rl.data import PromptDataset, ShardedSampler, iter_eval_batches
 from spmd_rl.distributed import DistEnv, all_reduce_mean, all_reduce_sum
 from spmd_rl.gpu_memory import PhaseMemory
+from spmd_rl.dynamic_sampling import collect_informative_groups
 from spmd_rl.metrics import MetricsLogger, summary_line
 from spmd_rl.models import (DTYPES, apply_fsdp, count_parameters, load_causal_lm, load_value_model,
                             materialize_random_model, random_model_config)
 from spmd_rl.offload import move_train_state
 from spmd_rl.optim import make_optimizer, make_scheduler
 from spmd_rl.preemption import StopFlag
-from spmd_rl.rewards import RewardFunction
+from spmd_rl.rewards import RewardFunction, extract_answer
 from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.startup import startup_clock
+from spmd_rl.rollout_correction import actor_update_batch
 from spmd_rl.tokenizer import decode_response, load_tokenizer
 from spmd_rl.update import ppo_update
+from spmd_rl.val_metrics import prompt_means, prompt_sums
 from spmd_rl.weight_sync import iter_weights
 
 log = logging.getLogger("spmd_rl")
@@ -264,21 +267,22 @@ class Trainer:
         actor_opt = None if self.cfg.actor.offload_optimizer else self.actor_opt  # already on CPU
         return models, [o for o in (actor_opt, self.critic_opt) if o is not None]
 
-    def _sampling(self, train: bool) -> SamplingParams:
+    def _sampling(self, train: bool, round_: int = 0) -> SamplingParams:
         r, d = self.cfg.rollout, self.cfg.data
         stop = list(r.stop_token_ids)
         seed = sampling_seed(self.cfg.trainer.seed, self.step if train else -1 - self.step, self.engine_replica)
+        seed = (seed + round_ * 7_919) % 2**31  # dynamic sampling's extra rounds sample afresh
         if train:
             return SamplingParams(r.n, r.temperature, r.top_p, r.top_k, d.max_response_length, stop, seed)
         return SamplingParams(r.val_n, r.val_temperature, 1.0 if r.val_temperature == 0 else r.top_p,
                               -1 if r.val_temperature == 0 else r.top_k, d.max_response_length, stop, seed)
 
-    def generate(self, records, train: bool, timer: PhaseTimer) -> Batch:
+    def generate(self, records, train: bool, timer: PhaseTimer, round_: int = 0) -> Batch:
         self.sync_weights(timer)
         with timer("generate"):
             prompts = [rec.prompt_ids for rec in records]
             # every rank calls generate, also with no prompts: a TP group gathers its prompts collectively
-            completions = self.engine.generate(prompts, self._sampling(train))
+            completions = self.engine.generate(prompts, self._sampling(train, round_))
         with timer("sleep"):
             self.engine.sleep()
         if self.device.type == "cuda":  # what sleep handed back (and, every step, whether anything leaks)
@@ -292,21 +296,39 @@ class Trainer:
                 "extra_info": [r.extra_info for r in records], "index": [r.index for r in records]}
         return build_rollout_batch(prompts, completions, self.tokenizer.pad_token_id, meta)
 
-    def score(self, batch: Batch) -> None:
+    def score(self, batch: Batch, train: bool = True) -> list[str]:
         texts = [decode_response(self.tokenizer, response_token_ids(batch, i)) for i in range(len(batch))]
         results = self.reward_fn(batch.meta["data_source"], texts, batch.meta["ground_truth"], batch.meta["extra_info"])
         batch["scores"] = torch.tensor([float(r["score"]) for r in results])
         batch["acc"] = torch.tensor([float(r.get("acc", r["score"] > 0)) for r in results])
+        rc = self.cfg.reward
+        if train and rc.overlong_buffer:  # DAPO soft overlong punishment
+            batch["overlong_penalty"] = algos.overlong_penalty(batch["response_lens"], self.cfg.data.max_response_length,
+                                                               rc.overlong_buffer, rc.overlong_penalty_factor)
+            batch["scores"] = batch["scores"] + batch["overlong_penalty"]
+        return texts
+
+    def sample_batch(self, timer: PhaseTimer) -> tuple[Batch, dict[str, float]]:
+        """This rank's scored rollouts of the step: the next prompts, or with DAPO dynamic sampling
+        as many rounds of them as it takes to get enough informative groups."""
+        def draw(round_: int) -> Batch:
+            batch = self.generate([self.train_data[i] for i in self.sampler.next_batch()], True, timer, round_)
+            with timer("reward"):
+                self.score(batch)
+            return batch
+
+        alg = self.cfg.algorithm
+        if not alg.dynamic_sampling:
+            return draw(0), {}
+        return collect_informative_groups(draw, self.cfg.data.train_batch_size // self.env.world_size,
+                                          alg.dynamic_sampling_max_rounds, self.tokenizer.pad_token_id, self.device)
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
         cfg, env = self.cfg, self.env
         timer = PhaseTimer(self.device)
         t_step = time.perf_counter()
-        records = [self.train_data[i] for i in self.sampler.next_batch()]
-        batch = self.generate(records, train=True, timer=timer)
-        with timer("reward"):
-            self.score(batch)
+        batch, sample_metrics = self.sample_batch(timer)
         temp = cfg.rollout.temperature
         a, c = cfg.actor, cfg.critic
         lp_tokens = a.logprob_max_token_len_per_gpu or 2 * a.max_token_len_per_gpu
@@ -332,8 +354,9 @@ class Trainer:
                                 grad_clip=c.grad_clip, loss_agg_mode=c.loss_agg_mode, device=self.device,
                                 max_tokens=c.max_token_len_per_gpu)
                 self.critic_sched.step()
+        actor_batch, corr_metrics = actor_update_batch(batch, cfg.algorithm, self.device)  # loss mask, IS weights
         with timer("update_actor"):
-            am = ppo_update(self.actor, self.actor_opt, batch, actor_loss_fn(self.actor, a, temp),
+            am = ppo_update(self.actor, self.actor_opt, actor_batch, actor_loss_fn(self.actor, a, temp),
                             mini_batch_size=a.ppo_mini_batch_size * n // env.world_size,
                             micro_batch_size=a.micro_batch_size_per_gpu, epochs=a.ppo_epochs,
                             grad_clip=a.grad_clip, loss_agg_mode=a.loss_agg_mode, device=self.device,
@@ -347,6 +370,7 @@ class Trainer:
             metrics.update({f"critic/{k}": v for k, v in cm.items()})
         metrics = all_reduce_mean(metrics, self.device)
         metrics.update(self.global_metrics(batch, timer.metrics))
+        metrics.update({**sample_metrics, **corr_metrics})  # already reduced over ranks
         return metrics
 
     def compute_advantages(self, batch: Batch) -> dict[str, float]:
@@ -392,6 +416,8 @@ class Trainer:
                 algos.kl_penalty(batch["rollout_logprobs"], batch["old_logprobs"], "k3"), mask).item(),
             **times, **extra,
         }
+        if "overlong_penalty" in batch:
+            m["reward/overlong_penalty_mean"] = batch["overlong_penalty"].mean().item()
         if "values" in batch:
             m["critic/values_mean"] = algos.masked_mean(batch["values"], mask).item()
         return m
@@ -445,7 +471,12 @@ class Trainer:
             batch = self.generate(records, train=False, timer=timer)
             if batch is None:
                 continue
-            self.score(batch)
+            texts = self.score(batch, train=False)
+            if self.cfg.rollout.val_n > 1:  # mean@k, pass@k, maj@k per prompt
+                answers = [extract_answer(s, t, self.cfg.reward.gsm8k_method)
+                           for s, t in zip(batch.meta["data_source"], texts)]
+                for k, v in prompt_sums(batch["group_ids"], batch["acc"], answers, batch.meta["data_source"]).items():
+                    sums[k] += v
             for i, src in enumerate(batch.meta["data_source"]):
                 for key in ("", f"/{src}"):
                     sums[f"val{key}/reward_sum"] += float(batch["scores"][i])
@@ -463,6 +494,7 @@ class Trainer:
                 prefix = k[: -len("/count")]
                 out[f"{prefix}/reward_mean"] = total[f"{prefix}/reward_sum"] / total[k]
                 out[f"{prefix}/acc"] = total[f"{prefix}/acc_sum"] / total[k]
+        out.update(prompt_means(total))
         out["time/val"] = timer.metrics.get("time/generate", 0.0)
         return out
 

@@ -26,12 +26,13 @@ and are weighted here by the micro-batch's share of the mini-batch's tokens."""
 
 def global_denominator(mini: Batch, loss_agg_mode: str, device: torch.device) -> float:
     """The count a micro-batch's summed loss is divided by: global tokens (token-mean) or
-    sequences (seq-mean-*) of the mini-batch, over the ranks (FSDP averages gradients over ranks)."""
+    sequences with at least one loss token (seq-mean-*) of the mini-batch, over the ranks, divided
+    by the ranks (FSDP averages gradients over ranks). Tokens and sequences masked out of the loss
+    (rollout correction, overlong filtering: zeros in response_mask) leave it."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if loss_agg_mode == "token-mean":
-        tokens = all_reduce_sum(mini["response_mask"].sum().to(device, torch.float64))
-        return max(float(tokens), 1.0) / world
-    return float(len(mini))
+    mask = mini["response_mask"]
+    count = mask.sum() if loss_agg_mode == "token-mean" else (mask.sum(-1) > 0).sum()
+    return max(float(all_reduce_sum(count.to(device, torch.float64))), 1.0) / world
 
 
 def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn: LossFn, *,

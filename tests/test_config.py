@@ -110,3 +110,19 @@ def test_shipped_configs_parse():
     for name in os.listdir(os.path.join(ROOT, "configs")):
         if name.endswith(".toml"):
             load_config(os.path.join(ROOT, "configs", name))
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (['actor.policy_loss="grpo"'], "actor.policy_loss = 'grpo' is not one of"),
+    (['algorithm.rollout_is="tok"'], "algorithm.rollout_is = 'tok' is not one of"),
+    (["algorithm.rollout_is_threshold=0"], "algorithm.rollout_is_threshold must be > 0"),
+    (["algorithm.rollout_mask_low=1.5"], "algorithm.rollout_mask_low/high must satisfy"),
+    (["algorithm.dynamic_sampling=true", 'algorithm.adv_estimator="gae"'], "use algorithm.adv_estimator = grpo or rloo"),
+    (["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_rounds=0"], "must be >= 1"),
+    (["reward.overlong_buffer=100000"], "reward.overlong_buffer must be in"),
+    (["rollout.val_n=4"], "rollout.val_n > 1 needs rollout.val_temperature > 0"),
+])
+def test_recipe_switch_validation_errors(tmp_path, overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        valid_cfg(tmp_path, overrides).validate(world_size=1)
+    assert needle in str(e.value)
