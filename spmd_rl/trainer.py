@@ -26,7 +26,7 @@ from spmd_rl import algorithms as algos
 from spmd_rl.actor import actor_loss_fn, compute_logprobs
 from spmd_rl.batch import Batch, build_rollout_batch, response_token_ids
 from spmd_rl.checkpoint import Checkpointer, ModelAndOptimizer
-from spmd_rl.config import Config, to_toml
+from spmd_rl.config import Config, ConfigError, to_toml
 from spmd_rl.critic import compute_values, critic_loss_fn
 from spmd_rl.data import PromptDataset, ShardedSampler, iter_eval_batches
 from spmd_rl.distributed import DistEnv, all_reduce_mean, all_reduce_sum
@@ -78,11 +78,12 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.step = 0
         self.stop = StopFlag.install()
-        self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
         self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), cfg.trainer.keep_last)
         self._check_resume_target()
-        self.reward_fn = RewardFunction(cfg.reward)
+        self.reward_fn = RewardFunction(cfg.reward, defer_errors=True)  # raised by sync_failures, on every rank
         self._setup_data()
+        # after the data checks: a run refused for bad data must not add files to an existing run_dir
+        self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
         self._setup_models()
         self._setup_engine()
         self.kl_ctrl = (algos.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.target_kl, cfg.algorithm.kl_horizon)
@@ -97,7 +98,7 @@ class Trainer:
     def _check_resume_target(self) -> None:
         t = self.cfg.trainer
         if t.resume == "none" and self.checkpointer.latest() is not None:
-            raise RuntimeError(
+            raise ConfigError(
                 f"trainer.resume = 'none' but {self.checkpointer.root} already holds checkpoints; starting "
                 "fresh would overwrite them. Use trainer.resume=auto to continue, or a new trainer.run_dir.")
 
@@ -271,7 +272,8 @@ class Trainer:
 
     def score(self, batch: Batch) -> None:
         texts = [decode_response(self.tokenizer, response_token_ids(batch, i)) for i in range(len(batch))]
-        results = self.reward_fn(batch.meta["data_source"], texts, batch.meta["ground_truth"], batch.meta["extra_info"])
+        results = self.reward_fn(batch.meta["data_source"], texts, batch.meta["ground_truth"], batch.meta["extra_info"],
+                                 batch.meta["index"])
         batch["scores"] = torch.tensor([float(r["score"]) for r in results])
         batch["acc"] = torch.tensor([float(r.get("acc", r["score"] > 0)) for r in results])
 
@@ -284,6 +286,7 @@ class Trainer:
         batch = self.generate(records, train=True, timer=timer)
         with timer("reward"):
             self.score(batch)
+            reward_errors = self.reward_fn.sync_failures()
         temp = cfg.rollout.temperature
         a, c = cfg.actor, cfg.critic
         with timer("old_logprob"):
@@ -318,6 +321,7 @@ class Trainer:
             metrics.update({f"critic/{k}": v for k, v in cm.items()})
         metrics = all_reduce_mean(metrics, self.device)
         metrics.update(self.global_metrics(batch, timer.metrics))
+        metrics["reward/errors"] = float(reward_errors)
         return metrics
 
     def compute_advantages(self, batch: Batch) -> dict[str, float]:
@@ -414,9 +418,11 @@ class Trainer:
         for idx in iter_eval_batches(len(self.val_data), self.cfg.data.val_batch_size, self.env.rank, self.env.world_size):
             records = [self.val_data[i] for i in idx]
             batch = self.generate(records, train=False, timer=timer)
+            if batch is not None:
+                self.score(batch)
+            self.reward_fn.sync_failures()  # collective: also on ranks without prompts in this batch
             if batch is None:
                 continue
-            self.score(batch)
             for i, src in enumerate(batch.meta["data_source"]):
                 for key in ("", f"/{src}"):
                     sums[f"val{key}/reward_sum"] += float(batch["scores"][i])
