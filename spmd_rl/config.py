@@ -596,6 +596,9 @@ def validate_ranges(cfg: Config) -> None:
         ("trainer.val_every", t.val_every >= 0, ">= 0"), ("trainer.save_every", t.save_every >= 0, ">= 0"),
         ("trainer.log_every", t.log_every >= 1, ">= 1"), ("trainer.peak_tflops", t.peak_tflops >= 0, ">= 0"),
         ("trainer.experiment_name", bool(t.experiment_name.strip()), "a non-empty name"),
+        ("reward.format_bonus", cfg.reward.format_bonus >= 0, ">= 0 (0 = off)"),
+        ("model.seed", cfg.model.seed >= 0, ">= 0"), ("rollout.seed", r.seed >= 0, ">= 0"),
+        ("trainer.seed", t.seed >= 0, ">= 0"),
     ]
     if cfg.use_critic:
         rules += [("critic.lr", c.lr > 0, "> 0"), ("critic.weight_decay", c.weight_decay >= 0, ">= 0"),
