@@ -69,22 +69,6 @@ def test_export_dir_that_exists_is_refused_before_training(tmp_path):
         check([f"trainer.export_hf_dir={tmp_path}"])
 
 
-def test_presets_are_found_by_name_and_listed(tmp_path, monkeypatch):
-    from spmd_rl.ppo import main
-    from spmd_rl.presets import describe_presets, resolve_config
-
-    monkeypatch.chdir(tmp_path)  # not the repository root: configs/X.toml is not a relative path here
-    assert resolve_config("tiny-cpu.toml") == resolve_config("tiny-cpu") == TINY
-    (tmp_path / "tiny-cpu.toml").write_text("# mine\n")
-    assert resolve_config("tiny-cpu.toml") == "tiny-cpu.toml"  # a file in cwd wins over the preset
-    with pytest.raises(ConfigError, match="not a preset: .*tiny-cpu"):
-        resolve_config("nope.toml")
-    listing = describe_presets()
-    assert re.search(r"^tiny-cpu +The default job: GRPO on a tiny random-init", listing, re.M), listing
-    assert all(f[:-5] in listing for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".toml"))
-    assert main(["--list-configs"]) == 0
-
-
 # --------------------------------------------------------------------------- rewards
 
 
