@@ -19,11 +19,14 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import os
 import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any
+
+from spmd_rl.errors import UserError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,7 +34,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem, with the key at fault and how to fix it."""
 
 
@@ -326,6 +329,10 @@ class RewardConfig:
     -overlong_penalty_factor at the limit (0 = off)."""
     overlong_penalty_factor: float = 1.0
     """DAPO: the penalty at data.max_response_length tokens."""
+    on_error: str = "fail"
+    """What a scorer that raises or returns a non-number does: "fail" stops the run with one line
+    naming the data source, row and response; "zero" scores that response 0 and counts it in the
+    metric reward/errors."""
 
 
 @dataclass
@@ -367,6 +374,10 @@ class TrainerConfig:
     for the whole write. The end of the run and a stop signal wait for the save in flight. With
     rollout.offload_train_states the state moves every step, so every save pays the first save's
     allocation and pinning of those buffers."""
+    export_hf_dir: str = ""
+    """After the last step, rank 0 writes the final actor here as a Hugging Face model directory
+    (safetensors, config, tokenizer; what `python -m spmd_rl.export` does for any checkpoint);
+    empty = no export. Must not exist yet (or be empty)."""
 
 
 @dataclass
@@ -442,6 +453,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.rollout_is": ("", "token", "sequence", "geometric"),
     "algorithm.rollout_mask": ("", "token", "sequence", "geometric"),
     "reward.gsm8k_method": ("strict", "flexible"),
+    "reward.on_error": ("fail", "zero"),
     "trainer.device": ("auto", "cuda", "cpu"),
 }
 
@@ -617,7 +629,11 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     need(r.temperature > 0, "rollout.temperature must be > 0 for training rollouts")
     need(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
     need(r.top_k == -1 or r.top_k > 0, "rollout.top_k must be -1 (off) or > 0")
-    need(0 <= a.clip_ratio_low < 1 and a.clip_ratio_high >= 0, "actor.clip_ratio_low must be in [0, 1) and clip_ratio_high >= 0")
+    for side in ("low", "high"):  # 0 freezes the policy on that side: ratio 1 is already clipped
+        need(getattr(a, f"clip_ratio_{side}") > 0, f"actor.clip_ratio_{side} = {getattr(a, f'clip_ratio_{side}')} "
+             f"must be > 0: with 0 the clipped loss has no gradient on that side, so the policy can never move "
+             "there (0.2 is usual)")
+    need(a.clip_ratio_low < 1, f"actor.clip_ratio_low = {a.clip_ratio_low} must be < 1 (the ratio is positive)")
     need(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "actor.clip_ratio_c must be > 1 (or 0 to turn dual clip off)")
     need(len(a.betas) == 2, "actor.betas must be two numbers, e.g. [0.9, 0.999]")
     need(0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1, "algorithm.gamma and algorithm.lam must be in [0, 1]")
@@ -655,6 +671,56 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     if t.resume not in ("auto", "none"):
         need(os.path.isdir(t.resume), f"trainer.resume = {t.resume!r} is not a checkpoint directory "
              '(use "auto", "none" or an existing step_N directory)')
+    if t.export_hf_dir:
+        need(not (os.path.exists(t.export_hf_dir) and os.listdir(t.export_hf_dir)),
+             f"trainer.export_hf_dir = {t.export_hf_dir!r} exists and is not empty: choose a new directory "
+             "(the export would otherwise fail after training)")
+    validate_ranges(cfg)
+
+
+def validate_ranges(cfg: Config) -> None:
+    """Every number a user sets, in its meaningful range (one message naming the key)."""
+    for section in SECTIONS:
+        for name, value in dataclasses.asdict(getattr(cfg, section)).items():
+            for v in value if isinstance(value, list) else [value]:
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ConfigError(f"{section}.{name} = {v} must be a finite number")
+    d, r, a, c, alg, t = cfg.data, cfg.rollout, cfg.actor, cfg.critic, cfg.algorithm, cfg.trainer
+    rules = [
+        ("actor.lr", a.lr > 0, "> 0"), ("actor.weight_decay", a.weight_decay >= 0, ">= 0"),
+        ("actor.betas", all(0 <= b < 1 for b in a.betas), "in [0, 1) each"),
+        ("actor.warmup_steps", a.warmup_steps >= 0, ">= 0"),
+        ("actor.min_lr_ratio", 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
+        ("actor.grad_clip", a.grad_clip >= 0, ">= 0 (0 = no clipping)"),
+        ("actor.entropy_coeff", a.entropy_coeff >= 0, ">= 0"), ("actor.kl_loss_coef", a.kl_loss_coef >= 0, ">= 0"),
+        ("algorithm.kl_coef", alg.kl_coef >= 0, ">= 0"), ("algorithm.target_kl", alg.target_kl > 0, "> 0"),
+        ("algorithm.kl_horizon", alg.kl_horizon > 0, "> 0"),
+        ("data.val_batch_size", d.val_batch_size > 0, "> 0"),
+        ("data.synthetic_size", not d.synthetic_task or d.synthetic_size >= d.train_batch_size,
+         ">= data.train_batch_size (one batch at least)"),
+        ("rollout.val_temperature", r.val_temperature >= 0, ">= 0 (0 = greedy)"),
+        ("rollout.val_n", r.val_n >= 1, ">= 1"),
+        ("rollout.stop_token_ids", all(i >= 0 for i in r.stop_token_ids), "token ids >= 0"),
+        ("rollout.max_num_seqs", r.max_num_seqs >= 1, ">= 1"),
+        ("rollout.max_num_batched_tokens", r.max_num_batched_tokens >= 1, ">= 1"),
+        ("rollout.max_model_len", r.max_model_len == 0 or r.max_model_len >= d.max_prompt_length + d.max_response_length,
+         "0 or >= data.max_prompt_length + data.max_response_length"),
+        ("rollout.cudagraph_capture_sizes", all(s > 0 for s in r.cudagraph_capture_sizes), "sizes > 0"),
+        ("trainer.val_every", t.val_every >= 0, ">= 0"), ("trainer.save_every", t.save_every >= 0, ">= 0"),
+        ("trainer.log_every", t.log_every >= 1, ">= 1"), ("trainer.peak_tflops", t.peak_tflops >= 0, ">= 0"),
+        ("trainer.experiment_name", bool(t.experiment_name.strip()), "a non-empty name"),
+        ("reward.format_bonus", cfg.reward.format_bonus >= 0, ">= 0 (0 = off)"),
+        ("model.seed", cfg.model.seed >= 0, ">= 0"), ("rollout.seed", r.seed >= 0, ">= 0"),
+        ("trainer.seed", t.seed >= 0, ">= 0"),
+    ]
+    if cfg.use_critic:
+        rules += [("critic.lr", c.lr > 0, "> 0"), ("critic.weight_decay", c.weight_decay >= 0, ">= 0"),
+                  ("critic.warmup_steps", c.warmup_steps >= 0, ">= 0"), ("critic.grad_clip", c.grad_clip >= 0, ">= 0"),
+                  ("critic.cliprange_value", c.cliprange_value >= 0, ">= 0 (0 = no clipping)")]
+    for key, ok, expected in rules:
+        if not ok:
+            section, name = key.split(".")
+            raise ConfigError(f"{key} = {getattr(getattr(cfg, section), name)!r} must be {expected}")
 
 
 # --------------------------------------------------------------------------- docs

@@ -22,8 +22,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from spmd_rl.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A problem with the data files or the batch layout, naming the file/column and the fix."""
 
 

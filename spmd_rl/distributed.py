@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from spmd_rl.errors import UserError
+
 
 @dataclass
 class DistEnv:
@@ -50,7 +52,7 @@ def init_distributed(device: str = "auto") -> DistEnv:
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         if not torch.cuda.is_available():
-            raise RuntimeError("trainer.device = 'cuda' but no CUDA GPU is visible: use trainer.device=cpu")
+            raise UserError("trainer.device = 'cuda' but no CUDA GPU is visible: use trainer.device=cpu")
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
@@ -64,6 +66,23 @@ def init_distributed(device: str = "auto") -> DistEnv:
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def raise_together(fn=None) -> None:
+    """Collective: call `fn` (on the ranks that pass one); if it raises a UserError on any rank,
+    raise that message on every rank, so they all stop alike instead of the others hanging in
+    their next collective."""
+    error = None
+    if fn is not None:
+        try:
+            fn()
+        except UserError as e:
+            error = str(e)
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise UserError(first)
 
 
 def seed_everything(seed: int) -> None:

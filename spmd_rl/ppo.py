@@ -1,11 +1,14 @@
 """Entry point: `torchrun --nproc_per_node=N -m spmd_rl.ppo --config configs/X.toml key.sub=value ...`
 
-(also `python -m spmd_rl.ppo ...` as a single process). The config is loaded and validated
-before the process group or any model exists, so mistakes fail in a second with one message.
+(also `python -m spmd_rl.ppo ...` as a single process). `--config` takes a TOML file or the name
+of a shipped preset (`--config tiny-cpu`; `--list-configs` lists them). The config is loaded and
+validated before the process group or any model exists, so mistakes fail in a second. Every
+mistake a user can fix (config, data, reward function, run directory, checkpoints) ends the run
+with one line on rank 0 and exit code 2, not a traceback per rank.
 
-Exit status: 0 finished, 1 crashed, 2 configuration error, 3 stopped on a signal after writing a
-checkpoint (EXIT_PREEMPTED: requeue). Whatever the outcome, everything the run started is
-stopped in the order spmd_rl/lifecycle.py describes before the process exits.
+Exit status: 0 finished, 1 crashed, 2 user error, 3 stopped on a signal after writing a
+checkpoint (EXIT_PREEMPTED: requeue), 130 interrupted. Whatever the outcome, everything the run
+started is stopped in the order spmd_rl/lifecycle.py describes before the process exits.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import os
 import sys
 import time
 
-from spmd_rl.config import ConfigError, load_config
+from spmd_rl.config import load_config
+from spmd_rl.errors import UserError, report
+from spmd_rl.presets import describe_presets, resolve_config
 
 log = logging.getLogger("spmd_rl")
 
@@ -24,21 +29,24 @@ log = logging.getLogger("spmd_rl")
 def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(prog="python -m spmd_rl.ppo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="TOML config file (see docs/config.md)")
+    ap.add_argument("--config", help="TOML config file or preset name (see docs/config.md, --list-configs)")
+    ap.add_argument("--list-configs", action="store_true", help="list the shipped presets and exit")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. actor.lr=1e-6")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.list_configs:
+        print(describe_presets())
+        return 0
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(resolve_config(args.config), args.overrides)
         cfg.validate(world_size=world, gpus_per_node=local_world)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        return report(e)
 
     # Training tensors of changing shapes (packed rows) fragment the caching allocator; expandable
     # segments let empty_cache() give every free page back before the engine wakes. The vLLM engine
@@ -64,22 +72,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(cfg) -> int:
-    """Set up, train and close the trainer (steps 1-2 of the teardown); the exit status."""
+    """Lock the run directory, check a resumed config, set up, train, export (trainer.export_hf_dir)
+    and close the trainer (steps 1-2 of the teardown); the exit status."""
     from spmd_rl.checkpoint import CheckpointError
-    from spmd_rl.distributed import init_distributed, seed_everything, setup_logging
-    from spmd_rl.lifecycle import EXIT_CONFIG_ERROR, EXIT_CRASHED, EXIT_OK
+    from spmd_rl.distributed import init_distributed, raise_together, seed_everything, setup_logging
+    from spmd_rl.lifecycle import EXIT_CRASHED, EXIT_OK
     from spmd_rl.preemption import EXIT_PREEMPTED
+    from spmd_rl.resume_check import check_resume_config
+    from spmd_rl.run_lock import RunDirLock
     from spmd_rl.startup import startup_clock
     from spmd_rl.trainer import Trainer
 
     clock = startup_clock()
     clock.seconds["imports"] = time.time() - clock.start  # interpreter start and imports
-    os.makedirs(cfg.run_dir, exist_ok=True)
-    setup_logging(int(os.environ.get("RANK", "0")), os.path.join(cfg.run_dir, "trainer.log"))
-    trainer, fitting = None, False
+    trainer, lock, fitting = None, None, False
     try:
         with clock("distributed"):
             env = init_distributed(cfg.trainer.device)
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        lock = RunDirLock(cfg.run_dir)
+        raise_together(lock.acquire if env.is_main else None)  # before anything is written into run_dir
+        setup_logging(env.rank, os.path.join(cfg.run_dir, "trainer.log"))
+        check_resume_config(cfg, env.is_main)
         seed_everything(cfg.trainer.seed + env.rank)
         # Built in place, so that a constructor failing half-way still leaves us what it started.
         trainer = Trainer.__new__(Trainer)
@@ -87,16 +101,22 @@ def _train(cfg) -> int:
         fitting = True
         status = trainer.fit()
         log.info("run %s: %s at step %d", cfg.run_dir, status, trainer.step)
+        if status == "finished" and cfg.trainer.export_hf_dir and env.is_main:
+            from spmd_rl.export import export_checkpoint
+
+            out = export_checkpoint(os.path.join(cfg.run_dir, "checkpoints", f"step_{trainer.step}"),
+                                    cfg.trainer.export_hf_dir)
+            log.info("exported the final actor as a Hugging Face model to %s", out)
         return EXIT_OK if status == "finished" else EXIT_PREEMPTED
-    except ConfigError as e:  # a setting that only the trainer could check (data, checkpoints)
-        print(f"config error: {e}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    except CheckpointError as e:  # raised on every rank alike; the run directory needs the user
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"checkpoint error: {e}", file=sys.stderr)
+    except UserError as e:  # config, data, reward function, run directory: raised on every rank alike
+        return report(e)
+    except CheckpointError as e:  # raised on every rank alike
         # at start-up (no valid checkpoint, resume = none over checkpoints): the user's to fix;
-        # a save that failed in the background: the previous checkpoint is still the latest
-        return EXIT_CRASHED if fitting else EXIT_CONFIG_ERROR
+        # a save that failed in the background: a crash, the previous checkpoint is still the latest
+        if fitting:
+            report(e)
+            return EXIT_CRASHED
+        return report(e)
     except KeyboardInterrupt:
         log.error("interrupted")
         return 130
@@ -104,10 +124,13 @@ def _train(cfg) -> int:
         log.exception("run %s failed", cfg.run_dir)
         return EXIT_CRASHED
     finally:
-        # 1. The trainer's workers (engine before the process group; TensorBoard writer; heartbeat).
+        # 1. The trainer's workers (the save in flight, the engine before the process group,
+        #    TensorBoard's writer, the heartbeat), then the run directory's lock.
         clock.close()
         if trainer is not None:
             trainer.close()
+        if lock is not None:
+            lock.release()
         # 2. Dropping the trainer (here, with this frame) releases the last holders of the group.
 
 

@@ -22,9 +22,10 @@ from fractions import Fraction
 from typing import Any, Callable
 
 from spmd_rl.config import RewardConfig
+from spmd_rl.errors import UserError
 
 
-class RewardError(ValueError):
+class RewardError(UserError, ValueError):
     """A reward cannot be computed: unknown data source, bad custom function or bad return value."""
 
 
@@ -149,11 +150,18 @@ def _import_module(name: str, spec: str):
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
-        # Only a missing *target* module is the config's fault; a missing dependency inside it is not.
         if e.name and (name == e.name or name.startswith(e.name + ".")):
             raise RewardError(f"reward.custom_function = {spec!r}: module {name!r} not found; make it "
                               "importable (install it or add its directory to PYTHONPATH)") from None
-        raise
+        raise _import_failed(spec, name, e) from None
+    except Exception as e:  # the user's module raised while importing (syntax error, missing file...)
+        raise _import_failed(spec, name, e) from None
+
+
+def _import_failed(spec: str, name: str, e: Exception) -> RewardError:
+    where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
+    return RewardError(f"reward.custom_function = {spec!r}: importing {name!r} failed with {type(e).__name__}: "
+                       f"{e}{where}; run python -c 'import {name}' to see the traceback")
 
 
 def _import_path(path: str, spec: str):
@@ -163,7 +171,10 @@ def _import_path(path: str, spec: str):
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        raise _import_failed(spec, path, e) from None
     return module
 
 
@@ -176,8 +187,11 @@ class RewardFunction:
     bad config fails at start. Without it, each row's data_source picks a built-in scorer.
     """
 
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, defer_errors: bool = False):
         self.cfg = cfg
+        self.defer_errors = defer_errors
+        self.failure: str | None = None
+        self.errors = 0
         if cfg.gsm8k_method not in ("strict", "flexible"):
             raise RewardError(f"reward.gsm8k_method = {cfg.gsm8k_method!r} is not 'strict' or 'flexible'")
         self.custom = load_custom_reward(cfg.custom_function) if cfg.custom_function else None
@@ -201,6 +215,41 @@ class RewardFunction:
             return builtin_scorer(data_source, self.cfg)(response, ground_truth)
         return self._custom_result(self.custom(data_source, response, ground_truth, extra_info or {}))
 
+    def _score_guarded(self, index: Any, data_source: str, response: str, ground_truth: str,
+                       extra_info: dict | None) -> dict:
+        """score_one, with a scorer failure either scored 0 and counted (on_error = "zero") or
+        recorded as a message naming the sample (the caller raises it)."""
+        try:
+            return self.score_one(data_source, response, ground_truth, extra_info)
+        except Exception as e:  # the user's function can raise anything; we name the sample and move on
+            name = self.cfg.custom_function or "the built-in scorer"
+            shown = response if len(response) <= 200 else response[:200] + "..."
+            msg = (f"reward function {name} failed on data_source {data_source!r}, row {index} ({type(e).__name__}: "
+                   f"{' '.join(str(e).split())}) for the response {shown!r}: fix the function, or set "
+                   'reward.on_error = "zero" to score such responses 0 (counted in reward/errors)')
+            if self.cfg.on_error == "zero":
+                self.errors += 1
+            elif self.failure is None:
+                self.failure = msg
+            return {"score": 0.0, "acc": 0.0}
+
+    def sync_failures(self) -> int:
+        """Collective over the process group (if any): raise the first failure of any rank on every
+        rank, so all stop with the same message; else return how many responses were scored 0 for
+        an error (reward.on_error = "zero") on all ranks since the last call."""
+        failure, errors = self.failure, self.errors
+        self.failure, self.errors = None, 0
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (failure, errors))
+            failure = next((f for f, _ in gathered if f is not None), None)
+            errors = sum(n for _, n in gathered)
+        if failure is not None:
+            raise RewardError(failure)
+        return errors
+
     def _custom_result(self, value: Any) -> dict:
         if isinstance(value, dict):
             if "score" not in value:
@@ -221,8 +270,10 @@ class RewardFunction:
         return {"score": score, "acc": acc}
 
     def __call__(self, data_sources: list[str], responses: list[str], ground_truths: list[str],
-                 extra_infos: list[dict] | None = None) -> list[dict]:
-        """[{"score", "acc"}] per response; all lists are aligned (one entry per response)."""
+                 extra_infos: list[dict] | None = None, indices: list | None = None) -> list[dict]:
+        """[{"score", "acc"}] per response; all lists are aligned (one entry per response).
+        `indices` (dataset rows) name the sample in error messages. A failing scorer raises here,
+        unless `defer_errors`: then `sync_failures()` raises it (on every rank)."""
         if extra_infos is None:
             extra_infos = [{}] * len(responses)
         lengths = {len(data_sources), len(responses), len(ground_truths), len(extra_infos)}
@@ -230,4 +281,10 @@ class RewardFunction:
             raise RewardError(f"reward inputs differ in length: {len(data_sources)} data sources, "
                               f"{len(responses)} responses, {len(ground_truths)} ground truths, "
                               f"{len(extra_infos)} extra_infos")
-        return [self.score_one(*row) for row in zip(data_sources, responses, ground_truths, extra_infos)]
+        if indices is None:
+            indices = ["?"] * len(responses)
+        results = [self._score_guarded(*row) for row in zip(indices, data_sources, responses, ground_truths, extra_infos)]
+        if not self.defer_errors and self.failure is not None:
+            failure, self.failure = self.failure, None
+            raise RewardError(failure)
+        return results

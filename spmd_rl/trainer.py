@@ -81,13 +81,14 @@ class Trainer:
         self.step = 0
         self.stop = StopFlag.install()
         self.startup = startup_clock()  # logs each phase's seconds; time/startup_* in the first step
-        self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
         self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), cfg.trainer.keep_last,
                                          cfg.trainer.async_save)
         self._check_resume_target()
-        self.reward_fn = RewardFunction(cfg.reward)
+        self.reward_fn = RewardFunction(cfg.reward, defer_errors=True)  # raised by sync_failures, on every rank
         with self.startup("data"):
             self._setup_data()
+        # after the data checks: a run refused for bad data must not add files to an existing run_dir
+        self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
         self._setup_models()
         with self.startup("engine"):
             self._setup_engine()
@@ -298,7 +299,8 @@ class Trainer:
 
     def score(self, batch: Batch, train: bool = True) -> list[str]:
         texts = [decode_response(self.tokenizer, response_token_ids(batch, i)) for i in range(len(batch))]
-        results = self.reward_fn(batch.meta["data_source"], texts, batch.meta["ground_truth"], batch.meta["extra_info"])
+        results = self.reward_fn(batch.meta["data_source"], texts, batch.meta["ground_truth"], batch.meta["extra_info"],
+                                 batch.meta["index"])
         batch["scores"] = torch.tensor([float(r["score"]) for r in results])
         batch["acc"] = torch.tensor([float(r.get("acc", r["score"] > 0)) for r in results])
         rc = self.cfg.reward
@@ -329,6 +331,7 @@ class Trainer:
         timer = PhaseTimer(self.device)
         t_step = time.perf_counter()
         batch, sample_metrics = self.sample_batch(timer)
+        reward_errors = self.reward_fn.sync_failures()  # collective: a failed scorer stops every rank
         temp = cfg.rollout.temperature
         a, c = cfg.actor, cfg.critic
         lp_tokens = a.logprob_max_token_len_per_gpu or 2 * a.max_token_len_per_gpu
@@ -371,6 +374,7 @@ class Trainer:
         metrics = all_reduce_mean(metrics, self.device)
         metrics.update(self.global_metrics(batch, timer.metrics))
         metrics.update({**sample_metrics, **corr_metrics})  # already reduced over ranks
+        metrics["reward/errors"] = float(reward_errors)
         return metrics
 
     def compute_advantages(self, batch: Batch) -> dict[str, float]:
@@ -469,9 +473,10 @@ class Trainer:
         for idx in iter_eval_batches(len(self.val_data), self.cfg.data.val_batch_size, self.env.rank, self.env.world_size):
             records = [self.val_data[i] for i in idx]
             batch = self.generate(records, train=False, timer=timer)
+            texts = self.score(batch, train=False) if batch is not None else None
+            self.reward_fn.sync_failures()  # collective: also on ranks without prompts in this batch
             if batch is None:
                 continue
-            texts = self.score(batch, train=False)
             if self.cfg.rollout.val_n > 1:  # mean@k, pass@k, maj@k per prompt
                 answers = [extract_answer(s, t, self.cfg.reward.gsm8k_method)
                            for s, t in zip(batch.meta["data_source"], texts)]

@@ -1,0 +1,223 @@
+"""Every mistake a user can fix ends the run with one line on rank 0 and exit code 2.
+
+Config keys are checked in-process (fast, all of them); a few cases run end to end under
+torchrun with 2 ranks, as users run it, asserting the exit code, the message once, no traceback
+but torchrun's own failure block, and that an existing run's files were not touched.
+"""
+
+import fcntl
+import os
+import re
+import subprocess
+import sys
+import typing
+
+import pytest
+
+from conftest import ROOT, run_cmd, tiny_cmd
+from dist_utils import run_distributed
+from spmd_rl.config import SECTIONS, ConfigError, RewardConfig, load_config
+from spmd_rl.errors import UserError
+from spmd_rl.rewards import RewardError, RewardFunction
+
+TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
+
+
+def check(overrides, world=2):
+    cfg = load_config(TINY, overrides)
+    cfg.validate(world_size=world, gpus_per_node=world)
+    return cfg
+
+
+@pytest.mark.parametrize("section", sorted(SECTIONS))
+def test_every_numeric_key_rejects_a_negative_value_naming_the_key(section):
+    """-5 is out of range for every numeric key; the message names that key."""
+    cfg = load_config(TINY)
+    hints = typing.get_type_hints(type(getattr(cfg, section)))
+    extra = ['algorithm.adv_estimator="gae"'] if section == "critic" else []  # critic keys count only with a critic
+    for name, hint in hints.items():
+        if hint in (int, float):
+            with pytest.raises(ConfigError, match=re.escape(f"{section}.{name}")):
+                check([f"{section}.{name}={-5 if hint is int else -5.0}", *extra])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("actor.lr=0", "actor.lr = 0.0 must be > 0"),
+    ("actor.clip_ratio_low=0", "actor.clip_ratio_low = 0.0 must be > 0: with 0 the clipped loss has no gradient"),
+    ("actor.clip_ratio_high=0", "actor.clip_ratio_high = 0.0 must be > 0"),
+    ("actor.clip_ratio_low=1", "actor.clip_ratio_low = 1.0 must be < 1"),
+    ("actor.lr=nan", "actor.lr = nan must be a finite number"),
+    ("actor.betas=[0.9, 1.5]", "actor.betas"),
+    ("actor.min_lr_ratio=2", "actor.min_lr_ratio"),
+    ("rollout.val_n=0", "rollout.val_n"),
+    ("rollout.max_model_len=5", "rollout.max_model_len"),
+    ("trainer.log_every=0", "trainer.log_every"),
+    ("data.val_batch_size=0", "data.val_batch_size"),
+    ("data.synthetic_size=3", "data.synthetic_size"),
+    ("algorithm.target_kl=0", "algorithm.target_kl"),
+    ('reward.on_error="ignore"', "reward.on_error = 'ignore' is not one of 'fail', 'zero'"),
+    ('trainer.experiment_name=" "', "trainer.experiment_name"),
+])
+def test_out_of_range_values_are_refused_with_the_reason(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check([override])
+
+
+def test_export_dir_that_exists_is_refused_before_training(tmp_path):
+    (tmp_path / "x").write_text("")
+    with pytest.raises(ConfigError, match="trainer.export_hf_dir .* exists and is not empty"):
+        check([f"trainer.export_hf_dir={tmp_path}"])
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+CUSTOM = '''
+def score(data_source, response, ground_truth, extra_info):
+    if ground_truth == "7":
+        raise KeyError("boom")
+    return float("nan") if ground_truth == "8" else 1.0
+'''
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(CUSTOM)
+    return f"{path}:score"
+
+
+def test_reward_failure_names_source_row_and_response(reward_file):
+    fn = RewardFunction(RewardConfig(custom_function=reward_file))
+    with pytest.raises(RewardError, match=r"failed on data_source 'src', row 41 \(KeyError: 'boom'\) for the "
+                                          r"response 'xxxxx.*\.\.\.'.*reward.on_error = \"zero\""):
+        fn(["src", "src"], ["ok", "x" * 500], ["1", "7"], [{}, {}], [40, 41])
+    with pytest.raises(RewardError, match=r"row 3 \(RewardError: .*non-finite score nan"):
+        fn(["src"], ["r"], ["8"], [{}], [3])
+    zero = RewardFunction(RewardConfig(custom_function=reward_file, on_error="zero"), defer_errors=True)
+    out = zero(["s"] * 4, ["a", "b", "c", "d"], ["1", "7", "8", "2"], [{}] * 4, [0, 1, 2, 3])
+    assert [r["score"] for r in out] == [1.0, 0.0, 0.0, 1.0]
+    assert zero.sync_failures() == 2 and zero.sync_failures() == 0  # counted once, then reset
+
+
+def _sync_worker(rank, world, spec):
+    fn = RewardFunction(RewardConfig(custom_function=spec), defer_errors=True)
+    fn(["s"], ["r"], ["7" if rank == 1 else "1"], [{}], [rank])  # only rank 1's sample fails
+    with pytest.raises(RewardError, match="row 1 "):
+        fn.sync_failures()  # every rank raises rank 1's message: nobody is left waiting in a collective
+
+
+def test_reward_failure_on_one_rank_stops_every_rank(reward_file):
+    run_distributed(_sync_worker, 2, reward_file)
+
+
+def test_unimportable_reward_module_is_one_line(tmp_path):
+    bad = tmp_path / "broken.py"
+    bad.write_text("def score(:\n")
+    with pytest.raises(RewardError, match=r"importing .*broken.py' failed with SyntaxError"):
+        RewardFunction(RewardConfig(custom_function=f"{bad}:score"))
+    (tmp_path / "needs_dep.py").write_text("import surely_not_installed_dep\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(RewardError, match="importing 'needs_dep' failed with ModuleNotFoundError"):
+            RewardFunction(RewardConfig(custom_function="needs_dep:score"))
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+# --------------------------------------------------------------------------- run directory
+
+
+def test_run_dir_lock_refuses_a_second_holder_and_dies_with_its_process(tmp_path):
+    from spmd_rl.run_lock import RunDirInUse, RunDirLock
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+                               "from spmd_rl.run_lock import RunDirLock; lock = RunDirLock(sys.argv[2]); lock.acquire(); "
+                               "print('locked', flush=True); time.sleep(600)", ROOT, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirInUse, match=f"in use by a running job \\(pid {holder.pid} "):
+            RunDirLock(str(tmp_path)).acquire()
+    finally:
+        holder.kill()  # SIGKILL: no cleanup, like a crashed node process
+        holder.wait()
+    lock = RunDirLock(str(tmp_path))
+    lock.acquire()  # the kernel dropped the dead process's lock
+    lock.release()
+
+
+def test_changed_config_at_resume_is_listed_or_refused(tiny_run):
+    from spmd_rl.resume_check import check_resume_config
+
+    run_dir, data_dir, _ = tiny_run
+    base = [f"trainer.run_dir={run_dir}", f'data.train_files=["{data_dir}/train.parquet"]',
+            f'data.val_files=["{data_dir}/val.parquet"]', "data.synthetic_size=256", "data.val_batch_size=64",
+            "trainer.val_every=0", "trainer.total_steps=2"]
+    exported = {"trainer.export_hf_dir": (str(tiny_run[2]), "")}  # the export exists now: not asked again
+    assert check_resume_config(check(base)) == exported
+    changed = check(base + ["trainer.total_steps=4", "actor.lr=1e-3"])
+    assert check_resume_config(changed) == {"trainer.total_steps": (2, 4), "actor.lr": (3e-3, 1e-3), **exported}
+    for override, key in (("model.seed=5", "model.seed"), ('algorithm.adv_estimator="gae"', "algorithm.adv_estimator"),
+                          ('model.dtype="bfloat16"', "model.dtype"), ('model.arch="qwen2-0.5b"', "model.arch")):
+        with pytest.raises(ConfigError, match=f"cannot resume with {re.escape(key)} changed"):
+            check_resume_config(check(base + [override]))
+    assert check_resume_config(check(base + ["model.seed=5", "trainer.resume=none", f"trainer.run_dir={run_dir}x"])) == {}
+
+
+# --------------------------------------------------------------------------- end to end (torchrun, 2 ranks)
+
+
+def run_files(run_dir):
+    """Every file of a run except its log and lock, with size and modification time."""
+    out = {}
+    for root, _, files in os.walk(run_dir):
+        for f in files:
+            p = os.path.join(root, f)
+            if f not in ("trainer.log", ".lock"):
+                st = os.stat(p)
+                out[os.path.relpath(p, run_dir)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def assert_one_line_error(p, message):
+    out = p.stdout + p.stderr
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], out[-4000:]
+    assert p.returncode != 0 and re.search(r"exitcode\s*: 2 ", out), out[-4000:]
+    frames = re.findall(r'File "([^"]+)"', out)
+    assert all(f == "<frozen runpy>" or "/torch/distributed/" in f for f in frames), frames  # torchrun's own only
+    assert out.count("Traceback (most recent call last)") <= 1, out[-4000:]
+
+
+def test_torchrun_config_error(tmp_path):
+    p = run_cmd(tiny_cmd(tmp_path / "run", tmp_path / "data", "actor.lr=-1"))
+    assert_one_line_error(p, "actor.lr = -1.0 must be > 0")
+    assert not (tmp_path / "run").exists()
+
+
+def test_torchrun_bad_data_leaves_an_existing_run_untouched(tiny_run, tmp_path):
+    run_dir, data_dir, export_dir = tiny_run
+    before = run_files(run_dir)
+    csv = tmp_path / "train.parquet"
+    csv.write_text("prompt,data_source,ground_truth\n384,synthetic/successor,5\n")
+    p = run_cmd(tiny_cmd(run_dir, data_dir, f'data.train_files=["{csv}"]'))
+    assert_one_line_error(p, f"data file '{csv}' is not a readable Parquet file")
+    assert run_files(run_dir) == before
+
+
+def test_torchrun_second_run_on_a_locked_run_dir_is_refused(tiny_run):
+    run_dir, data_dir, _ = tiny_run
+    before = run_files(run_dir)
+    with open(os.path.join(run_dir, ".lock"), "a+") as f:  # as a live run holds it
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        p = run_cmd(tiny_cmd(run_dir, data_dir, "trainer.total_steps=4"))
+    assert_one_line_error(p, f"trainer.run_dir '{run_dir}' is in use by a running job")
+    assert run_files(run_dir) == before
+
+
+def test_torchrun_reward_function_failure_names_the_sample(tmp_path, reward_file):
+    p = run_cmd(tiny_cmd(tmp_path / "run", tmp_path / "data", f'reward.custom_function="{reward_file}"',
+                         'data.val_files=[]', "trainer.total_steps=1"))
+    assert_one_line_error(p, "failed on data_source 'synthetic/successor', row ")
+    assert re.search(r"row \d+ \((KeyError: 'boom'|RewardError: .*non-finite score nan)\) for the response ", p.stderr)
