@@ -76,7 +76,7 @@ one_run() {  # $1 = mode, $2 = index; prints a reason and returns 1 on failure
       local root; root="$(sed -n '/Root Cause/,$p' "$dir/log" | grep -oE 'exitcode *: *-?[0-9]+' | head -1 | grep -oE -- '-?[0-9]+$')"
       if [[ $rc -ne 1 || "$root" != 2 || ! "$codes" =~ ^(-15 )?2\ $ ]]; then
         echo "torchrun exit $rc, root cause '$root', rank codes '$codes' (want 1, 2, '2 ' or '-15 2 ')"; return 1; fi
-      grep -q "config error: " "$dir/log" || { echo "no 'config error:' line"; return 1; } ;;
+      grep -q "error: " "$dir/log" || { echo "no 'error:' line"; return 1; } ;;
     *) echo "unknown mode $mode"; return 1 ;;
   esac
   sleep 0.5

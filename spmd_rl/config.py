@@ -637,15 +637,19 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     need(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "actor.clip_ratio_c must be > 1 (or 0 to turn dual clip off)")
     need(len(a.betas) == 2, "actor.betas must be two numbers, e.g. [0.9, 0.999]")
     need(0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1, "algorithm.gamma and algorithm.lam must be in [0, 1]")
-    need(a.gspo_clip_ratio_low >= 0 and a.gspo_clip_ratio_high >= 0 and a.cispo_clip_ratio_high >= 0,
-         "actor.gspo_clip_ratio_low/high and actor.cispo_clip_ratio_high must be >= 0")
+    for key in ("gspo_clip_ratio_low", "gspo_clip_ratio_high", "cispo_clip_ratio_high"):
+        need(getattr(a, key) >= 0, f"actor.{key} = {getattr(a, key)} must be >= 0")
     need(alg.rollout_is_threshold > 0, "algorithm.rollout_is_threshold must be > 0 (TIS uses 2)")
-    need(0 < alg.rollout_mask_low <= 1 <= alg.rollout_mask_high,
-         "algorithm.rollout_mask_low/high must satisfy 0 < low <= 1 <= high (IcePop uses 0.5 and 2)")
+    need(0 < alg.rollout_mask_low <= 1,
+         f"algorithm.rollout_mask_low = {alg.rollout_mask_low} must be in (0, 1] (IcePop uses 0.5)")
+    need(alg.rollout_mask_high >= 1,
+         f"algorithm.rollout_mask_high = {alg.rollout_mask_high} must be >= 1 (IcePop uses 2)")
+    need(cfg.reward.overlong_penalty_factor >= 0,
+         f"reward.overlong_penalty_factor = {cfg.reward.overlong_penalty_factor} must be >= 0 (DAPO uses 1.0)")
+    need(alg.dynamic_sampling_max_rounds >= 1, "algorithm.dynamic_sampling_max_rounds must be >= 1")
     if alg.dynamic_sampling:
         need(alg.adv_estimator in ("grpo", "rloo"), "algorithm.dynamic_sampling filters prompt groups: use "
              f"algorithm.adv_estimator = grpo or rloo (got {alg.adv_estimator!r})")
-        need(alg.dynamic_sampling_max_rounds >= 1, "algorithm.dynamic_sampling_max_rounds must be >= 1")
     need(0 <= cfg.reward.overlong_buffer < d.max_response_length,
          "reward.overlong_buffer must be in [0, data.max_response_length) (0 = off)")
     need(r.val_n >= 1, "rollout.val_n must be >= 1")

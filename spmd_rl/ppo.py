@@ -20,7 +20,7 @@ import sys
 import time
 
 from spmd_rl.config import load_config
-from spmd_rl.errors import UserError, report
+from spmd_rl.errors import EXIT_USER_ERROR, UserError, report
 from spmd_rl.presets import describe_presets, resolve_config
 
 log = logging.getLogger("spmd_rl")
@@ -110,13 +110,12 @@ def _train(cfg) -> int:
         return EXIT_OK if status == "finished" else EXIT_PREEMPTED
     except UserError as e:  # config, data, reward function, run directory: raised on every rank alike
         return report(e)
-    except CheckpointError as e:  # raised on every rank alike
+    except CheckpointError as e:  # raised on every rank alike; one line on rank 0
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"checkpoint error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         # at start-up (no valid checkpoint, resume = none over checkpoints): the user's to fix;
         # a save that failed in the background: a crash, the previous checkpoint is still the latest
-        if fitting:
-            report(e)
-            return EXIT_CRASHED
-        return report(e)
+        return EXIT_CRASHED if fitting else EXIT_USER_ERROR
     except KeyboardInterrupt:
         log.error("interrupted")
         return 130

@@ -190,7 +190,9 @@ def test_engine_different_from_actor_weights_are_exact_ratios_and_mask_is_exact(
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    actor = Qwen2ForCausalLM(cfg).eval()
+    from spmd_rl.models import prepare_policy
+
+    actor = prepare_policy(Qwen2ForCausalLM(cfg).eval())
     engine_model = Qwen2ForCausalLM(cfg).eval()
     engine_model.load_state_dict(actor.state_dict())
     with torch.no_grad():
@@ -243,7 +245,7 @@ def _masked_update_body(rank, world):
 
     from spmd_rl.actor import actor_loss_fn
     from spmd_rl.config import ActorConfig
-    from spmd_rl.models import apply_fsdp
+    from spmd_rl.models import apply_fsdp, prepare_policy
     from spmd_rl.update import ppo_update
     from test_update import make_batch, tiny_config
 
@@ -259,7 +261,7 @@ def _masked_update_body(rank, world):
     for mode in MODES:
         torch.manual_seed(0)
         plain = Qwen2ForCausalLM(tiny_config()).double()
-        model = Qwen2ForCausalLM(tiny_config())
+        model = prepare_policy(Qwen2ForCausalLM(tiny_config()))
         model.load_state_dict({k: v.float() for k, v in plain.state_dict().items()})
         logits = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
         logp = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
