@@ -116,7 +116,7 @@ def test_shipped_configs_parse():
     (['actor.policy_loss="grpo"'], "actor.policy_loss = 'grpo' is not one of"),
     (['algorithm.rollout_is="tok"'], "algorithm.rollout_is = 'tok' is not one of"),
     (["algorithm.rollout_is_threshold=0"], "algorithm.rollout_is_threshold must be > 0"),
-    (["algorithm.rollout_mask_low=1.5"], "algorithm.rollout_mask_low/high must satisfy"),
+    (["algorithm.rollout_mask_low=1.5"], "algorithm.rollout_mask_low = 1.5 must be in (0, 1]"),
     (["algorithm.dynamic_sampling=true", 'algorithm.adv_estimator="gae"'], "use algorithm.adv_estimator = grpo or rloo"),
     (["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_rounds=0"], "must be >= 1"),
     (["reward.overlong_buffer=100000"], "reward.overlong_buffer must be in"),
