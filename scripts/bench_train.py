@@ -37,14 +37,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from spmd_rl.actor import actor_loss_fn, compute_logprobs  # noqa: E402
 from spmd_rl.batch import Batch  # noqa: E402
 from spmd_rl.config import ActorConfig  # noqa: E402
-from spmd_rl.distributed import init_distributed  # noqa: E402
+from spmd_rl.distributed import all_reduce_sum, init_distributed  # noqa: E402
 from spmd_rl.gpu_memory import GiB  # noqa: E402
 from spmd_rl.actor import reshard  # noqa: E402
 from spmd_rl.models import (apply_fsdp, count_parameters, load_causal_lm, materialize_random_model,  # noqa: E402
-                            random_model_config)
+                            random_model_config, set_gradient_checkpointing, set_layout)
 from spmd_rl.optim import make_optimizer  # noqa: E402
 from spmd_rl.update import ppo_update  # noqa: E402
-from spmd_rl.varlen_attention import register as register_varlen  # noqa: E402
 
 VARIANTS = {  # name: (packed, chunked, gradient checkpointing)
     "padded-full": (False, False, True),
@@ -99,14 +98,9 @@ def rollout_batch(seqs: int, vocab: int, max_response: int, seed: int, fixed_len
 
 
 def set_variant(model, packed: bool, chunked: bool, gc_on: bool) -> None:
-    model.set_attn_implementation(register_varlen() if packed else "sdpa")
-    model.spmd_remove_padding = packed
-    model.spmd_chunked_logprobs = chunked
-    if gc_on:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()  # transformers checkpoints only in train() mode (dropout is off: models.disable_dropout)
-    else:
-        model.gradient_checkpointing_disable()
+    set_layout(model, packed)
+    model.spmd_chunked_logprobs = chunked  # logprob_head.install's switch
+    set_gradient_checkpointing(model, gc_on)
 
 
 def timed(fn, model, opt):
@@ -129,8 +123,6 @@ def timed(fn, model, opt):
         free, total = torch.cuda.mem_get_info()
         mem = {"peak_gib": torch.cuda.max_memory_allocated() / GiB, "device_gib": (total - free) / GiB}
     flag = torch.tensor([0 if err is None else 1], dtype=torch.int64)  # ranks must agree, or the next collective hangs
-    from spmd_rl.distributed import all_reduce_sum
-
     if int(all_reduce_sum(flag)[0]) and err is None:
         err = "OOM on another rank"
     if err:

@@ -35,10 +35,20 @@ def compute_logprobs(model: torch.nn.Module, batch: Batch, temperature: float, m
                      device: torch.device, max_tokens: int = 0) -> torch.Tensor:
     """Log-probs for the whole batch, [B, L] on CPU, in micro-batches (of `max_tokens` real tokens
     when > 0, else of `micro_batch_size` rows)."""
+    return per_token_outputs(model, batch, lambda mb: forward_logprobs(model, mb, temperature)[0],
+                             micro_batch_size, device, max_tokens)
+
+
+@torch.no_grad()
+def per_token_outputs(model: torch.nn.Module, batch: Batch, forward, micro_batch_size: int, device: torch.device,
+                      max_tokens: int = 0) -> torch.Tensor:
+    """`forward(micro-batch on device) -> [b, l]` over the whole batch in micro-batches (see
+    batch.iter_micro_batches), gathered into [B, L] float32 on CPU and masked to the responses;
+    then the model's FSDP units are resharded (no-grad forwards leave the root gathered)."""
     out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
     for rows, mb in iter_micro_batches(batch, micro_batch_size, max_tokens):
-        logp, _ = forward_logprobs(model, mb.to(device), temperature)
-        out[rows, :logp.shape[1]] = logp.to("cpu", torch.float32)
+        values = forward(mb.to(device))
+        out[rows, :values.shape[1]] = values.to("cpu", torch.float32)
     reshard(model)
     return out * batch["response_mask"]
 

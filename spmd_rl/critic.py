@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from spmd_rl import algorithms as algos
-from spmd_rl.actor import reshard
-from spmd_rl.batch import Batch, iter_micro_batches
+from spmd_rl.actor import per_token_outputs
+from spmd_rl.batch import Batch
 from spmd_rl.config import CriticConfig
 from spmd_rl.models import uses_packing
 from spmd_rl.packing import make_layout
@@ -22,15 +22,9 @@ def forward_values(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
     return layout.to_columns(out[..., 0].float())
 
 
-@torch.no_grad()
 def compute_values(model: torch.nn.Module, batch: Batch, micro_batch_size: int, device: torch.device,
                    max_tokens: int = 0) -> torch.Tensor:
-    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-    for rows, mb in iter_micro_batches(batch, micro_batch_size, max_tokens):
-        v = forward_values(model, mb.to(device))
-        out[rows, :v.shape[1]] = v.to("cpu", torch.float32)
-    reshard(model)
-    return out * batch["response_mask"]
+    return per_token_outputs(model, batch, lambda mb: forward_values(model, mb), micro_batch_size, device, max_tokens)
 
 
 def critic_loss_fn(model: torch.nn.Module, cfg: CriticConfig):

@@ -96,7 +96,7 @@ def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sd
 def prepare_policy(model: torch.nn.Module, remove_padding: bool = False, chunked_logprobs: bool = True) -> torch.nn.Module:
     """Make a causal LM callable for token log-probs (spmd_rl.actor.forward_logprobs): the
     log-prob head, and with `remove_padding` the variable-length attention backend."""
-    _set_layout(model, remove_padding)
+    set_layout(model, remove_padding)
     return logprob_head.install(model, chunked=chunked_logprobs)
 
 
@@ -112,13 +112,16 @@ def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "
         head.weight.zero_()
         if getattr(head, "bias", None) is not None:
             head.bias.zero_()
-    _set_layout(model, remove_padding)
+    set_layout(model, remove_padding)
     return model
 
 
-def _set_layout(model: torch.nn.Module, remove_padding: bool) -> None:
+def set_layout(model: torch.nn.Module, remove_padding: bool) -> None:
+    """Padded (sdpa) or packed (variable-length attention) input; every dropout zeroed."""
     if remove_padding:  # the varlen backend runs padded batches exactly as sdpa does, too
         model.set_attn_implementation(varlen_attention.register())
+    elif uses_packing(model):
+        model.set_attn_implementation("sdpa")
     model.spmd_remove_padding = remove_padding
     disable_dropout(model)
 
@@ -152,10 +155,7 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, gradien
     the all-gather of the next one (FSDP2 already overlaps one layer ahead implicitly; explicit
     prefetch issues it earlier, which helps when a layer's compute is short)."""
     if gradient_checkpointing:
-        # transformers checkpoints a layer only in train() mode; from_pretrained returns eval()
-        # models, so without this the switch did nothing. Dropout is off (disable_dropout).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
+        set_gradient_checkpointing(model, True)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     layers = decoder_layers(model)
     for layer in layers:
@@ -165,6 +165,17 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, gradien
         for layer, nxt in zip(layers, layers[1:]):
             layer.set_modules_to_forward_prefetch([nxt])
     return model
+
+
+def set_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
+    """transformers checkpoints a layer only in train() mode, and from_pretrained returns eval()
+    models: without train() the switch does nothing (it did nothing here before). Dropout is off
+    (disable_dropout), so train() changes no numbers."""
+    if enabled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    else:
+        model.gradient_checkpointing_disable()
 
 
 def count_parameters(model: torch.nn.Module) -> int:
