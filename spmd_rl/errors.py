@@ -9,9 +9,18 @@ message itself names the problem and the fix.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+import time
 
 EXIT_USER_ERROR = 2
+
+RANK0_GRACE_S = 20.0
+"""How long a rank other than 0 that hit a user error waits for rank 0 to report it (see
+`let_rank0_report_first`)."""
+
+_unreported: str | None = None  # this rank's one-line message, when rank 0 is the one to print it
 
 
 class UserError(Exception):
@@ -19,10 +28,35 @@ class UserError(Exception):
     whose message names the problem and the fix."""
 
 
-def report(e: UserError, rank: int | None = None) -> int:
+def report(e: Exception, rank: int | None = None, kind: str = "error") -> int:
     """Print `e` as one line (only on rank 0 of a torchrun job); returns the exit code."""
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
+    global _unreported
+    message = " ".join(str(e).split())
     if rank == 0:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        print(f"{kind}: {message}", file=sys.stderr, flush=True)
+    else:
+        _unreported = f"{kind}: {message}"
     return EXIT_USER_ERROR
+
+
+def let_rank0_report_first() -> None:
+    """The last thing a rank other than 0 does after a user error, once everything is torn down.
+
+    torchrun (and srun's --kill-on-bad-exit) stops every rank as soon as one exits with an error.
+    When a rank other than 0 got there first, rank 0 could be killed before its line was out, and
+    the run ended with exit code 2 and no message (seen in CI). Every rank reads the same inputs,
+    so rank 0 hits the same error: this rank waits (SIGTERM ends it, as the launcher sends on rank
+    0's exit) and prints the message itself, naming its rank, only if nobody ended it in time.
+    """
+    global _unreported
+    if _unreported is None:
+        return
+    message, _unreported = _unreported, None
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(RANK0_GRACE_S)
+    print(f"(rank {os.environ.get('RANK', '?')}; rank 0 did not report it) {message}",
+          file=sys.stderr, flush=True)
+

@@ -20,7 +20,7 @@ import sys
 import time
 
 from spmd_rl.config import load_config
-from spmd_rl.errors import EXIT_USER_ERROR, UserError, report
+from spmd_rl.errors import UserError, let_rank0_report_first, report
 from spmd_rl.presets import describe_presets, resolve_config
 
 log = logging.getLogger("spmd_rl")
@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(resolve_config(args.config), args.overrides)
         cfg.validate(world_size=world, gpus_per_node=local_world)
     except UserError as e:
-        return report(e)
+        code = report(e)
+        let_rank0_report_first()
+        return code
 
     # Training tensors of changing shapes (packed rows) fragment the caching allocator; expandable
     # segments let empty_cache() give every free page back before the engine wakes. The vLLM engine
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         if lifecycle.python_threads():
             log.warning("threads still running at exit: %s", ", ".join(lifecycle.python_threads()))
         lifecycle.ignore_stop_signals()
+    let_rank0_report_first()
     return code
 
 
@@ -111,11 +114,10 @@ def _train(cfg) -> int:
     except UserError as e:  # config, data, reward function, run directory: raised on every rank alike
         return report(e)
     except CheckpointError as e:  # raised on every rank alike; one line on rank 0
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"checkpoint error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         # at start-up (no valid checkpoint, resume = none over checkpoints): the user's to fix;
         # a save that failed in the background: a crash, the previous checkpoint is still the latest
-        return EXIT_CRASHED if fitting else EXIT_USER_ERROR
+        code = report(e, kind="checkpoint error")
+        return EXIT_CRASHED if fitting else code
     except KeyboardInterrupt:
         log.error("interrupted")
         return 130

@@ -221,3 +221,32 @@ def test_torchrun_reward_function_failure_names_the_sample(tmp_path, reward_file
                          'data.val_files=[]', "trainer.total_steps=1"))
     assert_one_line_error(p, "failed on data_source 'synthetic/successor', row ")
     assert re.search(r"row \d+ \((KeyError: 'boom'|RewardError: .*non-finite score nan)\) for the response ", p.stderr)
+
+
+LINGER = '''
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from spmd_rl import errors
+errors.RANK0_GRACE_S = float(sys.argv[2])
+errors.report(errors.UserError("data file 'x' is missing:   give another"))
+print("waiting", flush=True)
+errors.let_rank0_report_first()
+'''
+
+
+def test_a_rank_other_than_0_leaves_the_message_to_rank_0_and_prints_it_only_if_nobody_ends_it():
+    """torchrun stops every rank once one exits with an error: a rank other than 0 that exits
+    first must not take rank 0's one line with it (a CI run once ended with exit 2 and no message)."""
+    env = dict(os.environ, RANK="1")
+    alone = subprocess.run([sys.executable, "-c", LINGER, ROOT, "0.2"], env=env, capture_output=True, text=True)
+    assert alone.returncode == 0 and alone.stderr.strip() == (
+        "(rank 1; rank 0 did not report it) error: data file 'x' is missing: give another"), alone.stderr
+    ended = subprocess.Popen([sys.executable, "-c", LINGER, ROOT, "60"], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    assert ended.stdout.readline().strip() == "waiting"
+    ended.terminate()  # as torchrun does once rank 0 has reported and exited
+    _, err = ended.communicate(timeout=10)
+    assert ended.returncode == -15 and err == "", err
+    rank0 = subprocess.run([sys.executable, "-c", LINGER, ROOT, "60"], env=dict(env, RANK="0"),
+                           capture_output=True, text=True, timeout=30)
+    assert rank0.stderr.strip() == "error: data file 'x' is missing: give another"  # at once, no wait
