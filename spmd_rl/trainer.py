@@ -114,8 +114,8 @@ class Trainer:
     def _setup_data(self) -> None:
         cfg, env = self.cfg, self.env
         d = cfg.data
-        if d.synthetic_task and not all(os.path.isfile(f) for f in d.train_files):
-            if env.is_main:
+        if d.synthetic_task:  # every rank enters the barrier: rank 0 may have written the files already
+            if env.is_main and not all(os.path.isfile(f) for f in d.train_files):
                 from spmd_rl.synthetic import write_synthetic
 
                 out_dir = os.path.dirname(d.train_files[0]) or "."
