@@ -149,13 +149,20 @@ def block_units(lengths: list[list[int]], groups: list[list[int]], start: int, e
 
 def assign_block(units: list[Unit], world: int) -> list[list[Unit]]:
     """Units of one block per destination rank. Balanced when the units can be dealt evenly
-    (as many of the same size per rank: the trainer's case, every group has rollout.n rows);
-    otherwise every unit stays where it is, which keeps each rank's row count."""
-    sizes = {len(u.rows) for u in units}
-    if len(sizes) > 1 or len(units) % world:
-        return [[u for u in units if u.rank == r] for r in range(world)]
+    (as many of the same size per rank: the trainer's case, every group has rollout.n rows) and
+    that lowers the busiest rank's tokens; otherwise every unit stays where it is (no traffic,
+    each rank keeps its row count)."""
+    stay = [[u for u in units if u.rank == r] for r in range(world)]
+    if len({len(u.rows) for u in units}) > 1 or len(units) % world:
+        return stay
     parts = [[units[i] for i in part] for part in karmarkar_karp([u.tokens for u in units], world)]
+    if _busiest(parts) >= _busiest(stay):
+        return stay
     return _fewest_moves(parts, world)
+
+
+def _busiest(parts: list[list[Unit]]) -> int:
+    return max(sum(u.tokens for u in part) for part in parts)
 
 
 def _fewest_moves(parts: list[list[Unit]], world: int) -> list[list[Unit]]:

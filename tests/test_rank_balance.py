@@ -63,10 +63,14 @@ def test_blocks_grow_rather_than_cut_a_group():
     assert block_bounds([[i for i in range(8)]] * 2, 4) == [(0, 4), (4, 8)]
 
 
-def test_blocks_that_cannot_be_dealt_evenly_stay_in_place():
+def test_blocks_that_cannot_be_dealt_evenly_or_are_even_already_stay_in_place():
     lengths = [[100, 100, 5], [5, 5, 5]]
     groups = [[0, 0, 1], [0, 1, 2]]  # units of 2 and 1 rows: no equal deal keeps the row counts
     assert plan_placement(lengths, groups, 3) == identity_placement(lengths)
+    even = [[10, 30, 20, 20, 7, 9], [25, 15, 5, 35, 8, 8]]  # 96 | 96: an equal split exists, but no gain in moving
+    assert plan_placement(even, [list(range(6))] * 2, 6) == identity_placement(even)
+    uneven = [[30, 30, 20, 20], [10, 10, 5, 35]]
+    assert plan_placement(uneven, [[0, 1, 2, 3]] * 2, 2) != identity_placement(uneven)
 
 
 # --------------------------------------------------------------------------- (b) the exchange
