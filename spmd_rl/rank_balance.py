@@ -213,8 +213,9 @@ def exchange_rows(batch: Batch, placement: Placement, width: int, pad_id: int) -
     """Collective: this rank's rows of `placement`, every tensor and meta field, per-token tensors
     right-padded to `width` columns (input_ids with `pad_id`, others with 0) before they travel.
 
-    Tensors go by all_to_all_single (gloo and NCCL), so a rank only holds the rows it sends and
-    receives, one field at a time. Meta (Python values) goes by all_gather_object: every rank
+    Tensors go by all_to_all_single (gloo and NCCL), one field at a time: beyond its batch a rank
+    holds one field's send copy and its received rows (about twice that field), not the world's
+    rows as an all_gather would. Meta (Python values) goes by all_gather_object: every rank
     briefly holds all ranks' meta, small next to the tensors."""
     me, world = dist.get_rank(), dist.get_world_size()
     mine = placement[me]
@@ -234,7 +235,7 @@ def exchange_rows(batch: Batch, placement: Placement, width: int, pad_id: int) -
     metas: list = [None] * world
     dist.all_gather_object(metas, batch.meta)
     meta = {k: [metas[s][k][i] for s, i in mine] for k in batch.meta}
-    return Batch(tensors, meta).trimmed()
+    return Batch(tensors, meta).trimmed()  # rows from a wider rank may have left columns of padding only
 
 
 def _per_token(t: torch.Tensor, batch: Batch) -> bool:
@@ -268,7 +269,7 @@ def mini_batch_block_rows(cfg: Config, world: int) -> int:
     sizes = [cfg.actor.ppo_mini_batch_size * n // world]
     if cfg.use_critic:
         sizes.append(cfg.critic.ppo_mini_batch_size * n // world)
-    return math.gcd(*sizes)
+    return max(1, math.gcd(*sizes))
 
 
 def balance_ranks(batch: Batch, cfg: Config, pad_id: int) -> tuple[Batch, dict[str, float]]:
