@@ -15,8 +15,8 @@ import json
 import statistics
 import sys
 
-PHASES = ["wake", "weight_sync", "generate", "sleep", "offload", "reload", "reward", "old_logprob", "ref_logprob",
-          "values", "adv", "update_critic", "update_actor", "step"]
+PHASES = ["wake", "weight_sync", "generate", "sleep", "offload", "reload", "reward", "balance", "old_logprob",
+          "ref_logprob", "values", "adv", "update_critic", "update_actor", "step"]
 
 
 def read_steps(path: str) -> list[dict]:

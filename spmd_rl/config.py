@@ -374,6 +374,13 @@ class TrainerConfig:
     for the whole write. The end of the run and a stop signal wait for the save in flight. With
     rollout.offload_train_states the state moves every step, so every save pays the first save's
     allocation and pinning of those buffers."""
+    balance_ranks: bool = True
+    """Before the log-prob passes and the updates, move rollout rows between ranks so every rank
+    holds nearly the same number of tokens (verl's balance_batch; Karmarkar-Karp on prompt +
+    response lengths): otherwise the rank that drew the longest responses sets the pace of every
+    collective. Prompt groups stay on one rank and every mini-batch keeps its rows, so the update
+    is the same as without it (spmd_rl/rank_balance.py). Each rank keeps its number of rows.
+    Metrics batch/rank_tokens_max_over_mean_before / _after. No effect on one rank."""
     export_hf_dir: str = ""
     """After the last step, rank 0 writes the final actor here as a Hugging Face model directory
     (safetensors, config, tokenizer; what `python -m spmd_rl.export` does for any checkpoint);

@@ -3,7 +3,8 @@
 One step:
   1. sync    stream the actor's FSDP shards into the rollout engine (wake weights -> load -> wake KV)
   2. rollout generate n responses per prompt for this rank's prompts, then put the engine to sleep
-  3. reward  score the responses (rule scorers by data source, or the user's function)
+  3. reward  score the responses (rule scorers by data source, or the user's function);
+     balance  move rows between ranks so each holds about as many tokens (rank_balance.py)
   4. score   old log-probs (actor), reference log-probs, values (critic)
   5. adv     token rewards (+ KL penalty), advantages (GAE / GRPO / RLOO / REINFORCE++)
   6. update  critic, then actor: ppo_epochs x mini-batches x micro-batches
@@ -39,6 +40,7 @@ from spmd_rl.models import (DTYPES, apply_fsdp, count_parameters, load_causal_lm
 from spmd_rl.offload import move_train_state
 from spmd_rl.optim import make_optimizer, make_scheduler
 from spmd_rl.preemption import StopFlag
+from spmd_rl.rank_balance import balance_ranks
 from spmd_rl.rewards import RewardFunction, extract_answer
 from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.startup import startup_clock
@@ -332,6 +334,8 @@ class Trainer:
         t_step = time.perf_counter()
         batch, sample_metrics = self.sample_batch(timer)
         reward_errors = self.reward_fn.sync_failures()  # collective: a failed scorer stops every rank
+        with timer("balance"):  # rows move between ranks to even out their tokens (trainer.balance_ranks)
+            batch, balance_metrics = balance_ranks(batch, cfg, self.tokenizer.pad_token_id)
         temp = cfg.rollout.temperature
         a, c = cfg.actor, cfg.critic
         lp_tokens = a.logprob_max_token_len_per_gpu or 2 * a.max_token_len_per_gpu
@@ -373,7 +377,7 @@ class Trainer:
             metrics.update({f"critic/{k}": v for k, v in cm.items()})
         metrics = all_reduce_mean(metrics, self.device)
         metrics.update(self.global_metrics(batch, timer.metrics))
-        metrics.update({**sample_metrics, **corr_metrics})  # already reduced over ranks
+        metrics.update({**sample_metrics, **balance_metrics, **corr_metrics})  # already reduced over ranks
         metrics["reward/errors"] = float(reward_errors)
         return metrics
 

@@ -114,6 +114,32 @@ def test_kill_and_resume_continues_identically(tmp_path):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-9), (step, key)
 
 
+
+def test_balance_ranks_keeps_the_update_and_evens_the_ranks_tokens(tmp_path):
+    """2 ranks with trainer.balance_ranks on and off: the first step trains on the same rollouts and
+    gives the same update either way; on, the metrics show the busiest rank's tokens before and after."""
+    from spmd_rl.synthetic import write_synthetic
+
+    # written before the runs: a rank that checks for the files while rank 0 writes them can skip
+    # the data barrier and then pair its next barrier with the wrong one (trainer._setup_data)
+    write_synthetic("successor", str(tmp_path / "data"), 256, 64, 1)
+    common = ["trainer.total_steps=2", "trainer.val_every=0", 'data.val_files=[]', "trainer.tensorboard=false",
+              "data.synthetic_size=256", *data_overrides(tmp_path)[:1]]
+    runs = {}
+    for on in ("true", "false"):
+        run_dir = tmp_path / f"balance_{on}"
+        run(torchrun_cmd(2, f"trainer.run_dir={run_dir}", f"trainer.balance_ranks={on}", *common))
+        runs[on] = read_metrics(run_dir)
+    on, off = runs["true"], runs["false"]
+    assert sorted(s for s in on if "reward/mean" in on[s]) == [1, 2]
+    for key in ("reward/mean", "prompt/length_mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert on[1][key] == pytest.approx(off[1][key], rel=1e-5, abs=1e-7), key
+    for step in (1, 2):
+        before, after = on[step]["batch/rank_tokens_max_over_mean_before"], on[step]["batch/rank_tokens_max_over_mean_after"]
+        assert 1.0 <= after <= before, (step, before, after)
+        assert "batch/rank_tokens_max_over_mean_before" not in off[step]
+
+
 ALGOS = {
     "ppo_gae_kl_reward_adaptive": ['algorithm.adv_estimator="gae"', "algorithm.use_kl_in_reward=true",
                                    'algorithm.kl_ctrl="adaptive"', "algorithm.kl_coef=0.05", "algorithm.target_kl=0.001",
