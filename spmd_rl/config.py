@@ -565,21 +565,17 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     # model
     if m.init == "pretrained":
         need(bool(m.path), 'model.path is empty: set it to a local model directory, or use model.init = "random" with model.arch')
-        need(os.path.isfile(os.path.join(m.path, "config.json")),
-             f"model.path = {m.path!r} has no config.json: point it at a Hugging Face model directory")
     else:
         need(bool(m.path) or bool(m.arch), 'model.init = "random" needs model.arch (a preset) or model.path (a config.json)')
-        if m.path:
-            need(os.path.isfile(os.path.join(m.path, "config.json")),
-                 f"model.path = {m.path!r} has no config.json: point it at a directory with a config.json")
-        else:
+        if not m.path:
             from spmd_rl.models import ARCH_PRESETS
 
             need(m.arch in ARCH_PRESETS, f"model.arch = {m.arch!r} is not a preset: use one of {', '.join(ARCH_PRESETS)}")
         need(bool(m.tokenizer) or bool(m.path),
              'model.init = "random" with a preset arch needs model.tokenizer (a directory, or "char")')
-    if m.tokenizer and m.tokenizer != "char":
-        need(os.path.isdir(m.tokenizer), f"model.tokenizer = {m.tokenizer!r} is not a directory (or use \"char\")")
+    from spmd_rl.model_files import check_model_inputs
+
+    check_model_inputs(cfg)  # the directories' files: config.json, weights, tokenizer (no weights are read)
 
     # data
     need(bool(d.train_files), "data.train_files is empty: list at least one Parquet file")

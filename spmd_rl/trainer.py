@@ -34,7 +34,8 @@ from spmd_rl.distributed import DistEnv, all_reduce_mean, all_reduce_sum
 from spmd_rl.gpu_memory import PhaseMemory
 from spmd_rl.dynamic_sampling import collect_informative_groups
 from spmd_rl.metrics import MetricsLogger, summary_line
-from spmd_rl.models import (DTYPES, apply_fsdp, count_parameters, load_causal_lm, load_value_model,
+from spmd_rl.model_files import check_vocab, model_vocab_size
+from spmd_rl.models import (ARCH_PRESETS, DTYPES, apply_fsdp, count_parameters, load_causal_lm, load_value_model,
                             materialize_random_model, random_model_config)
 from spmd_rl.offload import move_train_state
 from spmd_rl.optim import make_optimizer, make_scheduler
@@ -87,9 +88,10 @@ class Trainer:
         self.reward_fn = RewardFunction(cfg.reward, defer_errors=True)  # raised by sync_failures, on every rank
         with self.startup("data"):
             self._setup_data()
-        # after the data checks: a run refused for bad data must not add files to an existing run_dir
-        self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
         self._setup_models()
+        # after every input check (data, tokenizer, model files): a run refused for one of them must
+        # not add files (TensorBoard events) to an existing run_dir
+        self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
         with self.startup("engine"):
             self._setup_engine()
         self.kl_ctrl = (algos.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.target_kl, cfg.algorithm.kl_horizon)
@@ -130,6 +132,7 @@ class Trainer:
         m = cfg.model
         tok_spec = m.tokenizer if m.tokenizer else ""
         self.tokenizer = load_tokenizer(tok_spec, m.path)
+        self._check_vocab()
         self.train_data = PromptDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.apply_chat_template)
         if self.train_data.num_dropped:
             log.warning("dropped %d training prompts longer than data.max_prompt_length = %d",
@@ -145,6 +148,19 @@ class Trainer:
         log.info("data: %d training prompts (%d steps per epoch), %d validation prompts",
                  len(self.train_data), self.sampler.steps_per_epoch, len(self.val_data) if self.val_data else 0)
 
+    def _check_vocab(self) -> None:
+        """The tokenizer's ids fit every model's embedding (else a device-side assert mid-run)."""
+        m, c = self.cfg.model, self.cfg.critic
+        if m.init == "random" and not m.path:
+            models = {f"model.arch = {m.arch!r}": ARCH_PRESETS[m.arch]["vocab_size"]}
+        else:
+            models = {f"model.path = {m.path!r}": model_vocab_size(m.path, "model.path")}
+        if self.cfg.use_critic and c.path:
+            models[f"critic.path = {c.path!r}"] = model_vocab_size(c.path, "critic.path")
+        source = f"model.tokenizer = {m.tokenizer!r}" if m.tokenizer else f"model.path = {m.path!r}"
+        for model, vocab_size in models.items():
+            check_vocab(len(self.tokenizer), source, vocab_size, model)
+
     def _model_dir(self) -> str:
         m = self.cfg.model
         if m.init == "pretrained":
@@ -158,10 +174,12 @@ class Trainer:
         m, a, c = cfg.model, cfg.actor, cfg.critic
         self.startup.begin("model_build")
         self.model_dir = self._model_dir()
+        self.model_key = "model.path" if m.init == "pretrained" else ""  # "": <run_dir>/init_model, ours
         master, compute = DTYPES[m.dtype], DTYPES[m.compute_dtype]
 
         def policy_model(dtype):
-            return load_causal_lm(self.model_dir, dtype, m.attn_implementation, m.remove_padding, m.chunked_logprobs)
+            return load_causal_lm(self.model_dir, dtype, m.attn_implementation, m.remove_padding, m.chunked_logprobs,
+                                  self.model_key)
 
         actor = policy_model(master)
         self.startup.begin("fsdp_wrap")
@@ -178,9 +196,9 @@ class Trainer:
             self.ref.requires_grad_(False)
         self.critic = self.critic_opt = self.critic_sched = None
         if cfg.use_critic:
-            critic_dir = c.path or self.model_dir
-            self.critic = apply_fsdp(load_value_model(critic_dir, master, m.attn_implementation, m.remove_padding),
-                                     env.mesh, compute, m.gradient_checkpointing, m.fsdp_forward_prefetch)
+            critic_dir, critic_key = (c.path, "critic.path") if c.path else (self.model_dir, self.model_key)
+            critic = load_value_model(critic_dir, master, m.attn_implementation, m.remove_padding, critic_key)
+            self.critic = apply_fsdp(critic, env.mesh, compute, m.gradient_checkpointing, m.fsdp_forward_prefetch)
             self.critic_opt = make_optimizer(self.critic, c.lr, c.weight_decay)
             self.critic_sched = make_scheduler(self.critic_opt, c.warmup_steps, cfg.trainer.total_steps)
         self.startup.end()
@@ -202,7 +220,7 @@ class Trainer:
         else:
             from spmd_rl.rollout.hf_engine import HFEngine
 
-            model = load_causal_lm(self.model_dir, self.engine_dtype, cfg.model.attn_implementation)
+            model = load_causal_lm(self.model_dir, self.engine_dtype, cfg.model.attn_implementation, key=self.model_key)
             self.engine = HFEngine(model, self.tokenizer.pad_token_id, [eos], self.device)
             self.engine_replica = env.rank
 

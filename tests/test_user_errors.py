@@ -223,6 +223,23 @@ def test_torchrun_reward_function_failure_names_the_sample(tmp_path, reward_file
     assert re.search(r"row \d+ \((KeyError: 'boom'|RewardError: .*non-finite score nan)\) for the response ", p.stderr)
 
 
+def test_torchrun_tokenizer_larger_than_the_model_vocabulary_stops_before_models_load(tmp_path):
+    """Token ids past the embedding would be a device-side assert mid-run on GPU: refused at start-up,
+    before the random model is built, TensorBoard starts or the config is written."""
+    from transformers import Qwen2Config
+
+    from spmd_rl.models import ARCH_PRESETS
+    from spmd_rl.tokenizer import build_char_tokenizer
+
+    model_dir, run_dir = tmp_path / "config_only", tmp_path / "run"
+    Qwen2Config(**{**ARCH_PRESETS["tiny"], "vocab_size": 40}).save_pretrained(model_dir)
+    p = run_cmd(tiny_cmd(run_dir, tmp_path / "data", f"model.path={model_dir}", 'model.arch=""'))
+    n = len(build_char_tokenizer())
+    assert_one_line_error(p, f"the tokenizer (model.tokenizer = 'char') has {n} tokens but the model (model.path = "
+                             f"'{model_dir}') has vocab_size 40: token ids 40..{n - 1} would index past its embedding")
+    assert run_files(run_dir) == {}
+
+
 LINGER = '''
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
