@@ -355,15 +355,27 @@ class Checkpointer:
     # ------------------------------------------------------------------ loading
     def load(self, path: str, models: dict[str, Stateful]) -> dict[str, Any]:
         """Restore models/optimizers in place; returns this rank's trainer state. DCP reads only
-        each rank's own shards, straight into the FSDP parameters and optimizer states."""
-        state_file = os.path.join(path, f"trainer_state_rank{_rank()}.pt")
-        if not os.path.isfile(state_file):
-            raise CheckpointError(
-                f"checkpoint {path} has no {os.path.basename(state_file)}: it was written by a run with a "
-                f"different number of ranks (this run has {_world()}) or is incomplete; resume with the same "
-                "world size, or start a new run_dir")
+        each rank's own shards, straight into the FSDP parameters and optimizer states, resharding
+        them when the world size changed (saved_world_size). Then every rank takes rank 0's trainer
+        state: all of it but the RNG states is the same on every rank, and the RNG states of
+        another layout's ranks mean nothing here."""
+        saved_world = saved_world_size(path)
+        state_file = os.path.join(path, f"trainer_state_rank{_rank() if saved_world == _world() else 0}.pt")
+        if not os.path.isfile(state_file):  # verify() found it: only a file removed since gets here
+            raise CheckpointError(f"checkpoint {path} has no {os.path.basename(state_file)}: it is incomplete; "
+                                  "pass a complete step_N directory as trainer.resume")
         dcp.load(dict(models), checkpoint_id=path)
         return torch.load(state_file, weights_only=False)
+
+
+def saved_world_size(path: str) -> int:
+    """Ranks of the run that wrote the checkpoint `path`: its manifest's count, else (checkpoints
+    of older versions) its trainer state files'."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            return int(json.load(f)["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return sum(1 for n in os.listdir(path) if re.fullmatch(r"trainer_state_rank\d+\.pt", n))
 
 
 def _describe(error: BaseException) -> str:

@@ -359,7 +359,9 @@ class TrainerConfig:
     """Checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
     resume: str = "auto"
     """"auto": continue from the latest complete checkpoint in run_dir if any; "none": start fresh
-    (refuses to run if run_dir already has checkpoints); or a checkpoint directory."""
+    (refuses to run if run_dir already has checkpoints); or a checkpoint directory. A checkpoint
+    resumes on any number of ranks: models and optimizers are resharded, the data order continues
+    exactly (the per-rank random states start afresh)."""
     log_every: int = 1
     """Console summary every this many steps (TensorBoard gets every step)."""
     tensorboard: bool = True

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from spmd_rl import algorithms as algos
 from spmd_rl.actor import actor_loss_fn, compute_logprobs
 from spmd_rl.batch import Batch, build_rollout_batch, response_token_ids
-from spmd_rl.checkpoint import CheckpointError, Checkpointer, ModelAndOptimizer
+from spmd_rl.checkpoint import CheckpointError, Checkpointer, ModelAndOptimizer, saved_world_size
 from spmd_rl.config import Config, to_toml
 from spmd_rl.critic import compute_values, critic_loss_fn
 from spmd_rl.data import PromptDataset, ShardedSampler, iter_eval_batches
@@ -253,14 +253,21 @@ class Trainer:
         if path is None:
             return
         state = self.checkpointer.load(path, self._stateful())
+        saved_world = saved_world_size(path)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.actor_sched.load_state_dict(state["actor_sched"])
         if self.critic_sched and state["critic_sched"]:
             self.critic_sched.load_state_dict(state["critic_sched"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
+        if saved_world == self.env.world_size:
+            torch.set_rng_state(state["torch_rng"])
+            random.setstate(state["python_rng"])
+        elif self.env.is_main:  # the sampler's state is global: each step gets the same prompts on any world size
+            log.warning("resuming a checkpoint of %d ranks on %d: the models and optimizers are resharded, the data "
+                        "order continues exactly; each rank's random state starts afresh (trainer.seed + rank) and "
+                        "rollouts are sampled per rank, so samples differ from an uninterrupted run",
+                        saved_world, self.env.world_size)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.step, self.sampler.epoch,
                  self.sampler.position)
 

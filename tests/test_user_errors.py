@@ -6,6 +6,7 @@ but torchrun's own failure block, and that an existing run's files were not touc
 """
 
 import fcntl
+import json
 import os
 import re
 import subprocess
@@ -238,6 +239,27 @@ def test_torchrun_tokenizer_larger_than_the_model_vocabulary_stops_before_models
     assert_one_line_error(p, f"the tokenizer (model.tokenizer = 'char') has {n} tokens but the model (model.path = "
                              f"'{model_dir}') has vocab_size 40: token ids 40..{n - 1} would index past its embedding")
     assert run_files(run_dir) == {}
+
+
+def test_torchrun_resume_on_another_number_of_ranks_keeps_the_data_order(tiny_run, tmp_path):
+    """A checkpoint of 1 rank resumed on 2: models and optimizers reshard, every rank takes rank 0's
+    trainer state, and each step trains on the prompts it had in the uninterrupted 2-rank run."""
+    _, data_dir, _ = tiny_run
+    run_dir = tmp_path / "run"
+    one = run_cmd(tiny_cmd(run_dir, data_dir, "trainer.total_steps=1", nproc=1))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_cmd(tiny_cmd(run_dir, data_dir, "trainer.total_steps=2"))
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    assert "resuming a checkpoint of 1 ranks on 2: the models and optimizers are resharded" in two.stdout
+    assert "at step 1 (epoch 0, batch 1)" in two.stdout
+
+    def prompt_lengths(run):
+        with open(os.path.join(run, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+        return {r["step"]: r["prompt/length_mean"] for r in rows if "prompt/length_mean" in r}
+
+    assert prompt_lengths(run_dir) == pytest.approx(prompt_lengths(tiny_run[0]))  # the same prompts, steps 1 and 2
+    assert sorted(prompt_lengths(run_dir)) == [1, 2]
 
 
 LINGER = '''
