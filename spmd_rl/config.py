@@ -581,10 +581,18 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
 
     # data
     need(bool(d.train_files), "data.train_files is empty: list at least one Parquet file")
+    for f in d.train_files + d.val_files:
+        need(not os.path.isdir(f), f"data file {f!r} is a directory: list the Parquet files in it in "
+             "data.train_files / data.val_files")
     if not d.synthetic_task:
         for f in d.train_files + d.val_files:
             need(os.path.isfile(f), f"data file {f!r} does not exist: fix data.train_files / data.val_files, "
                  "or set data.synthetic_task to generate it")
+    elif not all(os.path.isfile(f) for f in d.train_files):  # rank 0 writes the first train and val file
+        for f in d.train_files[:1] + d.val_files[:1]:
+            problem = _cannot_write(os.path.dirname(f) or ".")
+            need(problem is None, f"data file {f!r} cannot be written for data.synthetic_task ({problem}): "
+                 "choose another directory in data.train_files / data.val_files")
     need(d.train_batch_size > 0, "data.train_batch_size must be > 0")
     need(d.max_prompt_length > 0 and d.max_response_length > 0, "data.max_prompt_length and data.max_response_length must be > 0")
 
@@ -673,11 +681,29 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     if t.resume not in ("auto", "none"):
         need(os.path.isdir(t.resume), f"trainer.resume = {t.resume!r} is not a checkpoint directory "
              '(use "auto", "none" or an existing step_N directory)')
+    problem = _cannot_write(cfg.run_dir)
+    need(problem is None, f"trainer.run_dir = {cfg.run_dir!r} cannot be used ({problem}): choose another directory")
     if t.export_hf_dir:
+        problem = _cannot_write(t.export_hf_dir)
+        need(problem is None, f"trainer.export_hf_dir = {t.export_hf_dir!r} cannot be used ({problem}): choose "
+             "another directory")
         need(not (os.path.exists(t.export_hf_dir) and os.listdir(t.export_hf_dir)),
              f"trainer.export_hf_dir = {t.export_hf_dir!r} exists and is not empty: choose a new directory "
              "(the export would otherwise fail after training)")
     validate_ranges(cfg)
+
+
+def _cannot_write(path: str) -> str | None:
+    """Why no directory can be created and written at `path` (None: it can), from the nearest part
+    of it that exists. Found here, before the process group exists, not by a makedirs traceback."""
+    target = p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        return "it is a file" if p == target else f"{p!r} is a file"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p!r} is not writable"
+    return None
 
 
 def validate_ranges(cfg: Config) -> None:

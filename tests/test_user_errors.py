@@ -70,6 +70,30 @@ def test_export_dir_that_exists_is_refused_before_training(tmp_path):
         check([f"trainer.export_hf_dir={tmp_path}"])
 
 
+def test_paths_the_run_cannot_write_are_refused_before_it_starts(tmp_path, monkeypatch):
+    """Found by validation, not by a makedirs/os.replace traceback on every rank after start-up."""
+    file = tmp_path / "a_file"
+    file.write_text("")
+    (tmp_path / "dir").mkdir()
+    for overrides, message in [
+        ([f"trainer.run_dir={file}"], f"trainer.run_dir = '{file}' cannot be used (it is a file): choose another "
+                                      "directory"),
+        ([f"trainer.run_dir={file}/run"], f"trainer.run_dir = '{file}/run' cannot be used ('{file}' is a file)"),
+        ([f"trainer.export_hf_dir={file}"], f"trainer.export_hf_dir = '{file}' cannot be used (it is a file)"),
+        ([f'data.train_files=["{tmp_path}/dir"]'], f"data file '{tmp_path}/dir' is a directory: list the Parquet "
+                                                   "files in it"),
+        ([f'data.train_files=["{file}/x/train.parquet"]'], f"data file '{file}/x/train.parquet' cannot be written "
+                                                           f"for data.synthetic_task ('{file}' is a file)"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check([f"trainer.run_dir={tmp_path}/run", *overrides])
+    check([f"trainer.run_dir={tmp_path}/new/run"])  # to be created: fine
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(tmp_path))  # as a read-only directory
+    with pytest.raises(ConfigError, match=re.escape(f"trainer.run_dir = '{tmp_path}/run' cannot be used "
+                                                    f"('{tmp_path}' is not writable)")):
+        check([f"trainer.run_dir={tmp_path}/run"])
+
+
 # --------------------------------------------------------------------------- rewards
 
 
