@@ -68,6 +68,10 @@ class ModelAndOptimizer(Stateful):
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd}
 
+    def model_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full (unsharded) shape of every model tensor, by its key under "model"."""
+        return {k: tuple(v.shape) for k, v in get_state_dict(self.model, [])[0].items()}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}))
@@ -364,8 +368,31 @@ class Checkpointer:
         if not os.path.isfile(state_file):  # verify() found it: only a file removed since gets here
             raise CheckpointError(f"checkpoint {path} has no {os.path.basename(state_file)}: it is incomplete; "
                                   "pass a complete step_N directory as trainer.resume")
+        problem = _other_model(path, models)
+        if problem:  # checked on every rank alike: DCP's own error is a traceback per rank
+            raise CheckpointError(f"checkpoint {path} holds another model: {problem}; resume it with the model "
+                                  "settings it was trained with (model.path / model.arch, algorithm.adv_estimator), "
+                                  "or start a new trainer.run_dir")
         dcp.load(dict(models), checkpoint_id=path)
         return torch.load(state_file, weights_only=False)
+
+
+def _other_model(path: str, models: dict[str, Stateful]) -> str | None:
+    """What in `models` the checkpoint `path` does not hold in the same shape (a phrase), or None.
+    The config check at resume cannot tell when the checkpoint's run directory has no config.toml
+    (a checkpoint copied elsewhere)."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for name, stateful in models.items():
+        if not any(k.startswith(f"{name}.") for k in saved):
+            return f"it holds no {name}"
+        for key, shape in stateful.model_shapes().items():
+            fqn = f"{name}.model.{key}"
+            if fqn not in saved:
+                return f"it has no {fqn}"
+            there = tuple(getattr(saved[fqn], "size", shape))
+            if there != shape:
+                return f"{fqn} has shape {list(there)} there, {list(shape)} in this run's model"
+    return None
 
 
 def saved_world_size(path: str) -> int:
