@@ -45,7 +45,8 @@ class ConfigError(UserError, ValueError):
 class ModelConfig:
     path: str = ""
     """Local Hugging Face model directory (config.json, safetensors, tokenizer). With
-    `init = "random"` it may hold only config.json (+ tokenizer); weights are then random."""
+    `init = "random"` it may hold only config.json (+ tokenizer); weights are then random. Checked
+    before anything loads: config.json, its model_type, the weight files' completeness."""
     init: str = "pretrained"
     """"pretrained": load the weights in `path`. "random": random weights from the architecture
     (`path`'s config.json or the preset `arch`), built once by rank 0 and saved to
@@ -55,7 +56,8 @@ class ModelConfig:
     tiny, qwen2-0.5b, qwen2-1.5b, qwen2-7b (see spmd_rl/models.py ARCH_PRESETS)."""
     tokenizer: str = ""
     """Tokenizer directory; empty = `path`. "char" = the built-in character tokenizer used by the
-    synthetic tasks (digits, letters, punctuation; it carries a chat template)."""
+    synthetic tasks (digits, letters, punctuation; it carries a chat template). It may not have
+    more tokens than the model's vocab_size (fewer is normal: padded vocabularies)."""
     dtype: str = "float32"
     """Dtype of the master (optimizer) weights of actor/critic/reference: float32 or bfloat16."""
     compute_dtype: str = "bfloat16"
