@@ -214,6 +214,19 @@ def _load_error(e: Exception, path: str, key: str, what: str) -> ModelFilesError
                            "complete Hugging Face model directory (copy or download it again)")
 
 
+def check_no_missing_weights(info: dict, path: str, key: str = "", what: str = "the model",
+                             new: tuple[str, ...] = ()) -> None:
+    """After `from_pretrained(..., output_loading_info=True)`: every tensor came from the files.
+    transformers initialises the ones it does not find randomly and only logs it, so weights of
+    another architecture (other tensor names) would train a random model. `new`: prefixes of the
+    tensors that are new by design (the critic's value head)."""
+    missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(new))
+    if missing:
+        raise ModelFilesError(f"{_where(key, path)}: its weights lack {len(missing)} of {what}'s tensors (e.g. "
+                              f"{missing[0]!r}), which would start random: the weights belong to another "
+                              "architecture than its config.json describes; use the config.json that came with them")
+
+
 def model_vocab_size(path: str, key: str) -> int:
     """The vocab_size in the config.json of the model directory `path` (its text model's, for a
     multimodal config)."""

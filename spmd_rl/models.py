@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config
 
 from spmd_rl import logprob_head, varlen_attention
-from spmd_rl.model_files import loading
+from spmd_rl.model_files import check_no_missing_weights, loading
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,9 @@ def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sd
     the variable-length attention backend (which runs padded batches as sdpa does). `key`: the
     config key that named `path`, for the one-line error when its files cannot be loaded."""
     with loading(path, key):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                           output_loading_info=True)
+    check_no_missing_weights(info, path, key)
     return prepare_policy(model, remove_padding, chunked_logprobs)
 
 
@@ -105,9 +107,10 @@ def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "
     """The critic: the causal LM's backbone with a scalar head per token, initialised to zero so
     every rank starts from the same values (0) whatever the RNG. `key`: as for load_causal_lm."""
     with loading(path, key, "the critic"):
-        model = AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True
         )
+    check_no_missing_weights(info, path, key, "the critic", new=("score.",))
     with torch.no_grad():
         head = model.score
         head.weight.zero_()

@@ -169,6 +169,24 @@ def test_a_config_that_does_not_match_the_weights_fails_at_load_as_one_line(mode
         load_value_model(str(model), torch.float32, key="critic.path")
 
 
+def test_weights_of_another_architecture_are_refused_instead_of_starting_random(model):
+    """transformers initialises tensors it does not find randomly, with a warning only."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model / "model.safetensors")
+    save_file({k.replace("model.", "transformer."): v for k, v in tensors.items()}, model / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ModelFilesError, match=re.escape(f"model.path = '{model}': its weights lack ") + r"2[67] of "
+                       r"the model's tensors \(e\.g\. '(lm_head|model\.embed_tokens)\.weight'\), which would start "
+                       "random: the weights belong to another architecture"):  # 27: transformers 5 counts tied lm_head
+        load_causal_lm(str(model), torch.float32, key="model.path")
+
+
+def test_the_critic_head_is_the_one_tensor_allowed_to_start_new(good_model):
+    critic = load_value_model(str(good_model), torch.float32, key="critic.path")
+    assert critic.score.weight.abs().sum() == 0
+
+
 @pytest.mark.parametrize("content,error", [("{bad", "JSONDecodeError"), ('{"a": 1}', "KeyError"),
                                            ("tokenizers model", "TypeError")])
 def test_a_broken_tokenizer_fails_at_load_as_one_line(model, content, error):
