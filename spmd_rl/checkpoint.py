@@ -68,6 +68,10 @@ class ModelAndOptimizer(Stateful):
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd}
 
+    def model_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full (unsharded) shape of every model tensor, by its key under "model"."""
+        return {k: tuple(v.shape) for k, v in get_state_dict(self.model, [])[0].items()}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}))
@@ -355,15 +359,50 @@ class Checkpointer:
     # ------------------------------------------------------------------ loading
     def load(self, path: str, models: dict[str, Stateful]) -> dict[str, Any]:
         """Restore models/optimizers in place; returns this rank's trainer state. DCP reads only
-        each rank's own shards, straight into the FSDP parameters and optimizer states."""
-        state_file = os.path.join(path, f"trainer_state_rank{_rank()}.pt")
-        if not os.path.isfile(state_file):
-            raise CheckpointError(
-                f"checkpoint {path} has no {os.path.basename(state_file)}: it was written by a run with a "
-                f"different number of ranks (this run has {_world()}) or is incomplete; resume with the same "
-                "world size, or start a new run_dir")
+        each rank's own shards, straight into the FSDP parameters and optimizer states, resharding
+        them when the world size changed (saved_world_size). Then every rank takes rank 0's trainer
+        state: all of it but the RNG states is the same on every rank, and the RNG states of
+        another layout's ranks mean nothing here."""
+        saved_world = saved_world_size(path)
+        state_file = os.path.join(path, f"trainer_state_rank{_rank() if saved_world == _world() else 0}.pt")
+        if not os.path.isfile(state_file):  # verify() found it: only a file removed since gets here
+            raise CheckpointError(f"checkpoint {path} has no {os.path.basename(state_file)}: it is incomplete; "
+                                  "pass a complete step_N directory as trainer.resume")
+        problem = _other_model(path, models)
+        if problem:  # checked on every rank alike: DCP's own error is a traceback per rank
+            raise CheckpointError(f"checkpoint {path} holds another model: {problem}; resume it with the model "
+                                  "settings it was trained with (model.path / model.arch, algorithm.adv_estimator), "
+                                  "or start a new trainer.run_dir")
         dcp.load(dict(models), checkpoint_id=path)
         return torch.load(state_file, weights_only=False)
+
+
+def _other_model(path: str, models: dict[str, Stateful]) -> str | None:
+    """What in `models` the checkpoint `path` does not hold in the same shape (a phrase), or None.
+    The config check at resume cannot tell when the checkpoint's run directory has no config.toml
+    (a checkpoint copied elsewhere)."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for name, stateful in models.items():
+        if not any(k.startswith(f"{name}.") for k in saved):
+            return f"it holds no {name}"
+        for key, shape in stateful.model_shapes().items():
+            fqn = f"{name}.model.{key}"
+            if fqn not in saved:
+                return f"it has no {fqn}"
+            there = tuple(getattr(saved[fqn], "size", shape))
+            if there != shape:
+                return f"{fqn} has shape {list(there)} there, {list(shape)} in this run's model"
+    return None
+
+
+def saved_world_size(path: str) -> int:
+    """Ranks of the run that wrote the checkpoint `path`: its manifest's count, else (checkpoints
+    of older versions) its trainer state files'."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            return int(json.load(f)["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return sum(1 for n in os.listdir(path) if re.fullmatch(r"trainer_state_rank\d+\.pt", n))
 
 
 def _describe(error: BaseException) -> str:

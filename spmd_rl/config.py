@@ -45,7 +45,8 @@ class ConfigError(UserError, ValueError):
 class ModelConfig:
     path: str = ""
     """Local Hugging Face model directory (config.json, safetensors, tokenizer). With
-    `init = "random"` it may hold only config.json (+ tokenizer); weights are then random."""
+    `init = "random"` it may hold only config.json (+ tokenizer); weights are then random. Checked
+    before anything loads: config.json, its model_type, the weight files' completeness."""
     init: str = "pretrained"
     """"pretrained": load the weights in `path`. "random": random weights from the architecture
     (`path`'s config.json or the preset `arch`), built once by rank 0 and saved to
@@ -55,7 +56,8 @@ class ModelConfig:
     tiny, qwen2-0.5b, qwen2-1.5b, qwen2-7b (see spmd_rl/models.py ARCH_PRESETS)."""
     tokenizer: str = ""
     """Tokenizer directory; empty = `path`. "char" = the built-in character tokenizer used by the
-    synthetic tasks (digits, letters, punctuation; it carries a chat template)."""
+    synthetic tasks (digits, letters, punctuation; it carries a chat template). It may not have
+    more tokens than the model's vocab_size (fewer is normal: padded vocabularies)."""
     dtype: str = "float32"
     """Dtype of the master (optimizer) weights of actor/critic/reference: float32 or bfloat16."""
     compute_dtype: str = "bfloat16"
@@ -359,7 +361,9 @@ class TrainerConfig:
     """Checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
     resume: str = "auto"
     """"auto": continue from the latest complete checkpoint in run_dir if any; "none": start fresh
-    (refuses to run if run_dir already has checkpoints); or a checkpoint directory."""
+    (refuses to run if run_dir already has checkpoints); or a checkpoint directory. A checkpoint
+    resumes on any number of ranks: models and optimizers are resharded, the data order continues
+    exactly (the per-rank random states start afresh)."""
     log_every: int = 1
     """Console summary every this many steps (TensorBoard gets every step)."""
     tensorboard: bool = True
@@ -572,28 +576,32 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     # model
     if m.init == "pretrained":
         need(bool(m.path), 'model.path is empty: set it to a local model directory, or use model.init = "random" with model.arch')
-        need(os.path.isfile(os.path.join(m.path, "config.json")),
-             f"model.path = {m.path!r} has no config.json: point it at a Hugging Face model directory")
     else:
         need(bool(m.path) or bool(m.arch), 'model.init = "random" needs model.arch (a preset) or model.path (a config.json)')
-        if m.path:
-            need(os.path.isfile(os.path.join(m.path, "config.json")),
-                 f"model.path = {m.path!r} has no config.json: point it at a directory with a config.json")
-        else:
+        if not m.path:
             from spmd_rl.models import ARCH_PRESETS
 
             need(m.arch in ARCH_PRESETS, f"model.arch = {m.arch!r} is not a preset: use one of {', '.join(ARCH_PRESETS)}")
         need(bool(m.tokenizer) or bool(m.path),
              'model.init = "random" with a preset arch needs model.tokenizer (a directory, or "char")')
-    if m.tokenizer and m.tokenizer != "char":
-        need(os.path.isdir(m.tokenizer), f"model.tokenizer = {m.tokenizer!r} is not a directory (or use \"char\")")
+    from spmd_rl.model_files import check_model_inputs
+
+    check_model_inputs(cfg)  # the directories' files: config.json, weights, tokenizer (no weights are read)
 
     # data
     need(bool(d.train_files), "data.train_files is empty: list at least one Parquet file")
+    for f in d.train_files + d.val_files:
+        need(not os.path.isdir(f), f"data file {f!r} is a directory: list the Parquet files in it in "
+             "data.train_files / data.val_files")
     if not d.synthetic_task:
         for f in d.train_files + d.val_files:
             need(os.path.isfile(f), f"data file {f!r} does not exist: fix data.train_files / data.val_files, "
                  "or set data.synthetic_task to generate it")
+    elif not all(os.path.isfile(f) for f in d.train_files):  # rank 0 writes the first train and val file
+        for f in d.train_files[:1] + d.val_files[:1]:
+            problem = _cannot_write(os.path.dirname(f) or ".")
+            need(problem is None, f"data file {f!r} cannot be written for data.synthetic_task ({problem}): "
+                 "choose another directory in data.train_files / data.val_files")
     need(d.train_batch_size > 0, "data.train_batch_size must be > 0")
     need(d.max_prompt_length > 0 and d.max_response_length > 0, "data.max_prompt_length and data.max_response_length must be > 0")
 
@@ -682,11 +690,29 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     if t.resume not in ("auto", "none"):
         need(os.path.isdir(t.resume), f"trainer.resume = {t.resume!r} is not a checkpoint directory "
              '(use "auto", "none" or an existing step_N directory)')
+    problem = _cannot_write(cfg.run_dir)
+    need(problem is None, f"trainer.run_dir = {cfg.run_dir!r} cannot be used ({problem}): choose another directory")
     if t.export_hf_dir:
+        problem = _cannot_write(t.export_hf_dir)
+        need(problem is None, f"trainer.export_hf_dir = {t.export_hf_dir!r} cannot be used ({problem}): choose "
+             "another directory")
         need(not (os.path.exists(t.export_hf_dir) and os.listdir(t.export_hf_dir)),
              f"trainer.export_hf_dir = {t.export_hf_dir!r} exists and is not empty: choose a new directory "
              "(the export would otherwise fail after training)")
     validate_ranges(cfg)
+
+
+def _cannot_write(path: str) -> str | None:
+    """Why no directory can be created and written at `path` (None: it can), from the nearest part
+    of it that exists. Found here, before the process group exists, not by a makedirs traceback."""
+    target = p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        return "it is a file" if p == target else f"{p!r} is a file"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p!r} is not writable"
+    return None
 
 
 def validate_ranges(cfg: Config) -> None:

@@ -1,7 +1,7 @@
 """Errors a user can fix, and how the entry points report them.
 
-Every exception that means "your input is wrong" (config, data, reward function, run directory,
-checkpoint, export) derives from `UserError`. The entry points catch it and print its message
+Every exception that means "your input is wrong" (config, data, model and tokenizer directories,
+reward function, run directory, checkpoint, export) derives from `UserError`. The entry points catch it and print its message
 as one line on rank 0 and exit with `EXIT_USER_ERROR`, instead of a traceback per rank: the
 message itself names the problem and the fix.
 """

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config
 
 from spmd_rl import logprob_head, varlen_attention
+from spmd_rl.model_files import check_no_missing_weights, loading
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,7 @@ def random_model_config(arch: str = "", config_dir: str = "", tokenizer=None):
         config = AutoConfig.from_pretrained(config_dir)
     else:
         config = Qwen2Config(**ARCH_PRESETS[arch])
-    if tokenizer is not None:
-        if len(tokenizer) > config.vocab_size:
-            raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                             f"{config.vocab_size}: use a model with a larger vocabulary")
+    if tokenizer is not None:  # its size against vocab_size: model_files.check_vocab, at start-up
         config.eos_token_id = tokenizer.eos_token_id
         config.pad_token_id = tokenizer.pad_token_id
         config.bos_token_id = tokenizer.bos_token_id
@@ -84,12 +82,16 @@ def materialize_random_model(out_dir: str, config, seed: int, dtype: torch.dtype
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", remove_padding: bool = False,
-                   chunked_logprobs: bool = True) -> torch.nn.Module:
+                   chunked_logprobs: bool = True, key: str = "") -> torch.nn.Module:
     """A causal LM on CPU in `dtype`, exactly as `from_pretrained` builds it, that can also be
     called for token log-probs (spmd_rl.logprob_head; chunked from the hidden states unless
     `chunked_logprobs` is false). `remove_padding`: it takes packed rows (spmd_rl.packing) through
-    the variable-length attention backend (which runs padded batches as sdpa does)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    the variable-length attention backend (which runs padded batches as sdpa does). `key`: the
+    config key that named `path`, for the one-line error when its files cannot be loaded."""
+    with loading(path, key):
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                           output_loading_info=True)
+    check_no_missing_weights(info, path, key)
     return prepare_policy(model, remove_padding, chunked_logprobs)
 
 
@@ -101,12 +103,14 @@ def prepare_policy(model: torch.nn.Module, remove_padding: bool = False, chunked
 
 
 def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
-                     remove_padding: bool = False) -> torch.nn.Module:
+                     remove_padding: bool = False, key: str = "") -> torch.nn.Module:
     """The critic: the causal LM's backbone with a scalar head per token, initialised to zero so
-    every rank starts from the same values (0) whatever the RNG."""
-    model = AutoModelForTokenClassification.from_pretrained(
-        path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation
-    )
+    every rank starts from the same values (0) whatever the RNG. `key`: as for load_causal_lm."""
+    with loading(path, key, "the critic"):
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True
+        )
+    check_no_missing_weights(info, path, key, "the critic", new=("score.",))
     with torch.no_grad():
         head = model.score
         head.weight.zero_()

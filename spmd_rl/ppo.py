@@ -3,8 +3,8 @@
 (also `python -m spmd_rl.ppo ...` as a single process). `--config` takes a TOML file or the name
 of a shipped preset (`--config tiny-cpu`; `--list-configs` lists them). The config is loaded and
 validated before the process group or any model exists, so mistakes fail in a second. Every
-mistake a user can fix (config, data, reward function, run directory, checkpoints) ends the run
-with one line on rank 0 and exit code 2, not a traceback per rank.
+mistake a user can fix (config, data, model directories, reward function, run directory,
+checkpoints) ends the run with one line on rank 0 and exit code 2, not a traceback per rank.
 
 Exit status: 0 finished, 1 crashed, 2 user error, 3 stopped on a signal after writing a
 checkpoint (EXIT_PREEMPTED: requeue), 130 interrupted. Whatever the outcome, everything the run

@@ -7,11 +7,12 @@ so chat-message prompts work exactly as with a real model.
 
 from __future__ import annotations
 
-import os
 from typing import Iterable
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from spmd_rl.model_files import ModelFilesError, check_tokenizer_dir, loading
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 
@@ -74,14 +75,13 @@ def load_tokenizer(spec: str, model_path: str):
         return build_char_tokenizer()
     source = spec or model_path
     key = "model.tokenizer" if spec else "model.path"
-    if not source or not os.path.isdir(source):
-        raise ValueError(f"{key} = {source!r} is not a directory: point it at a tokenizer or model "
-                         'directory, or set model.tokenizer = "char"')
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    check_tokenizer_dir(source, key)
+    with loading(source, key, "the tokenizer", tokenizer=True):
+        tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(f"the tokenizer in {source!r} has neither a pad nor an EOS token: "
-                             "add one to its tokenizer_config.json")
+            raise ModelFilesError(f"the tokenizer in {source!r} has neither a pad nor an EOS token: "
+                                  "add one to its tokenizer_config.json")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from spmd_rl import algorithms as algos
 from spmd_rl.actor import actor_loss_fn, compute_logprobs
 from spmd_rl.batch import Batch, build_rollout_batch, response_token_ids
-from spmd_rl.checkpoint import CheckpointError, Checkpointer, ModelAndOptimizer
+from spmd_rl.checkpoint import CheckpointError, Checkpointer, ModelAndOptimizer, saved_world_size
 from spmd_rl.config import Config, to_toml
 from spmd_rl.critic import compute_values, critic_loss_fn
 from spmd_rl.data import PromptDataset, ShardedSampler, iter_eval_batches
@@ -35,7 +35,8 @@ from spmd_rl.distributed import DistEnv, all_reduce_mean, all_reduce_sum
 from spmd_rl.gpu_memory import PhaseMemory
 from spmd_rl.dynamic_sampling import collect_informative_groups
 from spmd_rl.metrics import MetricsLogger, summary_line
-from spmd_rl.models import (DTYPES, apply_fsdp, count_parameters, load_causal_lm, load_value_model,
+from spmd_rl.model_files import check_vocab, model_vocab_size
+from spmd_rl.models import (ARCH_PRESETS, DTYPES, apply_fsdp, count_parameters, load_causal_lm, load_value_model,
                             materialize_random_model, random_model_config)
 from spmd_rl.offload import move_train_state
 from spmd_rl.optim import make_optimizer, make_scheduler
@@ -89,9 +90,10 @@ class Trainer:
         self.reward_fn = RewardFunction(cfg.reward, defer_errors=True)  # raised by sync_failures, on every rank
         with self.startup("data"):
             self._setup_data()
-        # after the data checks: a run refused for bad data must not add files to an existing run_dir
-        self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
         self._setup_models()
+        # after every input check (data, tokenizer, model files): a run refused for one of them must
+        # not add files (TensorBoard events) to an existing run_dir
+        self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
         with self.startup("engine"):
             self._setup_engine()
         self.kl_ctrl = (algos.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.target_kl, cfg.algorithm.kl_horizon)
@@ -132,6 +134,7 @@ class Trainer:
         m = cfg.model
         tok_spec = m.tokenizer if m.tokenizer else ""
         self.tokenizer = load_tokenizer(tok_spec, m.path)
+        self._check_vocab()
         self.train_data = PromptDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.apply_chat_template)
         if self.train_data.num_dropped:
             log.warning("dropped %d training prompts longer than data.max_prompt_length = %d",
@@ -147,6 +150,19 @@ class Trainer:
         log.info("data: %d training prompts (%d steps per epoch), %d validation prompts",
                  len(self.train_data), self.sampler.steps_per_epoch, len(self.val_data) if self.val_data else 0)
 
+    def _check_vocab(self) -> None:
+        """The tokenizer's ids fit every model's embedding (else a device-side assert mid-run)."""
+        m, c = self.cfg.model, self.cfg.critic
+        if m.init == "random" and not m.path:
+            models = {f"model.arch = {m.arch!r}": ARCH_PRESETS[m.arch]["vocab_size"]}
+        else:
+            models = {f"model.path = {m.path!r}": model_vocab_size(m.path, "model.path")}
+        if self.cfg.use_critic and c.path:
+            models[f"critic.path = {c.path!r}"] = model_vocab_size(c.path, "critic.path")
+        source = f"model.tokenizer = {m.tokenizer!r}" if m.tokenizer else f"model.path = {m.path!r}"
+        for model, vocab_size in models.items():
+            check_vocab(len(self.tokenizer), source, vocab_size, model)
+
     def _model_dir(self) -> str:
         m = self.cfg.model
         if m.init == "pretrained":
@@ -160,10 +176,12 @@ class Trainer:
         m, a, c = cfg.model, cfg.actor, cfg.critic
         self.startup.begin("model_build")
         self.model_dir = self._model_dir()
+        self.model_key = "model.path" if m.init == "pretrained" else ""  # "": <run_dir>/init_model, ours
         master, compute = DTYPES[m.dtype], DTYPES[m.compute_dtype]
 
         def policy_model(dtype):
-            return load_causal_lm(self.model_dir, dtype, m.attn_implementation, m.remove_padding, m.chunked_logprobs)
+            return load_causal_lm(self.model_dir, dtype, m.attn_implementation, m.remove_padding, m.chunked_logprobs,
+                                  self.model_key)
 
         actor = policy_model(master)
         self.startup.begin("fsdp_wrap")
@@ -180,9 +198,9 @@ class Trainer:
             self.ref.requires_grad_(False)
         self.critic = self.critic_opt = self.critic_sched = None
         if cfg.use_critic:
-            critic_dir = c.path or self.model_dir
-            self.critic = apply_fsdp(load_value_model(critic_dir, master, m.attn_implementation, m.remove_padding),
-                                     env.mesh, compute, m.gradient_checkpointing, m.fsdp_forward_prefetch)
+            critic_dir, critic_key = (c.path, "critic.path") if c.path else (self.model_dir, self.model_key)
+            critic = load_value_model(critic_dir, master, m.attn_implementation, m.remove_padding, critic_key)
+            self.critic = apply_fsdp(critic, env.mesh, compute, m.gradient_checkpointing, m.fsdp_forward_prefetch)
             self.critic_opt = make_optimizer(self.critic, c.lr, c.weight_decay)
             self.critic_sched = make_scheduler(self.critic_opt, c.warmup_steps, cfg.trainer.total_steps)
         self.startup.end()
@@ -204,7 +222,7 @@ class Trainer:
         else:
             from spmd_rl.rollout.hf_engine import HFEngine
 
-            model = load_causal_lm(self.model_dir, self.engine_dtype, cfg.model.attn_implementation)
+            model = load_causal_lm(self.model_dir, self.engine_dtype, cfg.model.attn_implementation, key=self.model_key)
             self.engine = HFEngine(model, self.tokenizer.pad_token_id, [eos], self.device)
             self.engine_replica = env.rank
 
@@ -237,14 +255,21 @@ class Trainer:
         if path is None:
             return
         state = self.checkpointer.load(path, self._stateful())
+        saved_world = saved_world_size(path)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.actor_sched.load_state_dict(state["actor_sched"])
         if self.critic_sched and state["critic_sched"]:
             self.critic_sched.load_state_dict(state["critic_sched"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
+        if saved_world == self.env.world_size:
+            torch.set_rng_state(state["torch_rng"])
+            random.setstate(state["python_rng"])
+        elif self.env.is_main:  # the sampler's state is global: each step gets the same prompts on any world size
+            log.warning("resuming a checkpoint of %d ranks on %d: the models and optimizers are resharded, the data "
+                        "order continues exactly; each rank's random state starts afresh (trainer.seed + rank) and "
+                        "rollouts are sampled per rank, so samples differ from an uninterrupted run",
+                        saved_world, self.env.world_size)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.step, self.sampler.epoch,
                  self.sampler.position)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -138,6 +139,23 @@ def test_a_broken_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, cap
     model, opt = make_model(seed=3)
     assert ck.load(path, {"actor": ModelAndOptimizer(model, opt)}) == {"step": 2}
     assert_holds(model, opt, snaps[2])
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_loading(tmp_path):
+    """A checkpoint copied away from its run directory escapes the config check at resume: the
+    shapes are compared with DCP's metadata instead of failing inside dcp.load on every rank."""
+    save_steps(tmp_path, [1], async_save=False)
+    path = str(tmp_path / "step_1")
+    ck = Checkpointer(str(tmp_path), keep_last=2)
+    wider = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"checkpoint {path} holds another model: actor.model.0.weight has shape [16, 8] there, [32, 8] in this "
+            "run's model; resume it with the model settings it was trained with")):
+        ck.load(path, {"actor": ModelAndOptimizer(wider, torch.optim.AdamW(wider.parameters()))})
+    model, opt = make_model()
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {path} holds another model: it holds no critic")):
+        ck.load(path, {"actor": ModelAndOptimizer(model, opt), "critic": ModelAndOptimizer(*make_model())})
+    assert ck.load(path, {"actor": ModelAndOptimizer(model, opt)}) == {"step": 1}
 
 
 def test_only_broken_checkpoints_is_a_one_line_error(tmp_path):

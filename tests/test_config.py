@@ -4,6 +4,7 @@ import os
 import pytest
 
 from spmd_rl.config import Config, ConfigError, field_docs, load_config, markdown_reference
+from spmd_rl.model_files import ModelFilesError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,7 +99,7 @@ def test_tp_group_may_not_span_nodes(tmp_path):
 
 def test_missing_model_and_data(tmp_path):
     cfg = load_config(None, ["model.path=/no/model", f'data.train_files=["{tmp_path}/x.parquet"]'])
-    with pytest.raises(ConfigError, match="has no config.json"):
+    with pytest.raises(ModelFilesError, match="model.path = '/no/model' does not exist"):
         cfg.validate()
     cfg = load_config(None, ['model.init="random"', 'model.arch="tiny"', 'model.tokenizer="char"',
                              f'data.train_files=["{tmp_path}/x.parquet"]'])

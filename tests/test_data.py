@@ -178,6 +178,22 @@ def test_state_dict_resume_gives_identical_indices():
         ShardedSampler(10, 4, 1, 2, seed=8).load_state_dict(state)
 
 
+def test_a_state_saved_on_one_world_size_resumes_the_same_global_batches_on_another():
+    """A checkpoint resumed on another number of ranks (every rank loads rank 0's sampler state):
+    each step is still made of the same prompts, across the epoch boundary too."""
+    saved = [ShardedSampler(10, 4, rank, 2, seed=7) for rank in range(2)]
+    for _ in range(3):
+        for s in saved:
+            s.next_batch()
+    state = saved[0].state_dict()
+    expected = [sum((s.next_batch() for s in saved), []) for _ in range(4)]
+    for world in (1, 4):
+        resumed = [ShardedSampler(10, 4, rank, world, seed=7) for rank in range(world)]
+        for s in resumed:
+            s.load_state_dict(state)
+        assert [sum((s.next_batch() for s in resumed), []) for _ in range(4)] == expected
+
+
 def test_dataset_smaller_than_one_batch_is_refused():
     with pytest.raises(DataError, match="fewer than one batch"):
         ShardedSampler(3, 4, 0, 1, seed=0)

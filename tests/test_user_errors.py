@@ -6,6 +6,7 @@ but torchrun's own failure block, and that an existing run's files were not touc
 """
 
 import fcntl
+import json
 import os
 import re
 import subprocess
@@ -67,6 +68,30 @@ def test_export_dir_that_exists_is_refused_before_training(tmp_path):
     (tmp_path / "x").write_text("")
     with pytest.raises(ConfigError, match="trainer.export_hf_dir .* exists and is not empty"):
         check([f"trainer.export_hf_dir={tmp_path}"])
+
+
+def test_paths_the_run_cannot_write_are_refused_before_it_starts(tmp_path, monkeypatch):
+    """Found by validation, not by a makedirs/os.replace traceback on every rank after start-up."""
+    file = tmp_path / "a_file"
+    file.write_text("")
+    (tmp_path / "dir").mkdir()
+    for overrides, message in [
+        ([f"trainer.run_dir={file}"], f"trainer.run_dir = '{file}' cannot be used (it is a file): choose another "
+                                      "directory"),
+        ([f"trainer.run_dir={file}/run"], f"trainer.run_dir = '{file}/run' cannot be used ('{file}' is a file)"),
+        ([f"trainer.export_hf_dir={file}"], f"trainer.export_hf_dir = '{file}' cannot be used (it is a file)"),
+        ([f'data.train_files=["{tmp_path}/dir"]'], f"data file '{tmp_path}/dir' is a directory: list the Parquet "
+                                                   "files in it"),
+        ([f'data.train_files=["{file}/x/train.parquet"]'], f"data file '{file}/x/train.parquet' cannot be written "
+                                                           f"for data.synthetic_task ('{file}' is a file)"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check([f"trainer.run_dir={tmp_path}/run", *overrides])
+    check([f"trainer.run_dir={tmp_path}/new/run"])  # to be created: fine
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(tmp_path))  # as a read-only directory
+    with pytest.raises(ConfigError, match=re.escape(f"trainer.run_dir = '{tmp_path}/run' cannot be used "
+                                                    f"('{tmp_path}' is not writable)")):
+        check([f"trainer.run_dir={tmp_path}/run"])
 
 
 # --------------------------------------------------------------------------- rewards
@@ -221,6 +246,44 @@ def test_torchrun_reward_function_failure_names_the_sample(tmp_path, reward_file
                          'data.val_files=[]', "trainer.total_steps=1"))
     assert_one_line_error(p, "failed on data_source 'synthetic/successor', row ")
     assert re.search(r"row \d+ \((KeyError: 'boom'|RewardError: .*non-finite score nan)\) for the response ", p.stderr)
+
+
+def test_torchrun_tokenizer_larger_than_the_model_vocabulary_stops_before_models_load(tmp_path):
+    """Token ids past the embedding would be a device-side assert mid-run on GPU: refused at start-up,
+    before the random model is built, TensorBoard starts or the config is written."""
+    from transformers import Qwen2Config
+
+    from spmd_rl.models import ARCH_PRESETS
+    from spmd_rl.tokenizer import build_char_tokenizer
+
+    model_dir, run_dir = tmp_path / "config_only", tmp_path / "run"
+    Qwen2Config(**{**ARCH_PRESETS["tiny"], "vocab_size": 40}).save_pretrained(model_dir)
+    p = run_cmd(tiny_cmd(run_dir, tmp_path / "data", f"model.path={model_dir}", 'model.arch=""'))
+    n = len(build_char_tokenizer())
+    assert_one_line_error(p, f"the tokenizer (model.tokenizer = 'char') has {n} tokens but the model (model.path = "
+                             f"'{model_dir}') has vocab_size 40: token ids 40..{n - 1} would index past its embedding")
+    assert run_files(run_dir) == {}
+
+
+def test_torchrun_resume_on_another_number_of_ranks_keeps_the_data_order(tiny_run, tmp_path):
+    """A checkpoint of 1 rank resumed on 2: models and optimizers reshard, every rank takes rank 0's
+    trainer state, and each step trains on the prompts it had in the uninterrupted 2-rank run."""
+    _, data_dir, _ = tiny_run
+    run_dir = tmp_path / "run"
+    one = run_cmd(tiny_cmd(run_dir, data_dir, "trainer.total_steps=1", nproc=1))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_cmd(tiny_cmd(run_dir, data_dir, "trainer.total_steps=2"))
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    assert "resuming a checkpoint of 1 ranks on 2: the models and optimizers are resharded" in two.stdout
+    assert "at step 1 (epoch 0, batch 1)" in two.stdout
+
+    def prompt_lengths(run):
+        with open(os.path.join(run, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+        return {r["step"]: r["prompt/length_mean"] for r in rows if "prompt/length_mean" in r}
+
+    assert prompt_lengths(run_dir) == pytest.approx(prompt_lengths(tiny_run[0]))  # the same prompts, steps 1 and 2
+    assert sorted(prompt_lengths(run_dir)) == [1, 2]
 
 
 LINGER = '''
