@@ -18,7 +18,6 @@ import pytest
 from conftest import ROOT, run_cmd, tiny_cmd
 from dist_utils import run_distributed
 from spmd_rl.config import SECTIONS, ConfigError, RewardConfig, load_config
-from spmd_rl.errors import UserError
 from spmd_rl.rewards import RewardError, RewardFunction
 
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")

@@ -2,7 +2,6 @@
 copy fed through it is identical to the actor."""
 
 import torch
-import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dist_utils import run_distributed
