@@ -115,8 +115,11 @@ class Trainer:
     def _setup_data(self) -> None:
         cfg, env = self.cfg, self.env
         d = cfg.data
-        if d.synthetic_task and not all(os.path.isfile(f) for f in d.train_files):
-            if env.is_main:
+        if d.synthetic_task:
+            # rank 0 alone looks: a rank looking after rank 0 wrote the files would skip the barrier,
+            # and its next collective would meet rank 0's barrier (it then read the random-init model
+            # before rank 0 had written it)
+            if env.is_main and not all(os.path.isfile(f) for f in d.train_files):
                 from spmd_rl.synthetic import write_synthetic
 
                 out_dir = os.path.dirname(d.train_files[0]) or "."
