@@ -167,6 +167,7 @@ def test_unsharded_meta_model_filled_by_a_state_dict_equals_from_pretrained(tmp_
 def _trainer_reads_weights_on_rank_0_only(rank, world, run_dir, data_dir):
     from spmd_rl.config import load_config
     from spmd_rl.distributed import init_distributed
+    from spmd_rl.preemption import StopFlag
     from spmd_rl.trainer import Trainer
 
     calls = count_weight_loads()
@@ -176,6 +177,9 @@ def _trainer_reads_weights_on_rank_0_only(rank, world, run_dir, data_dir):
     cfg = load_config(os.path.join(ROOT, "configs", "tiny-cpu.toml"), overrides)
     assert cfg.use_reference and cfg.use_critic
     env = init_distributed("cpu")
+    # a flag without handlers: a rank that fails gets the other one killed by SIGTERM (which the
+    # trainer's handlers would turn into a stop request, leaving it waiting in a collective)
+    StopFlag._instance = StopFlag()
     first = Trainer(cfg, env)
     # actor, reference, critic: from the model directory on rank 0 alone
     assert calls == (["Qwen2ForCausalLM", "Qwen2ForCausalLM", "Qwen2ForTokenClassification"] if rank == 0 else []), calls
