@@ -66,7 +66,7 @@ def build_actor(arch: str, env):
 
 def sync(device) -> None:
     if device.type == "cuda":
-        sync(env.device)
+        torch.cuda.synchronize(device)
 
 
 def all_ranks_true(flag: bool, device) -> bool:
