@@ -206,8 +206,8 @@ def build_sharded(load: Callable[..., torch.nn.Module], mesh, compute_dtype: tor
     - else rank 0 alone loads the full weights (`from_pretrained`, on CPU) and broadcasts them into
       every rank's shards. One process needs no broadcast: it wraps its from_pretrained model.
 
-    Either way each rank reads from disk at most what it keeps: on a node of 8 ranks a 7B model
-    in float32 is 28 GB of host memory and reads once, not 8 times."""
+    Only rank 0 holds a full copy, and only on a fresh start: a 7B model in float32 is 28 GB of
+    host memory and disk reads once per job, not once per rank."""
     if not from_checkpoint and mesh.size() == 1:
         return apply_fsdp(load(weights=True), mesh, compute_dtype, gradient_checkpointing, forward_prefetch)
     model = apply_fsdp(load(weights=False), mesh, compute_dtype, gradient_checkpointing, forward_prefetch)
