@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from spmd_rl.checkpoint import Checkpointer, ModelAndOptimizer  # noqa: E402
 from spmd_rl.distributed import init_distributed  # noqa: E402
-from spmd_rl.models import apply_fsdp, random_model_config  # noqa: E402
+from spmd_rl.models import allocate_meta_model, apply_fsdp, random_model_config  # noqa: E402
 from spmd_rl.optim import make_optimizer  # noqa: E402
 
 QWEN_EOS = 151643
@@ -57,13 +57,10 @@ def build_actor(arch: str, env):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     compute = torch.bfloat16 if env.device.type == "cuda" else torch.float32
     apply_fsdp(model, env.mesh, compute, gradient_checkpointing=True)
-    model.to_empty(device=env.device)
+    allocate_meta_model(model, env.device)  # the trainer's own: tied, inv_freq computed
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().normal_(0.0, 0.02)
-    base = getattr(model, model.base_model_prefix)
-    with torch.device(env.device):  # its inv_freq buffer: to_empty left it uninitialised
-        base.rotary_emb = type(base.rotary_emb)(config=config)
     return model, config
 
 

@@ -1,10 +1,16 @@
 """Loading the actor, critic and reference models, and wrapping them with FSDP2.
 
-There is one init path for every model: `from_pretrained` on a local directory. Random weights
-(`model.init = "random"`) are made once by rank 0 with plain eager construction and saved as a
-regular checkpoint (`materialize_random_model`); every rank then loads that directory like any
-pretrained model. This keeps tied embeddings tied and non-persistent buffers (rotary inv_freq)
-right, which meta-device construction + `to_empty()` silently breaks (shared/device/README.md).
+Weights come from a local directory (`from_pretrained`). Random weights (`model.init = "random"`)
+are made once by rank 0 with plain eager construction and saved as a regular checkpoint
+(`materialize_random_model`); every rank then loads that directory like any pretrained model.
+
+Under FSDP no rank holds a full copy it does not need (`build_sharded`): a rank builds the model
+on the meta device from its config, shards it, gives the shards storage (`allocate_meta_model`),
+then the shards are filled by a checkpoint load (DCP, on resume) or by rank 0's `from_pretrained`
+weights, broadcast. Meta construction once broke two things here (shared/device/README.md); both
+are handled and tested against `from_pretrained` (tests/test_sharded_init.py): tied embeddings
+stay one Parameter through `fully_shard` and `to_empty`, and non-persistent buffers (rotary
+`inv_freq`), which no state dict holds, are computed again by transformers' own init.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config
 
@@ -82,16 +90,15 @@ def materialize_random_model(out_dir: str, config, seed: int, dtype: torch.dtype
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", remove_padding: bool = False,
-                   chunked_logprobs: bool = True, key: str = "") -> torch.nn.Module:
+                   chunked_logprobs: bool = True, key: str = "", weights: bool = True) -> torch.nn.Module:
     """A causal LM on CPU in `dtype`, exactly as `from_pretrained` builds it, that can also be
     called for token log-probs (spmd_rl.logprob_head; chunked from the hidden states unless
     `chunked_logprobs` is false). `remove_padding`: it takes packed rows (spmd_rl.packing) through
     the variable-length attention backend (which runs padded batches as sdpa does). `key`: the
-    config key that named `path`, for the one-line error when its files cannot be loaded."""
-    with loading(path, key):
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                           output_loading_info=True)
-    check_no_missing_weights(info, path, key)
+    config key that named `path`, for the one-line error when its files cannot be loaded.
+    `weights` false: the same model on the meta device, nothing read but the config (see
+    build_sharded)."""
+    model = _from_dir(AutoModelForCausalLM, path, dtype, attn_implementation, weights, key)
     return prepare_policy(model, remove_padding, chunked_logprobs)
 
 
@@ -103,20 +110,34 @@ def prepare_policy(model: torch.nn.Module, remove_padding: bool = False, chunked
 
 
 def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
-                     remove_padding: bool = False, key: str = "") -> torch.nn.Module:
+                     remove_padding: bool = False, key: str = "", weights: bool = True) -> torch.nn.Module:
     """The critic: the causal LM's backbone with a scalar head per token, initialised to zero so
-    every rank starts from the same values (0) whatever the RNG. `key`: as for load_causal_lm."""
-    with loading(path, key, "the critic"):
-        model, info = AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True
-        )
-    check_no_missing_weights(info, path, key, "the critic", new=("score.",))
+    every rank starts from the same values (0) whatever the RNG. `key`, `weights`: as for
+    load_causal_lm."""
+    model = _from_dir(AutoModelForTokenClassification, path, dtype, attn_implementation, weights, key,
+                      "the critic", new=("score.",), num_labels=1)
     with torch.no_grad():
         head = model.score
         head.weight.zero_()
         if getattr(head, "bias", None) is not None:
             head.bias.zero_()
     set_layout(model, remove_padding)
+    return model
+
+
+def _from_dir(auto_cls, path: str, dtype: torch.dtype, attn_implementation: str, weights: bool, key: str = "",
+              what: str = "the model", new: tuple[str, ...] = (), **config_kw):
+    """`auto_cls.from_pretrained(path)`, every tensor from the files but the `new` ones, an error
+    about the files as one line naming `key` (spmd_rl.model_files); or (`weights` false) the same
+    model from the same config on the meta device, in eval() mode as from_pretrained returns it."""
+    with loading(path, key, what):
+        if not weights:
+            config = AutoConfig.from_pretrained(path, **config_kw)
+            with torch.device("meta"):
+                return auto_cls.from_config(config, dtype=dtype, attn_implementation=attn_implementation).eval()
+        model, info = auto_cls.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                               output_loading_info=True, **config_kw)
+    check_no_missing_weights(info, path, key, what, new)
     return model
 
 
@@ -180,6 +201,55 @@ def set_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
         model.train()
     else:
         model.gradient_checkpointing_disable()
+
+
+def build_sharded(load: Callable[..., torch.nn.Module], mesh, compute_dtype: torch.dtype, from_checkpoint: bool,
+                  gradient_checkpointing: bool = False, forward_prefetch: bool = False) -> torch.nn.Module:
+    """The FSDP2 model `load(weights=...)` gives (load_causal_lm / load_value_model with their other
+    arguments bound), wrapped as apply_fsdp does, without a full copy of the weights per rank:
+
+    - `from_checkpoint`: built on the meta device and sharded; no weights are read, the shards are
+      left for the checkpoint load (DCP) to fill.
+    - else rank 0 alone loads the full weights (`from_pretrained`, on CPU) and broadcasts them into
+      every rank's shards. One process needs no broadcast: it wraps its from_pretrained model.
+
+    Only rank 0 holds a full copy, and only on a fresh start: a 7B model in float32 is 28 GB of
+    host memory and disk reads once per job, not once per rank."""
+    if not from_checkpoint and mesh.size() == 1:
+        return apply_fsdp(load(weights=True), mesh, compute_dtype, gradient_checkpointing, forward_prefetch)
+    model = apply_fsdp(load(weights=False), mesh, compute_dtype, gradient_checkpointing, forward_prefetch)
+    allocate_meta_model(model, _mesh_device(mesh))
+    if not from_checkpoint:
+        full = load(weights=True).state_dict() if dist.get_rank() == 0 else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
+
+
+def allocate_meta_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Storage on `device` for a model built on the meta device (sharded or not). Parameters and
+    persistent buffers stay uninitialised: a load must fill them.
+
+    `to_empty` gives each module a new Parameter of its own when the model is not sharded (FSDP's
+    DTensors are swapped in place and keep their identity): tied embeddings are tied again, or
+    a load into one would leave the other garbage. Non-persistent buffers (rotary `inv_freq`) are
+    in no state dict, so they are computed here by transformers' own init, the way its
+    from_pretrained computes them after a meta-device build: every state-dict tensor is marked
+    initialised (transformers' init functions skip those), then `initialize_weights` runs."""
+    model.to_empty(device=device)
+    model.tie_weights()
+    for module in model.modules():
+        module._is_hf_initialized = False  # a module marked done would be skipped whole
+    for tensor in model.state_dict(keep_vars=True).values():
+        tensor._is_hf_initialized = True
+    model.initialize_weights()
+    return model
+
+
+def _mesh_device(mesh) -> torch.device:
+    """This rank's device of `mesh` (its current CUDA device on a GPU mesh)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -9,7 +9,7 @@ one with its seconds when it ends, a "still in" line every `heartbeat_s` while a
     clock = startup_clock()            # one per process
     with clock("data"):
         setup_data()
-    clock.begin("model_build"); ...; clock.begin("fsdp_wrap"); ...   # begin() ends the open phase
+    clock.begin("model_build"); ...; clock.begin("reference_critic"); ...   # begin() ends the open phase
     clock.finish()                     # ends the open phase, stops the heartbeat thread
     metrics.update(clock.take_metrics())
 """

@@ -14,6 +14,7 @@ One step:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -36,8 +37,8 @@ from spmd_rl.gpu_memory import PhaseMemory
 from spmd_rl.dynamic_sampling import collect_informative_groups
 from spmd_rl.metrics import MetricsLogger, summary_line
 from spmd_rl.model_files import check_vocab, model_vocab_size
-from spmd_rl.models import (ARCH_PRESETS, DTYPES, apply_fsdp, count_parameters, load_causal_lm, load_value_model,
-                            materialize_random_model, random_model_config)
+from spmd_rl.models import (ARCH_PRESETS, DTYPES, allocate_meta_model, build_sharded, count_parameters, load_causal_lm,
+                            load_value_model, materialize_random_model, random_model_config)
 from spmd_rl.offload import move_train_state
 from spmd_rl.optim import make_optimizer, make_scheduler
 from spmd_rl.preemption import StopFlag
@@ -118,7 +119,9 @@ class Trainer:
     def _setup_data(self) -> None:
         cfg, env = self.cfg, self.env
         d = cfg.data
-        if d.synthetic_task:  # every rank enters the barrier: rank 0 may have written the files already
+        if d.synthetic_task:
+            # rank 0 alone looks: a rank looking after rank 0 wrote the files would skip the barrier,
+            # and its next collective would meet rank 0's barrier
             if env.is_main and not all(os.path.isfile(f) for f in d.train_files):
                 from spmd_rl.synthetic import write_synthetic
 
@@ -178,35 +181,38 @@ class Trainer:
         self.model_dir = self._model_dir()
         self.model_key = "model.path" if m.init == "pretrained" else ""  # "": <run_dir>/init_model, ours
         master, compute = DTYPES[m.dtype], DTYPES[m.compute_dtype]
+        resume = self.resume_path is not None  # checkpointed models: no weights read, the resume fills them
+
+        def sharded(load, from_checkpoint: bool, gradient_checkpointing: bool = m.gradient_checkpointing):
+            return build_sharded(load, env.mesh, compute, from_checkpoint, gradient_checkpointing, m.fsdp_forward_prefetch)
 
         def policy_model(dtype):
-            return load_causal_lm(self.model_dir, dtype, m.attn_implementation, m.remove_padding, m.chunked_logprobs,
-                                  self.model_key)
+            return functools.partial(load_causal_lm, self.model_dir, dtype, m.attn_implementation, m.remove_padding,
+                                     m.chunked_logprobs, self.model_key)
 
-        actor = policy_model(master)
-        self.startup.begin("fsdp_wrap")
-        self.actor = apply_fsdp(actor, env.mesh, compute, m.gradient_checkpointing, m.fsdp_forward_prefetch)
+        self.actor = sharded(policy_model(master), resume)
         self.n_params = count_parameters(self.actor)
         self.actor_opt = make_optimizer(self.actor, a.lr, a.weight_decay, a.betas)
         self.actor_sched = make_scheduler(self.actor_opt, a.warmup_steps, cfg.trainer.total_steps, a.lr_schedule, a.min_lr_ratio)
         self.startup.begin("reference_critic")
         self.ref = None
         if cfg.use_reference:
-            # frozen: stored in the compute dtype (forward numerics are the same as fp32 masters cast
-            # to it for every forward, at half or a quarter of the memory)
-            self.ref = apply_fsdp(policy_model(compute), env.mesh, compute, forward_prefetch=m.fsdp_forward_prefetch)
+            # frozen, never checkpointed: always from the model directory. Stored in the compute dtype
+            # (forward numerics are the same as fp32 masters cast to it for every forward, at half or a
+            # quarter of the memory)
+            self.ref = sharded(policy_model(compute), False, gradient_checkpointing=False)
             self.ref.requires_grad_(False)
         self.critic = self.critic_opt = self.critic_sched = None
         if cfg.use_critic:
             critic_dir, critic_key = (c.path, "critic.path") if c.path else (self.model_dir, self.model_key)
-            critic = load_value_model(critic_dir, master, m.attn_implementation, m.remove_padding, critic_key)
-            self.critic = apply_fsdp(critic, env.mesh, compute, m.gradient_checkpointing, m.fsdp_forward_prefetch)
+            self.critic = sharded(functools.partial(load_value_model, critic_dir, master, m.attn_implementation,
+                                                    m.remove_padding, critic_key), resume)
             self.critic_opt = make_optimizer(self.critic, c.lr, c.weight_decay)
             self.critic_sched = make_scheduler(self.critic_opt, c.warmup_steps, cfg.trainer.total_steps)
         self.startup.end()
-        log.info("models ready: actor %.1fM parameters%s%s, from %s", self.n_params / 1e6,
+        log.info("models ready: actor %.1fM parameters%s%s, %s", self.n_params / 1e6,
                  ", reference" if self.ref is not None else "", ", critic" if self.critic is not None else "",
-                 self.model_dir)
+                 "weights left for the checkpoint" if resume else f"from {self.model_dir}")
 
     def _setup_engine(self) -> None:
         cfg, env = self.cfg, self.env
@@ -222,7 +228,9 @@ class Trainer:
         else:
             from spmd_rl.rollout.hf_engine import HFEngine
 
-            model = load_causal_lm(self.model_dir, self.engine_dtype, cfg.model.attn_implementation, key=self.model_key)
+            # no weights read, as vLLM's dummy load: every generate first syncs the actor's weights in
+            model = allocate_meta_model(load_causal_lm(self.model_dir, self.engine_dtype, cfg.model.attn_implementation,
+                                                       key=self.model_key, weights=False), self.device)
             self.engine = HFEngine(model, self.tokenizer.pad_token_id, [eos], self.device)
             self.engine_replica = env.rank
 

@@ -89,7 +89,8 @@ def test_stress_exit_each_mode_exits_with_its_documented_code(tmp_path, mode, n)
     if mode == "finish":  # the start-up phases reach the first step's metrics, and the log
         with open(tmp_path / "finish_1" / "run" / "metrics.jsonl") as f:
             first = json.loads(f.readline())
-        for phase in ("imports", "distributed", "data", "model_build", "fsdp_wrap", "engine", "checkpoint_load", "total"):
+        for phase in ("imports", "distributed", "data", "model_build", "reference_critic", "engine", "checkpoint_load",
+                      "total"):
             assert first[f"time/startup_{phase}"] >= 0, phase
         parts = sum(v for k, v in first.items() if k.startswith("time/startup_") and k != "time/startup_total")
         assert parts <= first["time/startup_total"] + 0.05  # phases are disjoint parts of the total

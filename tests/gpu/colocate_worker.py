@@ -6,8 +6,9 @@ layout in one process, results as JSON (one file per rank) for the pytest side t
 Steps (random-weight model written once to --model-root, no hub):
   R. a plain vLLM engine loads the checkpoint from disk: prompt log-probs of fixed sequences and
      greedy continuations (the reference), then it is shut down in-process;
-  A. the FSDP2 actor (spmd_rl.models.load_causal_lm + apply_fsdp, fp32 masters, bf16 compute)
-     against a plain `from_pretrained` bf16 model on the same sequences;
+  A. the FSDP2 actor built as the trainer builds it (spmd_rl.models.build_sharded: with several
+     ranks, rank 0's weights broadcast into shards built on the meta device; fp32 masters, bf16
+     compute) against a plain `from_pretrained` bf16 model on the same sequences;
   E. our VLLMEngine (load_format="dummy", sleep mode): `--cycles` rounds of
      wake(weights) -> load_weights(iter_weights(actor)) -> wake(kv) -> checks -> sleep, with the
      actor's weights perturbed between rounds; free device memory recorded at every stage.
@@ -19,6 +20,7 @@ Steps (random-weight model written once to --model-root, no hub):
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -36,7 +38,7 @@ from spmd_rl.actor import reshard  # noqa: E402  (the trainer's own: checked by 
 from spmd_rl.config import Config  # noqa: E402
 from spmd_rl.distributed import init_distributed  # noqa: E402
 from spmd_rl.gpu_memory import GiB  # noqa: E402
-from spmd_rl.models import apply_fsdp, load_causal_lm, materialize_random_model, random_model_config  # noqa: E402
+from spmd_rl.models import build_sharded, load_causal_lm, materialize_random_model, random_model_config  # noqa: E402
 from spmd_rl.rollout.base import SamplingParams  # noqa: E402
 from spmd_rl.weight_sync import iter_weights  # noqa: E402
 
@@ -178,7 +180,8 @@ def run(args, env, res: dict) -> None:
 
     # ---------------------------------------------------------------- A: FSDP2 actor vs from_pretrained
     t0 = time.perf_counter()
-    actor = apply_fsdp(load_causal_lm(mdir, torch.float32), env.mesh, torch.bfloat16)
+    actor = build_sharded(functools.partial(load_causal_lm, mdir, torch.float32), env.mesh, torch.bfloat16,
+                          from_checkpoint=False)
     actor.eval()
     hf = load_causal_lm(mdir, torch.bfloat16).to(dev).eval()
     la, lpa = teacher_forced(actor, seqs, dev)
