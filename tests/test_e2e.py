@@ -120,8 +120,7 @@ def test_balance_ranks_keeps_the_update_and_evens_the_ranks_tokens(tmp_path):
     gives the same update either way; on, the metrics show the busiest rank's tokens before and after."""
     from spmd_rl.synthetic import write_synthetic
 
-    # written before the runs: a rank that checks for the files while rank 0 writes them can skip
-    # the data barrier and then pair its next barrier with the wrong one (trainer._setup_data)
+    # written once for both runs, so they read the same prompts
     write_synthetic("successor", str(tmp_path / "data"), 256, 64, 1)
     common = ["trainer.total_steps=2", "trainer.val_every=0", 'data.val_files=[]', "trainer.tensorboard=false",
               "data.synthetic_size=256", *data_overrides(tmp_path)[:1]]
