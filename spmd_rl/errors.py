@@ -44,7 +44,7 @@ def report(e: Exception, rank: int | None = None, kind: str = "error") -> int:
 def let_rank0_report_first() -> None:
     """The last thing a rank other than 0 does after a user error, once everything is torn down.
 
-    torchrun (and srun's --kill-on-bad-exit) stops every rank as soon as one exits with an error.
+    torchrun stops every rank as soon as one exits with an error.
     When a rank other than 0 got there first, rank 0 could be killed before its line was out, and
     the run ended with exit code 2 and no message (seen in CI). Every rank reads the same inputs,
     so rank 0 hits the same error: this rank waits (SIGTERM ends it, as the launcher sends on rank
@@ -54,6 +54,8 @@ def let_rank0_report_first() -> None:
     if _unreported is None:
         return
     message, _unreported = _unreported, None
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not under torchrun: nobody stops rank 0 early
+        return
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(RANK0_GRACE_S)

@@ -299,7 +299,10 @@ errors.let_rank0_report_first()
 def test_a_rank_other_than_0_leaves_the_message_to_rank_0_and_prints_it_only_if_nobody_ends_it():
     """torchrun stops every rank once one exits with an error: a rank other than 0 that exits
     first must not take rank 0's one line with it (a CI run once ended with exit 2 and no message)."""
-    env = dict(os.environ, RANK="1")
+    plain = subprocess.run([sys.executable, "-c", LINGER, ROOT, "60"], env=dict(os.environ, RANK="1"),
+                           capture_output=True, text=True, timeout=30)
+    assert plain.returncode == 0 and plain.stderr == "", plain.stderr  # no torchrun: rank 0 prints, nobody waits
+    env = dict(os.environ, RANK="1", TORCHELASTIC_RUN_ID="test")
     alone = subprocess.run([sys.executable, "-c", LINGER, ROOT, "0.2"], env=env, capture_output=True, text=True)
     assert alone.returncode == 0 and alone.stderr.strip() == (
         "(rank 1; rank 0 did not report it) error: data file 'x' is missing: give another"), alone.stderr
