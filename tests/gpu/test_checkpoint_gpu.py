@@ -17,15 +17,6 @@ from spmd_rl.optim import make_optimizer
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.fixture(scope="module")
-def env():
-    from spmd_rl.distributed import destroy_distributed, init_distributed
-
-    env = init_distributed("cuda")
-    yield env
-    destroy_distributed()
-
-
 def _actor(env, seed):
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

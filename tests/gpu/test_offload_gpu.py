@@ -31,15 +31,6 @@ def _train_step(model, opt, ids: torch.Tensor) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    from spmd_rl.distributed import destroy_distributed, init_distributed
-
-    env = init_distributed("cuda")
-    yield env
-    destroy_distributed()
-
-
 def _build(env, config):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -47,13 +38,13 @@ def _build(env, config):
     return model, make_optimizer(model, lr=1e-4, weight_decay=0.01)
 
 
-def test_offload_frees_state_and_training_is_unchanged(mesh):
+def test_offload_frees_state_and_training_is_unchanged(env):
     config = random_model_config("qwen2-0.5b")
     config.num_hidden_layers = 8  # a smaller 0.5B-shaped stack keeps the test quick
-    offloaded, opt_a = _build(mesh, config)
-    reference, opt_b = _build(mesh, config)
+    offloaded, opt_a = _build(env, config)
+    reference, opt_b = _build(env, config)
     gen = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, config.vocab_size, (4, 128), generator=gen).to(mesh.device) for _ in range(3)]
+    batches = [torch.randint(0, config.vocab_size, (4, 128), generator=gen).to(env.device) for _ in range(3)]
 
     _train_step(offloaded, opt_a, batches[0])
     _train_step(reference, opt_b, batches[0])
@@ -66,7 +57,7 @@ def test_offload_frees_state_and_training_is_unchanged(mesh):
         print(f"step {step}: state {state_bytes / 2**30:.3f} GiB, freed {freed / 2**30:.3f} GiB")
         assert freed >= 0.95 * state_bytes, f"offload freed {freed / 2**30:.3f} of {state_bytes / 2**30:.3f} GiB"
         assert all(p.device.type == "cpu" for p in offloaded.parameters())
-        move_train_state([offloaded], [opt_a], mesh.device)
+        move_train_state([offloaded], [opt_a], env.device)
         # the optimizer must still hold the model's own parameters, or updates would go nowhere
         assert {id(p) for g in opt_a.param_groups for p in g["params"]} == {id(p) for p in offloaded.parameters()}
         _train_step(offloaded, opt_a, ids)

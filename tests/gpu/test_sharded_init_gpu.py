@@ -21,15 +21,6 @@ from spmd_rl.optim import make_optimizer
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.fixture(scope="module")
-def env():
-    from spmd_rl.distributed import destroy_distributed, init_distributed
-
-    env = init_distributed("cuda")
-    yield env
-    destroy_distributed()
-
-
 def _logits(model, ids):
     with torch.no_grad():
         out = model(input_ids=ids).logits.float()
