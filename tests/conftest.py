@@ -32,3 +32,13 @@ def tiny_run(tmp_path_factory):
     p = run_cmd(tiny_cmd(run_dir, data_dir, f"trainer.export_hf_dir={export_dir}"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return run_dir, data_dir, export_dir
+
+
+@pytest.fixture(scope="module")
+def env():
+    """GPU tests: one process, a world of one (NCCL default group) on the current GPU, per module."""
+    from spmd_rl.distributed import destroy_distributed, init_distributed
+
+    env = init_distributed("cuda")
+    yield env
+    destroy_distributed()
