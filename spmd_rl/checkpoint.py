@@ -13,7 +13,8 @@ DCP's `.metadata`, writes `manifest.json` (every file and its size), renames the
 `latest` on a complete checkpoint. Older checkpoints beyond `keep_last` are deleted after that.
 
 Asynchronous saves (`trainer.async_save`): the training step only waits while the state is copied
-to host memory (`dcp.async_save` with a reused, pinned-on-GPU `DefaultStager`); the files are
+to host memory (`dcp.async_save` with checkpoint_staging.HostStager: host buffers allocated once,
+pinned on GPU machines, reused by every save); the files are
 written by a background thread while the next steps train, over a gloo process group of the
 checkpointer's own (the training collectives keep theirs). At most one save is in flight: the
 next save, `wait()` and `close()` wait for it. A save that fails in the background is logged when
@@ -42,6 +43,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+
+from spmd_rl.checkpoint_staging import make_stager
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +174,7 @@ class Checkpointer:
             # gloo ops issued from two threads on one group can interleave differently per rank).
             self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spmd_rl-checkpoint")
-            self._stager = _make_stager()
+            self._stager = make_stager()
 
     # ------------------------------------------------------------------ finding checkpoints
     def complete_steps(self) -> list[int]:
@@ -418,16 +421,3 @@ def _report(step: int, fut: Future) -> None:
     if fut.exception() is not None:  # logged as it happens; raised by the next save / wait()
         log.error("checkpoint of step %d failed in the background (the previous one stays the latest): %s",
                   step, _describe(fut.exception()))
-
-
-def _make_stager():
-    """A stager kept for the whole run, so the host buffers (pinned when CUDA is there) are
-    allocated once and reused by every save; None = torch's default (a fresh copy per save)."""
-    try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:  # pragma: no cover - older torch
-        return None
-    cuda = torch.cuda.is_available()
-    # Synchronous staging: the step waits for the device->host copy (seconds), never for the write.
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=cuda))

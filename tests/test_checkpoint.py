@@ -105,6 +105,45 @@ def test_a_save_failing_in_the_background_is_raised_and_never_becomes_latest(tmp
     assert ck.complete_steps() == [1] and ck.find_resume("auto") == str(tmp_path / "step_1")
 
 
+def test_several_async_saves_in_one_process_reuse_their_buffers_and_resume_from_the_last(tmp_path, monkeypatch):
+    """Four asynchronous saves through one Checkpointer (the run's stager), training between them:
+    each becomes complete, the last one resumes into a fresh model with the weights and Adam moments
+    of its step, and every save after the first copies into the host buffers of the first. On torch
+    2.11, torch's DefaultStager closed its inner stager after each save and the second one failed
+    (KeyError: <class 'type'>); checkpoint_staging.HostStager keeps it for the run."""
+    from spmd_rl.checkpoint_staging import HostStager
+
+    staged_ptrs = []
+    stage = HostStager.stage
+
+    def recording_stage(self, state_dict):
+        staged = stage(self, state_dict)
+        weights = staged["actor"]["model"]
+        staged_ptrs.append({k: v.data_ptr() for k, v in weights.items()})
+        return staged
+
+    monkeypatch.setattr(HostStager, "stage", recording_stage)
+    model, opt = make_model()
+    ck = Checkpointer(str(tmp_path), keep_last=2, async_save=True)
+    models = {"actor": ModelAndOptimizer(model, opt)}
+    for step in range(1, 5):
+        train_step(model, opt)
+        snap = snapshot(model, opt)
+        ck.save(step, models, {"step": step})
+        train_step(model, opt)  # changes every weight while the save is written
+        if step == 4:
+            ck.close()
+    assert len(staged_ptrs) == 4 and all(p == staged_ptrs[0] for p in staged_ptrs[1:]), staged_ptrs
+    assert ck.complete_steps() == [3, 4] and ck.find_resume("auto") == str(tmp_path / "step_4")
+    fresh, fresh_opt = make_model(seed=1)
+    resumed = Checkpointer(str(tmp_path), keep_last=2, async_save=True)
+    assert resumed.load(resumed.find_resume("auto"), {"actor": ModelAndOptimizer(fresh, fresh_opt)}) == {"step": 4}
+    assert_holds(fresh, fresh_opt, snap)
+    resumed.save(5, {"actor": ModelAndOptimizer(fresh, fresh_opt)}, {"step": 5})  # the resumed run saves on
+    resumed.close()
+    assert resumed.complete_steps() == [4, 5]
+
+
 def save_steps(root, steps, async_save):
     model, opt = make_model()
     ck = Checkpointer(str(root), keep_last=len(steps), async_save=async_save)
