@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--arch", default="qwen2-1.5b", choices=["qwen2-0.5b", "qwen2-1.5b", "qwen2-7b"])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=128, help="prompts per replica (TP group)")
-    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--samples", type=int, default=4, help="samples per prompt (not --n: torchrun takes that as its own --nnodes/--nproc-per-node/...)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -160,7 +160,7 @@ def main() -> None:
     r.enforce_eager = args.eager
     r.cudagraph_capture_sizes = [int(s) for s in args.capture_sizes.split(",") if s] if not args.eager else []
     r.weight_sync_bucket_mb = args.bucket_mb
-    r.temperature, r.n = args.temperature, args.n
+    r.temperature, r.n = args.temperature, args.samples
     cfg.data.max_prompt_length, cfg.data.max_response_length = args.prompt_len, args.max_tokens
 
     from vllm import LLM
@@ -171,7 +171,7 @@ def main() -> None:
     P = torch.randint(0, config.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
     per = -(-len(P) // tp)
     mine = P[tp_rank * per:(tp_rank + 1) * per]  # contiguous shares: the group's union is P in order
-    sampling = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_tokens, seed=1)
+    sampling = SamplingParams(n=args.samples, temperature=args.temperature, max_new_tokens=args.max_tokens, seed=1)
     vsp = to_vllm_sampling(sampling, [QWEN_EOS])
     requests = [{"prompt_token_ids": p} for p in P]
     seeded = [to_vllm_sampling(sampling, [QWEN_EOS], seed=j) for j in range(len(P))]  # a seed per request, as ours

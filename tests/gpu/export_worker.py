@@ -1,7 +1,7 @@
 """torchrun worker (1 process) behind tests/gpu/test_export_gpu.py: does vLLM serve an exported
 checkpoint exactly like the engine that the trainer syncs from the same checkpoint?
 
-    torchrun --nproc-per-node=1 tests/gpu/export_worker.py --run RUN --step N --export DIR --out OUT
+    torchrun --nproc-per-node=1 tests/gpu/export_worker.py --trained-run RUN --step N --export DIR --out OUT
 
   D. a plain vLLM engine loads the Hugging Face export (DIR) from disk: prompt log-probs of fixed
      random sequences; shut down in-process;
@@ -61,7 +61,7 @@ def run(args, res: dict) -> None:
     from spmd_rl.rollout.vllm_engine import VLLMEngine
 
     env = init_distributed("cuda")
-    cfg = load_config(os.path.join(args.run, "config.toml"))
+    cfg = load_config(os.path.join(args.trained_run, "config.toml"))
     cfg.rollout.gpu_memory_utilization = 0.3
     with open(os.path.join(args.export, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
@@ -69,13 +69,13 @@ def run(args, res: dict) -> None:
     seqs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (16, 32, 48, 64)]
 
     res["export_lp"] = disk_logprobs(cfg, args.export, seqs)
-    res["init_lp"] = disk_logprobs(cfg, os.path.join(args.run, "init_model"), seqs)
+    res["init_lp"] = disk_logprobs(cfg, os.path.join(args.trained_run, "init_model"), seqs)
 
-    actor = apply_fsdp(load_causal_lm(os.path.join(args.run, "init_model"), DTYPES[cfg.model.dtype]), env.mesh,
+    actor = apply_fsdp(load_causal_lm(os.path.join(args.trained_run, "init_model"), DTYPES[cfg.model.dtype]), env.mesh,
                        DTYPES[cfg.model.compute_dtype])
     dcp.load({"actor": ModelAndOptimizer(actor, None)},
-             checkpoint_id=os.path.join(args.run, "checkpoints", f"step_{args.step}"))
-    eng = VLLMEngine(cfg, os.path.join(args.run, "init_model"), env.rank, env.world_size, env.local_rank,
+             checkpoint_id=os.path.join(args.trained_run, "checkpoints", f"step_{args.step}"))
+    eng = VLLMEngine(cfg, os.path.join(args.trained_run, "init_model"), env.rank, env.world_size, env.local_rank,
                      env.local_world_size)
     eng.wake_up(["weights"])
     eng.load_weights(iter_weights(actor, DTYPES[cfg.rollout.dtype], cfg.rollout.weight_sync_bucket_mb))
@@ -90,7 +90,7 @@ def run(args, res: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--run", required=True)
+    ap.add_argument("--trained-run", required=True, help="run_dir of the trained run (not --run: torchrun takes that as --run-path)")
     ap.add_argument("--step", type=int, required=True)
     ap.add_argument("--export", required=True)
     ap.add_argument("--out", required=True)

@@ -59,7 +59,7 @@ def test_vllm_serves_the_export_like_the_synced_engine(tmp_path):
           f'data.train_files=["{run_dir}/data/train.parquet"]', f"trainer.export_hf_dir={export_dir}"],
          out / "train.log", 600)
     assert (export_dir / "model.safetensors").is_file() and (export_dir / "tokenizer.json").is_file()
-    _run([*torchrun, str(Path(__file__).with_name("export_worker.py")), "--run", str(run_dir), "--step", str(STEPS),
+    _run([*torchrun, str(Path(__file__).with_name("export_worker.py")), "--trained-run", str(run_dir), "--step", str(STEPS),
           "--export", str(export_dir), "--out", str(out)], out / "worker.log", 600)
     res = json.loads((out / "result.json").read_text())
     assert res["ok"], res.get("error")

@@ -73,10 +73,10 @@ def test_training_steps_with_vllm(name, tmp_path):
         p = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=420)
     tail = (out_dir / "stdout.log").read_text()[-4000:]
     assert p.returncode == 0, tail
-    steps = {}
+    steps: dict[int, dict] = {}
     for line in (out_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        steps[rec["step"]] = rec
+        rec = json.loads(line)  # a step's training row, and a row of its checkpoint's stall (the last step)
+        steps[rec["step"]] = {**steps.get(rec["step"], {}), **rec}
     assert sorted(steps) == list(range(1, STEPS + 1)), tail
     for s, m in steps.items():
         assert m["rollout/logprob_diff_mean"] < 0.05, (s, m["rollout/logprob_diff_mean"])
