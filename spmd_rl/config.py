@@ -250,19 +250,22 @@ class CriticConfig:
     """Clip the critic's global gradient norm (0 = off)."""
     ppo_mini_batch_size: int = 8
     """Prompts per critic optimizer step, global."""
-    micro_batch_size_per_gpu: int = 4
-    """Sequences per critic forward/backward on one GPU."""
+    micro_batch_size_per_gpu: int = 0
+    """Sequences per critic forward/backward on one GPU when micro-batches are counted in
+    sequences; 0 = `actor.micro_batch_size_per_gpu`."""
     ppo_epochs: int = 1
     """Passes of the critic over each step's rollouts."""
     cliprange_value: float = 0.5
     """Value clipping around the old values (0 = no clipping)."""
     loss_agg_mode: str = "token-mean"
     """Aggregation of the value loss (same modes as the actor)."""
-    max_token_len_per_gpu: int = 0
+    max_token_len_per_gpu: int = -1
     """Token budget of one critic-update micro-batch on one GPU (see actor.max_token_len_per_gpu);
-    0 = `micro_batch_size_per_gpu` sequences."""
+    -1 = the actor's (`actor.max_token_len_per_gpu`: the critic is the same size of model on the
+    same sequences), 0 = micro-batches of `micro_batch_size_per_gpu` sequences."""
     forward_max_token_len_per_gpu: int = 0
-    """Token budget of the no-grad value pass per micro-batch; 0 = twice `max_token_len_per_gpu`."""
+    """Token budget of the no-grad value pass per micro-batch; 0 = twice the critic's update budget
+    (after taking the actor's)."""
 
 
 @dataclass
@@ -391,6 +394,14 @@ class TrainerConfig:
     empty = no export. Must not exist yet (or be empty)."""
 
 
+class MicroBatching(typing.NamedTuple):
+    """A role's micro-batches, resolved (Config.micro_batching)."""
+
+    rows: int  # sequences per micro-batch where a token budget is 0
+    update_tokens: int  # token budget of an update micro-batch (packed); 0 = `rows` sequences
+    forward_tokens: int  # token budget of a no-grad pass (log-probs, values); 0 = `rows` sequences
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -427,19 +438,37 @@ class Config:
         """Refuse impossible combinations, naming the key and the fix."""
         validate(self, world_size, gpus_per_node)
 
+    def micro_batching(self, role: str) -> MicroBatching:
+        """How the "actor" (and reference) or the "critic" cuts its work into micro-batches, with
+        the critic's unset keys taken from the actor."""
+        a = self.actor
+        if role == "actor":
+            return MicroBatching(a.micro_batch_size_per_gpu, a.max_token_len_per_gpu,
+                                 a.logprob_max_token_len_per_gpu or 2 * a.max_token_len_per_gpu)
+        c = self.critic
+        tokens = a.max_token_len_per_gpu if c.max_token_len_per_gpu == -1 else c.max_token_len_per_gpu
+        return MicroBatching(c.micro_batch_size_per_gpu or a.micro_batch_size_per_gpu, tokens,
+                             c.forward_max_token_len_per_gpu or 2 * tokens)
+
     def describe_layout(self, world_size: int) -> str:
-        """The derived per-rank batch numbers, for the start-up log."""
+        """The derived per-rank batch numbers and the micro-batching actually used, for the
+        start-up log."""
         n = self.rollout.n
         per_rank_prompts = self.data.train_batch_size // world_size
-        mini_seqs = self.actor.ppo_mini_batch_size * n // world_size
-        return (
-            f"world={world_size} | per step: {self.data.train_batch_size} prompts x n={n} = "
-            f"{self.data.train_batch_size * n} sequences ({per_rank_prompts * n} per rank) | "
-            f"actor: {self.data.train_batch_size // self.actor.ppo_mini_batch_size} optimizer steps "
-            f"x {self.actor.ppo_epochs} epochs, {mini_seqs} sequences per rank per mini-batch = "
-            f"{mini_seqs // self.actor.micro_batch_size_per_gpu} micro-batches of "
-            f"{self.actor.micro_batch_size_per_gpu}"
-        )
+        roles = [("actor", self.actor)] + ([("critic", self.critic)] if self.use_critic else [])
+        parts = [f"world={world_size} | per step: {self.data.train_batch_size} prompts x n={n} = "
+                 f"{self.data.train_batch_size * n} sequences ({per_rank_prompts * n} per rank)"]
+        for role, section in roles:
+            mini_seqs = section.ppo_mini_batch_size * n // world_size
+            mb = self.micro_batching(role)
+            if mb.update_tokens:
+                cut = (f"packed into micro-batches of <= {mb.update_tokens} tokens "
+                       f"(<= {mb.forward_tokens} without gradients)")
+            else:
+                cut = f"= {mini_seqs // mb.rows} micro-batches of {mb.rows} sequences"
+            parts.append(f"{role}: {self.data.train_batch_size // section.ppo_mini_batch_size} optimizer steps "
+                         f"x {section.ppo_epochs} epochs, {mini_seqs} sequences per rank per mini-batch {cut}")
+        return " | ".join(parts)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
@@ -620,16 +649,22 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
              f"{role}.ppo_mini_batch_size * rollout.n = {seqs} sequences do not divide by the {world_size} ranks: "
              f"make {role}.ppo_mini_batch_size a multiple of {world_size}")
         per_rank = seqs // world_size
-        need(cfg_role.micro_batch_size_per_gpu > 0 and per_rank % cfg_role.micro_batch_size_per_gpu == 0,
-             f"{role}.micro_batch_size_per_gpu = {cfg_role.micro_batch_size_per_gpu} must divide the "
+        rows = cfg.micro_batching(role).rows
+        inherited = " (actor.micro_batch_size_per_gpu, taken as critic.micro_batch_size_per_gpu = 0)" if (
+            role == "critic" and not c.micro_batch_size_per_gpu) else ""
+        need(rows > 0 and per_rank % rows == 0,
+             f"{role}.micro_batch_size_per_gpu = {rows}{inherited} must divide the "
              f"{per_rank} sequences per rank of a mini-batch ({role}.ppo_mini_batch_size * rollout.n / ranks)")
         need(cfg_role.ppo_epochs >= 1, f"{role}.ppo_epochs must be >= 1")
         budgets = {"max_token_len_per_gpu": cfg_role.max_token_len_per_gpu}
         budgets.update({k: getattr(cfg_role, k) for k in ("logprob_max_token_len_per_gpu", "forward_max_token_len_per_gpu")
                         if hasattr(cfg_role, k)})
+        if role == "critic" and c.max_token_len_per_gpu == -1:  # the actor's, checked as the actor's
+            budgets.pop("max_token_len_per_gpu")
         longest = d.max_prompt_length + d.max_response_length
         for key, budget in budgets.items():
-            need(budget >= 0, f"{role}.{key} must be >= 0 (0 = off)")
+            floor = -1 if (role, key) == ("critic", "max_token_len_per_gpu") else 0
+            need(budget >= floor, f"{role}.{key} must be >= 0 (0 = off)" + (", or -1 = the actor's" if floor else ""))
             if budget:
                 need(m.remove_padding, f"{role}.{key} = {budget} builds micro-batches by tokens, which needs packed "
                      "sequences: set model.remove_padding = true (or the budget to 0)")

@@ -371,18 +371,15 @@ class Trainer:
             batch, balance_metrics = balance_ranks(batch, cfg, self.tokenizer.pad_token_id)
         temp = cfg.rollout.temperature
         a, c = cfg.actor, cfg.critic
-        lp_tokens = a.logprob_max_token_len_per_gpu or 2 * a.max_token_len_per_gpu
+        amb, cmb = cfg.micro_batching("actor"), cfg.micro_batching("critic")
         with timer("old_logprob"):
-            batch["old_logprobs"] = compute_logprobs(self.actor, batch, temp, a.micro_batch_size_per_gpu, self.device,
-                                                     lp_tokens)
+            batch["old_logprobs"] = compute_logprobs(self.actor, batch, temp, amb.rows, self.device, amb.forward_tokens)
         if self.ref is not None:
             with timer("ref_logprob"):
-                batch["ref_logprobs"] = compute_logprobs(self.ref, batch, temp, a.micro_batch_size_per_gpu, self.device,
-                                                         lp_tokens)
+                batch["ref_logprobs"] = compute_logprobs(self.ref, batch, temp, amb.rows, self.device, amb.forward_tokens)
         if self.critic is not None:
             with timer("values"):
-                batch["values"] = compute_values(self.critic, batch, c.micro_batch_size_per_gpu, self.device,
-                                                 c.forward_max_token_len_per_gpu or 2 * c.max_token_len_per_gpu)
+                batch["values"] = compute_values(self.critic, batch, cmb.rows, self.device, cmb.forward_tokens)
         with timer("adv"):
             extra = self.compute_advantages(batch)
         n = cfg.rollout.n
@@ -390,17 +387,17 @@ class Trainer:
             with timer("update_critic"):
                 cm = ppo_update(self.critic, self.critic_opt, batch, critic_loss_fn(self.critic, c),
                                 mini_batch_size=c.ppo_mini_batch_size * n // env.world_size,
-                                micro_batch_size=c.micro_batch_size_per_gpu, epochs=c.ppo_epochs,
+                                micro_batch_size=cmb.rows, epochs=c.ppo_epochs,
                                 grad_clip=c.grad_clip, loss_agg_mode=c.loss_agg_mode, device=self.device,
-                                max_tokens=c.max_token_len_per_gpu)
+                                max_tokens=cmb.update_tokens)
                 self.critic_sched.step()
         actor_batch, corr_metrics = actor_update_batch(batch, cfg.algorithm, self.device)  # loss mask, IS weights
         with timer("update_actor"):
             am = ppo_update(self.actor, self.actor_opt, actor_batch, actor_loss_fn(self.actor, a, temp),
                             mini_batch_size=a.ppo_mini_batch_size * n // env.world_size,
-                            micro_batch_size=a.micro_batch_size_per_gpu, epochs=a.ppo_epochs,
+                            micro_batch_size=amb.rows, epochs=a.ppo_epochs,
                             grad_clip=a.grad_clip, loss_agg_mode=a.loss_agg_mode, device=self.device,
-                            max_tokens=a.max_token_len_per_gpu, offload_optimizer=a.offload_optimizer)
+                            max_tokens=amb.update_tokens, offload_optimizer=a.offload_optimizer)
             self.actor_sched.step()
         self.step += 1
         timer.metrics["time/step"] = time.perf_counter() - t_step

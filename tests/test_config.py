@@ -127,3 +127,29 @@ def test_recipe_switch_validation_errors(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as e:
         valid_cfg(tmp_path, overrides).validate(world_size=1)
     assert needle in str(e.value)
+
+
+def test_the_critic_takes_the_actors_micro_batching_unless_set(tmp_path):
+    packed = ["model.remove_padding=true", "actor.max_token_len_per_gpu=4096", "actor.micro_batch_size_per_gpu=8",
+              'algorithm.adv_estimator="gae"']
+    cfg = valid_cfg(tmp_path, packed)
+    cfg.validate()
+    assert cfg.micro_batching("critic") == cfg.micro_batching("actor") == (8, 4096, 8192)
+    cfg = valid_cfg(tmp_path, [*packed, "actor.logprob_max_token_len_per_gpu=6000"])
+    assert cfg.micro_batching("actor").forward_tokens == 6000 and cfg.micro_batching("critic").forward_tokens == 8192
+    cfg = valid_cfg(tmp_path, [*packed, "critic.max_token_len_per_gpu=2048", "critic.forward_max_token_len_per_gpu=3000"])
+    assert cfg.micro_batching("critic") == (8, 2048, 3000)
+    cfg = valid_cfg(tmp_path, [*packed, "critic.max_token_len_per_gpu=0", "critic.micro_batch_size_per_gpu=2"])
+    cfg.validate()
+    assert cfg.micro_batching("critic") == (2, 0, 0)  # 0: micro-batches of sequences, as the user asked
+    layout = cfg.describe_layout(1)
+    assert "actor: 1 optimizer steps x 1 epochs, 32 sequences per rank per mini-batch packed into micro-batches of " \
+           "<= 4096 tokens (<= 8192 without gradients)" in layout, layout
+    assert "critic: 1 optimizer steps x 1 epochs, 32 sequences per rank per mini-batch = 16 micro-batches of 2 " \
+           "sequences" in layout, layout
+    with pytest.raises(ConfigError, match=r"critic.max_token_len_per_gpu must be >= 0 \(0 = off\), or -1 = the actor's"):
+        valid_cfg(tmp_path, [*packed, "critic.max_token_len_per_gpu=-2"]).validate()
+    with pytest.raises(ConfigError, match=r"critic.micro_batch_size_per_gpu = 16 \(actor.micro_batch_size_per_gpu, "
+                                          r"taken as critic.micro_batch_size_per_gpu = 0\) must divide the 8 sequences"):
+        valid_cfg(tmp_path, ['algorithm.adv_estimator="gae"', "actor.micro_batch_size_per_gpu=16",
+                             "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=2"]).validate()
