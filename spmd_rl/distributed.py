@@ -63,11 +63,6 @@ def init_distributed(device: str = "auto") -> DistEnv:
     return DistEnv(rank, world, local_rank, local_world, dev, mesh)
 
 
-def destroy_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def raise_together(fn=None) -> None:
     """Collective: call `fn` (on the ranks that pass one); if it raises a UserError on any rank,
     raise that message on every rank, so they all stop alike instead of the others hanging in

@@ -39,6 +39,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 
 log = logging.getLogger("spmd_rl")
 
@@ -155,8 +156,11 @@ def _release_meshes() -> None:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
         _clear_sharding_prop_cache()
-    for obj in gc.get_objects():
-        if isinstance(obj, mesh_module.DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
+    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated aliases warns
+        warnings.simplefilter("ignore", FutureWarning)
+        meshes = [obj for obj in gc.get_objects() if isinstance(obj, mesh_module.DeviceMesh)]
+    for obj in meshes:
+        if isinstance(getattr(obj, "_pg_registry", None), dict):
             obj._pg_registry.clear()  # the names stay; the groups are destroyed anyway
 
 

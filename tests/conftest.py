@@ -37,8 +37,9 @@ def tiny_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def env():
     """GPU tests: one process, a world of one (NCCL default group) on the current GPU, per module."""
-    from spmd_rl.distributed import destroy_distributed, init_distributed
+    from spmd_rl.distributed import init_distributed
+    from spmd_rl.lifecycle import destroy_process_group
 
     env = init_distributed("cuda")
     yield env
-    destroy_distributed()
+    destroy_process_group()  # the ordered teardown of spmd_rl.lifecycle, as a run's

@@ -1,4 +1,7 @@
-"""Run a test body in N gloo processes (CPU), the way torchrun would."""
+"""Run a test body in N gloo processes (CPU), the way torchrun would, ending each the way a rank
+of `spmd_rl.ppo` ends (spmd_rl.lifecycle's ordered teardown: the process group destroyed and its
+gloo threads joined while the interpreter is fully alive; a plain destroy_process_group() left them
+to interpreter shutdown, where a late one aborted the process now and then with SIGABRT)."""
 
 import os
 import traceback
@@ -22,7 +25,11 @@ def _entry(rank, world, port, fn, args, errors):
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
     finally:
-        dist.destroy_process_group()
+        fn = args = None  # the body's objects (models, meshes) let go of the group before it is destroyed
+        from spmd_rl.lifecycle import destroy_process_group, stop_library_threads
+
+        destroy_process_group()
+        stop_library_threads()
 
 
 def run_distributed(fn, world: int, *args) -> None:
