@@ -6,6 +6,7 @@
 #
 #   bash scripts/bench_checkpoint.sh [OUT_DIR] [ARCH] [CKPT_DIR]
 #   e.g. bash scripts/bench_checkpoint.sh $OUT qwen2-7b /tmp/ckbench
+#        BENCH_NPROC=1 BENCH_PHASES=save bash scripts/bench_checkpoint.sh $OUT qwen2-1.5b /tmp/ckbench  (one GPU)
 #
 # BENCH_PHASES picks phases (default "engine save"; split them over two calls if one is too short). CKPT_DIR must be on a local disk with room
 # for one checkpoint (qwen2-7b: ~85 GiB: fp32 weights + 2 Adam moments).
@@ -18,7 +19,7 @@ run() {  # name, args...
   local name=$1; shift
   local t0=$SECONDS
   echo "== $name"
-  torchrun --standalone --nproc_per_node=2 scripts/bench_checkpoint.py --arch "$ARCH" --dir "$DIR" \
+  torchrun --standalone --nproc_per_node="${BENCH_NPROC:-2}" scripts/bench_checkpoint.py --arch "$ARCH" --dir "$DIR" \
       --out "$OUT" "$@" 2>&1 | tee "$OUT/$name.txt" | grep --line-buffered -E '^\[bench r0\]|^RESULT'
   local rc=${PIPESTATUS[0]}
   echo "$name: exit $rc, $((SECONDS - t0)) s wall (process start included; log $OUT/$name.txt)"
@@ -29,8 +30,8 @@ for phase in ${BENCH_PHASES:-engine save}; do  # engine first: the save phase pr
     run save --phase save
   else
     rm -rf "$CACHE"
-    run engine_cold --phase engine --tp 2 --cache "$CACHE"
-    run engine_warm --phase engine --tp 2 --cache "$CACHE"
+    run engine_cold --phase engine --tp "${BENCH_NPROC:-2}" --cache "$CACHE"
+    run engine_warm --phase engine --tp "${BENCH_NPROC:-2}" --cache "$CACHE"
     rm -rf "$CACHE"
   fi
 done

@@ -1,0 +1,223 @@
+"""The whole single-GPU path in one device call: every 1-GPU GPU test, the shipped 0.5B config at
+random weights of its shape with a checkpoint every step and a resume that trains on (several
+asynchronous saves in one process), PPO with a critic and the Hugging Face export served by vLLM
+(both in the GPU tests). Prints one PASS/FAIL table, then the per-step seconds of the runs.
+
+    bash scripts/gpu_check.sh OUT            (the shell wrapper sets the environment)
+    python scripts/gpu_check.py --out OUT [--budget-s 570] [--only NAME,...]
+
+Each check runs as a subprocess under the time left of the budget; a check that cannot start in
+time is NOT RUN, which fails the whole check like a FAIL. A test that skips itself on one GPU is
+listed only when its reason is a second GPU (the 2-GPU layouts); any other skip is a FAIL: on a
+GPU machine with the vLLM bundle every 1-GPU test must run. Exit status 0 only if all passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from summarize_run import read_steps  # noqa: E402
+
+WORK = Path(os.environ.get("GPU_CHECK_WORK", "/tmp/gpu_check"))
+SHIPPED = "configs/qwen0.5b-gsm8k.toml"
+# The shipped config as it is (packing, token budgets, CUDA graphs, async checkpoints, validation),
+# at random weights of its shape on synthetic prompts; responses cut to 256 tokens to keep the check
+# short (random weights never stop early).
+SHIPPED_WORK = ['model.init="random"', 'model.arch="qwen2-0.5b"', 'model.tokenizer="char"', 'model.path=""',
+                'data.synthetic_task="arithmetic"', "data.synthetic_size=1024", "data.apply_chat_template=false",
+                "data.max_prompt_length=128", "data.max_response_length=256", "data.val_batch_size=128",
+                "trainer.save_every=1", "trainer.val_every=0"]
+
+
+class Check:
+    def __init__(self, name: str, needs_s: int):
+        self.name, self.needs_s = name, needs_s
+        self.rows: list[tuple[str, str, float, str]] = []  # (item, PASS/FAIL/..., seconds, note)
+
+    def add(self, item: str, result: str, seconds: float, note: str = "") -> None:
+        self.rows.append((item, result, seconds, note))
+
+
+def run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int, float]:
+    """Run `cmd` with output to `log`; (exit status, seconds). 124 when it ran past `timeout`."""
+    t0 = time.time()
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                             env={**os.environ, **(env or {})})
+        try:
+            rc = p.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            p.wait()
+            rc = 124
+    return rc, time.time() - t0
+
+
+def pytest_check(check: Check, files: list[str], out: Path, timeout: float) -> None:
+    """pytest -m gpu over `files`; one row per test from its JUnit XML."""
+    base = WORK / f"pytest-{check.name}"
+    shutil.rmtree(base, ignore_errors=True)
+    xml = WORK / f"{check.name}.xml"
+    log = out / "pytest.log"
+    part = WORK / f"{check.name}.log"
+    rc, secs = run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
+                    f"--basetemp={base}", f"--junitxml={xml}", *files], part, timeout)
+    with open(log, "a") as f:
+        f.write(f"===== {check.name}: {' '.join(files)} (exit {rc}, {secs:.0f}s)\n{part.read_text()}\n")
+    shutil.rmtree(base, ignore_errors=True)  # run dirs hold multi-GB models and checkpoints
+    if not xml.is_file():
+        check.add(check.name, "FAIL", secs, f"pytest exit {rc}, no report" + (" (time limit)" if rc == 124 else ""))
+        return
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        name = f"{Path(case.get('file') or case.get('classname', '').replace('.', '/')).stem}::{case.get('name')}"
+        t = float(case.get("time", 0))
+        failure = case.find("failure") or case.find("error")
+        skipped = case.find("skipped")
+        if failure is not None:
+            msg = (failure.get("message") or "").splitlines()[0][:100] if failure.get("message") else "failed"
+            check.add(name, "FAIL", t, msg)
+        elif skipped is not None:
+            reason = skipped.get("message") or ""
+            if "GPUs," in reason and "visible" in reason:  # a 2-GPU layout on one GPU
+                check.add(name, "n/a", t, reason)
+            else:
+                check.add(name, "FAIL", t, f"skipped: {reason[:90]}")
+        else:
+            check.add(name, "PASS", t)
+    if rc == 124:
+        check.add(check.name, "FAIL", secs, "time limit reached (tests after it did not run)")
+
+
+def torchrun(run_dir: Path, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "spmd_rl.ppo",
+            "--config", SHIPPED, *SHIPPED_WORK, f'trainer.run_dir="{run_dir}"',
+            f'data.train_files=["{run_dir}/data/train.parquet"]', f'data.val_files=["{run_dir}/data/val.parquet"]',
+            *overrides]
+
+
+def metric_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    return [int(r["step"]) for r in read_steps(str(path))] if path.is_file() else []
+
+
+def stalls(log: Path) -> list[str]:
+    """The 'training stalled' seconds of every checkpoint in a run's log."""
+    out = []
+    for line in log.read_text().splitlines():
+        if "training stalled" in line:
+            out.append(line.split("training stalled ")[1].split("s")[0])
+    return out
+
+
+def shipped_check(check: Check, out: Path, deadline: float) -> None:
+    """Three steps with a checkpoint after each (async saves 1-3 in one process), then a resume from
+    step 3 that trains steps 4 and 5 (its saves 4 and 5 in a new process)."""
+    run_dir = WORK / "shipped"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    log1, log2 = out / "shipped-steps1-3.log", out / "shipped-resume-steps4-5.log"
+    rc, secs = run(torchrun(run_dir, ["trainer.total_steps=3", 'trainer.resume="none"']), log1, deadline - time.time())
+    steps = metric_steps(run_dir)
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").is_dir() else []
+    ok = rc == 0 and steps == [1, 2, 3] and ckpts == ["step_2", "step_3"]
+    check.add("shipped 0.5B config, steps 1-3, save_every=1", "PASS" if ok else "FAIL", secs,
+              f"exit {rc}, steps {steps}, checkpoints {ckpts}, stalls {stalls(log1)} s")
+    if not ok:
+        return
+    rc, secs = run(torchrun(run_dir, ["trainer.total_steps=5", 'trainer.resume="auto"']), log2, deadline - time.time())
+    text = log2.read_text()
+    steps = metric_steps(run_dir)
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    resumed = f"resumed from {run_dir}/checkpoints/step_3 at step 3" in text
+    ok = rc == 0 and steps == [1, 2, 3, 4, 5] and ckpts == ["step_4", "step_5"] and resumed
+    check.add("resume from step_3, steps 4-5, save_every=1", "PASS" if ok else "FAIL", secs,
+              f"exit {rc}, steps {steps}, checkpoints {ckpts}, stalls {stalls(log2)} s")
+    shutil.copy(run_dir / "metrics.jsonl", out / "shipped-metrics.jsonl")
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def step_table(out: Path) -> str:
+    """Per-step seconds of the shipped-config run and of the GPU tests' training runs."""
+    runs = {}
+    if (out / "shipped-metrics.jsonl").is_file():
+        runs["shipped-0.5b (steps 1-5)"] = out / "shipped-metrics.jsonl"
+    logs = WORK / "gpu_logs"
+    for f in sorted(logs.glob("*.metrics.jsonl")) if logs.is_dir() else []:
+        runs[f.name.split(".metrics")[0]] = f
+    lines = ["| run | step seconds, each step | generate s | update_actor s | update_critic s | values s |",
+             "|---|---|---|---|---|---|"]
+    for name, path in runs.items():
+        rows = read_steps(str(path))
+
+        def col(key: str) -> str:
+            vals = [r[key] for r in rows if key in r]
+            return ", ".join(f"{v:.1f}" for v in vals) if vals else "-"
+        lines.append(f"| {name} | {col('time/step')} | {col('time/generate')} | {col('time/update_actor')} | "
+                     f"{col('time/update_critic')} | {col('time/values')} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget-s", type=float, default=570, help="wall-clock seconds for all checks")
+    ap.add_argument("--only", default="", help="comma-separated check names (default: all)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    WORK.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("SPMD_RL_GPU_LOG_DIR", str(WORK / "gpu_logs"))
+    t_start = time.time()
+    deadline = t_start + args.budget_s
+    fused = ["tests/gpu/test_fused_gpu.py"] if (ROOT / "tests/gpu/test_fused_gpu.py").is_file() else []
+    plan = [  # cheap and independent of vLLM first, then the runs that start engines
+        ("kernels", 60, lambda c, left: pytest_check(c, ["tests/gpu/test_checkpoint_gpu.py", "tests/gpu/test_offload_gpu.py",
+                                                         "tests/gpu/test_sharded_init_gpu.py",
+                                                         "tests/gpu/test_packing_gpu.py", *fused], out, left)),
+        ("shipped", 120, lambda c, left: shipped_check(c, out, time.time() + left)),
+        ("trainer", 150, lambda c, left: pytest_check(c, ["tests/gpu/test_trainer_gpu.py"], out, left)),
+        ("export", 90, lambda c, left: pytest_check(c, ["tests/gpu/test_export_gpu.py"], out, left)),
+        ("colocate", 90, lambda c, left: pytest_check(c, ["tests/gpu/test_colocate.py"], out, left)),
+    ]
+    only = set(filter(None, args.only.split(",")))
+    checks = []
+    for name, needs, fn in plan:
+        if only and name not in only:
+            continue
+        check = Check(name, needs)
+        checks.append(check)
+        left = deadline - time.time()
+        if left < needs:
+            check.add(name, "NOT RUN", 0.0, f"{left:.0f}s of the budget left, it needs about {needs}s")
+            continue
+        t0 = time.time()
+        try:
+            fn(check, left)
+        except Exception as e:  # a broken check is a FAIL with its reason, the others still run
+            check.add(name, "FAIL", time.time() - t0, f"{type(e).__name__}: {e}"[:120])
+        print(f"[gpu_check] {name}: {time.time() - t0:.0f}s", flush=True)
+    rows = [r for c in checks for r in c.rows]
+    failed = [r for r in rows if r[1] in ("FAIL", "NOT RUN")]
+    width = max([len(r[0]) for r in rows] + [10])
+    table = [f"{'check':<{width}} | result  | seconds | note", f"{'-' * width}-|---------|---------|-----"]
+    table += [f"{item:<{width}} | {res:<7} | {secs:7.1f} | {note}" for item, res, secs, note in rows]
+    table.append(f"{'TOTAL':<{width}} | {'FAIL' if failed else 'PASS':<7} | {time.time() - t_start:7.1f} | "
+                 f"{sum(r[1] == 'PASS' for r in rows)} passed, {len(failed)} failed or not run")
+    text = "\n".join(table) + "\n\nPer-step seconds:\n" + step_table(out) + "\n"
+    (out / "gpu_check.txt").write_text(text)
+    print(text)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
