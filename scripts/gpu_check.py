@@ -1,7 +1,8 @@
-"""The whole single-GPU path in one device call: every 1-GPU GPU test, the shipped 0.5B config at
-random weights of its shape with a checkpoint every step and a resume that trains on (several
-asynchronous saves in one process), PPO with a critic and the Hugging Face export served by vLLM
-(both in the GPU tests). Prints one PASS/FAIL table, then the per-step seconds of the runs.
+"""The whole single-GPU path in one device call: every 1-GPU GPU test under tests/gpu, among them the
+shipped 0.5B config at random weights of its shape with a checkpoint every step and a resume that
+trains on (several asynchronous saves in one process: test_trainer_gpu's grpo-1gpu-shipped), PPO
+with a critic (ppo-1gpu-packed-offload) and the Hugging Face export served by vLLM
+(test_export_gpu). Prints one PASS/FAIL table, then the per-step seconds of the training runs.
 
     bash scripts/gpu_check.sh OUT            (the shell wrapper sets the environment)
     python scripts/gpu_check.py --out OUT [--budget-s 570] [--only NAME,...]
@@ -30,14 +31,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from summarize_run import read_steps  # noqa: E402
 
 WORK = Path(os.environ.get("GPU_CHECK_WORK", "/tmp/gpu_check"))
-SHIPPED = "configs/qwen0.5b-gsm8k.toml"
-# The shipped config as it is (packing, token budgets, CUDA graphs, async checkpoints, validation),
-# at random weights of its shape on synthetic prompts; responses cut to 256 tokens to keep the check
-# short (random weights never stop early).
-SHIPPED_WORK = ['model.init="random"', 'model.arch="qwen2-0.5b"', 'model.tokenizer="char"', 'model.path=""',
-                'data.synthetic_task="arithmetic"', "data.synthetic_size=1024", "data.apply_chat_template=false",
-                "data.max_prompt_length=128", "data.max_response_length=256", "data.val_batch_size=128",
-                "trainer.save_every=1", "trainer.val_every=0"]
 
 
 class Check:
@@ -99,71 +92,28 @@ def pytest_check(check: Check, files: list[str], out: Path, timeout: float) -> N
         check.add(check.name, "FAIL", secs, "time limit reached (tests after it did not run)")
 
 
-def torchrun(run_dir: Path, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "spmd_rl.ppo",
-            "--config", SHIPPED, *SHIPPED_WORK, f'trainer.run_dir="{run_dir}"',
-            f'data.train_files=["{run_dir}/data/train.parquet"]', f'data.val_files=["{run_dir}/data/val.parquet"]',
-            *overrides]
-
-
-def metric_steps(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    return [int(r["step"]) for r in read_steps(str(path))] if path.is_file() else []
-
-
-def stalls(log: Path) -> list[str]:
-    """The 'training stalled' seconds of every checkpoint in a run's log."""
-    out = []
-    for line in log.read_text().splitlines():
-        if "training stalled" in line:
-            out.append(line.split("training stalled ")[1].split("s")[0])
-    return out
-
-
-def shipped_check(check: Check, out: Path, deadline: float) -> None:
-    """Three steps with a checkpoint after each (async saves 1-3 in one process), then a resume from
-    step 3 that trains steps 4 and 5 (its saves 4 and 5 in a new process)."""
-    run_dir = WORK / "shipped"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    log1, log2 = out / "shipped-steps1-3.log", out / "shipped-resume-steps4-5.log"
-    rc, secs = run(torchrun(run_dir, ["trainer.total_steps=3", 'trainer.resume="none"']), log1, deadline - time.time())
-    steps = metric_steps(run_dir)
-    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").is_dir() else []
-    ok = rc == 0 and steps == [1, 2, 3] and ckpts == ["step_2", "step_3"]
-    check.add("shipped 0.5B config, steps 1-3, save_every=1", "PASS" if ok else "FAIL", secs,
-              f"exit {rc}, steps {steps}, checkpoints {ckpts}, stalls {stalls(log1)} s")
-    if not ok:
-        return
-    rc, secs = run(torchrun(run_dir, ["trainer.total_steps=5", 'trainer.resume="auto"']), log2, deadline - time.time())
-    text = log2.read_text()
-    steps = metric_steps(run_dir)
-    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
-    resumed = f"resumed from {run_dir}/checkpoints/step_3 at step 3" in text
-    ok = rc == 0 and steps == [1, 2, 3, 4, 5] and ckpts == ["step_4", "step_5"] and resumed
-    check.add("resume from step_3, steps 4-5, save_every=1", "PASS" if ok else "FAIL", secs,
-              f"exit {rc}, steps {steps}, checkpoints {ckpts}, stalls {stalls(log2)} s")
-    shutil.copy(run_dir / "metrics.jsonl", out / "shipped-metrics.jsonl")
-    shutil.rmtree(run_dir, ignore_errors=True)
-
-
 def step_table(out: Path) -> str:
-    """Per-step seconds of the shipped-config run and of the GPU tests' training runs."""
+    """Per-step seconds of the GPU tests' training runs (their metrics, kept in SPMD_RL_GPU_LOG_DIR)."""
     runs = {}
-    if (out / "shipped-metrics.jsonl").is_file():
-        runs["shipped-0.5b (steps 1-5)"] = out / "shipped-metrics.jsonl"
-    logs = WORK / "gpu_logs"
+    logs = Path(os.environ["SPMD_RL_GPU_LOG_DIR"])
     for f in sorted(logs.glob("*.metrics.jsonl")) if logs.is_dir() else []:
         runs[f.name.split(".metrics")[0]] = f
-    lines = ["| run | step seconds, each step | generate s | update_actor s | update_critic s | values s |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| run | step s, each step | generate s | update_actor s | update_critic s | values s | checkpoint stall s |",
+             "|---|---|---|---|---|---|---|"]
     for name, path in runs.items():
         rows = read_steps(str(path))
+        stall = {}
+        for line in path.read_text().splitlines():  # a save's stall is a row of its own
+            row = json.loads(line)
+            if "time/checkpoint" in row:
+                stall[row["step"]] = row["time/checkpoint"]
 
         def col(key: str) -> str:
             vals = [r[key] for r in rows if key in r]
             return ", ".join(f"{v:.1f}" for v in vals) if vals else "-"
         lines.append(f"| {name} | {col('time/step')} | {col('time/generate')} | {col('time/update_actor')} | "
-                     f"{col('time/update_critic')} | {col('time/values')} |")
+                     f"{col('time/update_critic')} | {col('time/values')} | "
+                     f"{', '.join(f'{stall[k]:.1f}' for k in sorted(stall)) or '-'} |")
     return "\n".join(lines)
 
 
@@ -181,17 +131,15 @@ def main() -> int:
     deadline = t_start + args.budget_s
     fused = ["tests/gpu/test_fused_gpu.py"] if (ROOT / "tests/gpu/test_fused_gpu.py").is_file() else []
     plan = [  # cheap and independent of vLLM first, then the runs that start engines
-        ("kernels", 60, lambda c, left: pytest_check(c, ["tests/gpu/test_checkpoint_gpu.py", "tests/gpu/test_offload_gpu.py",
-                                                         "tests/gpu/test_sharded_init_gpu.py",
-                                                         "tests/gpu/test_packing_gpu.py", *fused], out, left)),
-        ("shipped", 120, lambda c, left: shipped_check(c, out, time.time() + left)),
-        ("trainer", 150, lambda c, left: pytest_check(c, ["tests/gpu/test_trainer_gpu.py"], out, left)),
-        ("export", 90, lambda c, left: pytest_check(c, ["tests/gpu/test_export_gpu.py"], out, left)),
-        ("colocate", 90, lambda c, left: pytest_check(c, ["tests/gpu/test_colocate.py"], out, left)),
+        ("kernels", 60, ["tests/gpu/test_checkpoint_gpu.py", "tests/gpu/test_offload_gpu.py",
+                         "tests/gpu/test_sharded_init_gpu.py", "tests/gpu/test_packing_gpu.py", *fused]),
+        ("trainer", 240, ["tests/gpu/test_trainer_gpu.py"]),  # the shipped config with saves and a resume, PPO
+        ("export", 90, ["tests/gpu/test_export_gpu.py"]),
+        ("colocate", 90, ["tests/gpu/test_colocate.py"]),
     ]
     only = set(filter(None, args.only.split(",")))
     checks = []
-    for name, needs, fn in plan:
+    for name, needs, files in plan:
         if only and name not in only:
             continue
         check = Check(name, needs)
@@ -202,7 +150,7 @@ def main() -> int:
             continue
         t0 = time.time()
         try:
-            fn(check, left)
+            pytest_check(check, files, out, left)
         except Exception as e:  # a broken check is a FAIL with its reason, the others still run
             check.add(name, "FAIL", time.time() - t0, f"{type(e).__name__}: {e}"[:120])
         print(f"[gpu_check] {name}: {time.time() - t0:.0f}s", flush=True)

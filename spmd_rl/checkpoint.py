@@ -169,6 +169,7 @@ class Checkpointer:
         self._pool: ThreadPoolExecutor | None = None
         self._stager = None
         self._group = None
+        self.stall_parts: dict[str, float] = {}  # seconds of the last save's parts that training waited for
         if async_save:
             # Background collectives must not share a group with the training loop's (NCCL or
             # gloo ops issued from two threads on one group can interleave differently per rank).
@@ -259,7 +260,9 @@ class Checkpointer:
         it is complete. Asynchronous: returns once the state is staged in host memory; the write
         and commit go on in the background (wait() for them). Raises CheckpointError if the
         previous asynchronous save failed."""
+        t0 = time.perf_counter()
         self.wait()  # at most one save in flight; its failure surfaces here
+        self.stall_parts = {"previous_save": time.perf_counter() - t0}
         final = os.path.join(self.root, f"step_{step}")
         tmp = final + ".tmp"
         if _rank() == 0:
@@ -275,10 +278,13 @@ class Checkpointer:
             self._finish(step, None)
             self._barrier()
             return final
+        t0 = time.perf_counter()
+        state = {name: model.state_dict() for name, model in models.items()}  # what DCP would ask the Statefuls
+        t1 = time.perf_counter()
         with warnings.catch_warnings():  # torch >= 2.10 deprecates the synchronize_staging it calls itself
             warnings.simplefilter("ignore", FutureWarning)
-            upload = dcp.async_save(dict(models), checkpoint_id=tmp, process_group=self._group,
-                                    async_stager=self._stager)
+            upload = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, async_stager=self._stager)
+        self.stall_parts.update(state_dict=t1 - t0, staging=time.perf_counter() - t1)
         upload = getattr(upload, "upload_completion", upload)  # AsyncSaveResponse when staging is async
         self._pending = self._pool.submit(self._finish, step, upload)
         self._pending_step = step

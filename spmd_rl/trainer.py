@@ -254,9 +254,11 @@ class Trainer:
         if wait:
             self.checkpointer.wait()
         stall = time.perf_counter() - t0
-        self.metrics.log(self.step, {"time/checkpoint": stall})
+        parts = self.checkpointer.stall_parts if self.checkpointer.async_save and not wait else {}
+        self.metrics.log(self.step, {"time/checkpoint": stall, **{f"time/checkpoint_{k}": v for k, v in parts.items()}})
         log.info("checkpoint %s: training stalled %.1fs%s", path, stall,
-                 ", writing in the background" if self.checkpointer.async_save and not wait else "")
+                 " (" + ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in parts.items()) + "), writing in the "
+                 "background" if parts else "")
 
     def _resume(self) -> None:
         path = self.resume_path
