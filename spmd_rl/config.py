@@ -776,6 +776,9 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
              f"trainer.export_hf_dir = {t.export_hf_dir!r} exists and is not empty: choose a new directory "
              "(the export would otherwise fail after training)")
     validate_ranges(cfg)
+    from spmd_rl.vllm_kwargs import check_engine_kwargs
+
+    check_engine_kwargs(r)  # last: with engine kwargs set, it imports vLLM to know its argument names
 
 
 def _cannot_write(path: str) -> str | None:
