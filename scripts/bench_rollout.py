@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node=1 scripts/bench_rollout.py --arch qwen2-1.5b --out /tmp/bench
     torchrun --nproc-per-node=2 scripts/bench_rollout.py --arch qwen2-7b --tp 2 --out /tmp/bench
+    torchrun --nproc-per-node=1 scripts/bench_rollout.py --engine-kwargs '{"async_scheduling": true}' --out /tmp/b2
 
 A random-weight model of the preset shape is written once to --model-root (no hub). Measures:
   (a) generation throughput of a plain vLLM LLM loading the checkpoint from disk (same prompts and
@@ -11,7 +12,9 @@ A random-weight model of the preset shape is written once to --model-root (no hu
       gather-only and load-only splits, against a floor = bytes moved / bandwidth measured in the
       same run (fp32->bf16 cast + all_gather + copy into the engine's parameters);
   (c) sleep and wake seconds; (d) peak device memory (driver view, polled) per phase.
-Prints a short table last (rank 0) and writes JSON to --out/bench_<arch>_tp<K>_w<W>.json.
+--engine-kwargs hands more vllm.LLM arguments to both engines (as rollout.engine_kwargs) to compare
+vLLM settings: give each variant its own --out. Prints a short table last (rank 0) and writes JSON to
+--out/bench_<arch>_tp<K>_w<W>.json.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spmd_rl.config import Config  # noqa: E402
+from spmd_rl.config import Config, ConfigError, RolloutConfig  # noqa: E402
 from spmd_rl.distributed import init_distributed  # noqa: E402
 from spmd_rl.gpu_memory import GiB, PeakPoller  # noqa: E402
 from spmd_rl.models import apply_fsdp, load_causal_lm, materialize_random_model, random_model_config  # noqa: E402
 from spmd_rl.rollout.base import SamplingParams  # noqa: E402
+from spmd_rl.vllm_kwargs import check_engine_kwargs  # noqa: E402
 from spmd_rl.weight_sync import iter_weight_buckets, iter_weights  # noqa: E402
 
 QWEN_EOS = 151643
@@ -129,10 +133,23 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=512, help="our default bucket (rollout.weight_sync_bucket_mb)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each sync variant (median)")
     ap.add_argument("--gen-reps", type=int, default=3, help="repetitions of each generate measurement (median)")
+    ap.add_argument("--engine-kwargs", default="{}", metavar="JSON",
+                    help='more vllm.LLM arguments for both engines, as rollout.engine_kwargs (checked the same way), '
+                         'e.g. \'{"async_scheduling": true}\'')
     ap.add_argument("--skip-plain", action="store_true")
     ap.add_argument("--model-root", default="/tmp/spmd_rl_models")
     ap.add_argument("--out", default="/tmp/bench_rollout")
     args = ap.parse_args()
+    try:
+        extra = json.loads(args.engine_kwargs)
+    except json.JSONDecodeError as e:
+        ap.error(f"--engine-kwargs is not JSON: {e}")
+    if not isinstance(extra, dict):
+        ap.error(f"--engine-kwargs must be a JSON object, got {args.engine_kwargs}")
+    try:  # as a run's config check: no argument of ours replaced, every name one vllm.LLM takes
+        check_engine_kwargs(RolloutConfig(engine="vllm", engine_kwargs=extra))
+    except ConfigError as e:
+        ap.error(str(e))
 
     env = init_distributed("cuda")
     rank, world = env.rank, env.world_size
@@ -162,6 +179,7 @@ def main() -> None:
     r.weight_sync_bucket_mb = args.bucket_mb
     r.temperature, r.n = args.temperature, args.samples
     cfg.data.max_prompt_length, cfg.data.max_response_length = args.prompt_len, args.max_tokens
+    r.engine_kwargs = extra  # both engines get them (engine_kwargs)
 
     from vllm import LLM
 
@@ -317,8 +335,9 @@ def print_table(res: dict, path: str) -> None:
     a = res["args"]
     lines = ["", "=" * 78,
              f"bench_rollout {res['arch']} tp={res['tp']} world={res['world']} on {res['device']} (torch {res['torch']})",
-             f"workload per replica: {a['prompts']} prompts x n={a['n']}, prompt {a['prompt_len']}, up to "
-             f"{a['max_tokens']} new tokens, T={a['temperature']}, {'eager' if a['eager'] else 'CUDA graphs'}",
+             f"workload per replica: {a['prompts']} prompts x n={a['samples']}, prompt {a['prompt_len']}, up to "
+             f"{a['max_tokens']} new tokens, T={a['temperature']}, {'eager' if a['eager'] else 'CUDA graphs'}"
+             + (f", engine kwargs {a['engine_kwargs']}" if a.get("engine_kwargs", "{}") != "{}" else ""),
              "-" * 78]
     if "plain_gen" in res:
         p, ps, o = res["plain_gen"], res["plain_seeded_gen"], res["ours_gen"]

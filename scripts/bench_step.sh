@@ -8,6 +8,9 @@
 #                     256 sequences, as measured against TRL before packing existed)
 #            after  = the shipped config's training settings (packing, token budget, chunked log-probs)
 #   e.g. bash scripts/bench_step.sh $OUT qwen2-0.5b after 4
+#   EXTRA OVERRIDES go to spmd_rl.ppo last (they win); TAG names the variant's directory and row, so
+#   runs that differ only in overrides (vLLM engine arguments, say) are kept side by side:
+#   TAG=async bash scripts/bench_step.sh $OUT qwen2-0.5b after 4 'rollout.engine_kwargs={async_scheduling=true}'
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$1; ARCH=$2; VARIANT=$3; STEPS=${4:-4}; shift $(( $# < 4 ? $# : 4 ))
@@ -25,8 +28,9 @@ case "$VARIANT" in
   after) VAR=() ;;
   *) echo "VARIANT must be before or after"; exit 2 ;;
 esac
-dir="$OUT/step-$ARCH-$VARIANT"; rm -rf "$dir"; mkdir -p "$dir"
+NAME="$ARCH-$VARIANT${TAG:+-$TAG}"
+dir="$OUT/step-$NAME"; rm -rf "$dir"; mkdir -p "$dir"
 torchrun --standalone --nproc_per_node=1 -m spmd_rl.ppo --config "$CONFIG" "${WORK[@]}" "${VAR[@]}" \
     trainer.run_dir=\"$dir/run\" "$@" > "$dir/log.txt" 2>&1
-echo "$ARCH $VARIANT: exit $? ($(grep -c '"time/step"' "$dir/run/metrics.jsonl" 2>/dev/null || echo 0) steps; log $dir/log.txt)"
-[ -s "$dir/run/metrics.jsonl" ] && python scripts/summarize_run.py "$ARCH-$VARIANT=$dir/run/metrics.jsonl"
+echo "$ARCH $VARIANT${TAG:+ $TAG}: exit $? ($(grep -c '"time/step"' "$dir/run/metrics.jsonl" 2>/dev/null || echo 0) steps; log $dir/log.txt)"
+[ -s "$dir/run/metrics.jsonl" ] && python scripts/summarize_run.py "$NAME=$dir/run/metrics.jsonl"

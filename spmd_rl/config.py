@@ -21,6 +21,7 @@ import dataclasses
 import inspect
 import math
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -169,6 +170,15 @@ class RolloutConfig:
     across restarts so a warm restart skips compilation; empty = <run_dir>/compile_cache. Point it
     at a shared path to reuse it across runs of the same model and settings. A VLLM_CACHE_ROOT
     already in the environment wins."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """vLLM: more keyword arguments of `vllm.LLM`, passed after the project's own (verl's
+    `actor_rollout_ref.rollout.engine_kwargs.vllm`): a TOML table, e.g. `[rollout.engine_kwargs]`
+    `async_scheduling = true`, `compilation_config = {mode = 3}`; on the command line
+    `rollout.engine_kwargs={async_scheduling=true}` (replaces the table) or
+    `rollout.engine_kwargs.async_scheduling=true` (sets one entry). Needs `engine = "vllm"`. Refused
+    at start: names vLLM does not know, what the colocated engine fixes (model, load_format,
+    distributed_executor_backend, enable_sleep_mode, logprobs_mode, skip_tokenizer_init, parallel
+    layout...) and what a `rollout.*` key sets (dtype, seed, max_num_seqs, ...: set that key)."""
 
 
 @dataclass
@@ -514,11 +524,25 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
                 raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
     for item in overrides or []:
         key, value = _split_override(item)
-        section, _, name = key.partition(".")
+        section, name, *path = key.split(".")
         raw.setdefault(section, {})
         if not isinstance(raw[section], dict):
             raise ConfigError(f"override {item!r}: {section!r} is a section, not a value")
-        raw[section][name] = _parse_override_value(value)
+        if not path:
+            raw[section][name] = _parse_override_value(value)
+            continue
+        # section.key.entry[.entry...]: one entry of a table-valued key (rollout.engine_kwargs)
+        hint = typing.get_type_hints(typing.get_type_hints(Config)[section]).get(name) if section in SECTIONS else None
+        if hint is not None and typing.get_origin(hint) is not dict:
+            raise ConfigError(f"override key {key!r} must be section.key (e.g. actor.lr): only table keys "
+                              f"(rollout.engine_kwargs) take section.key.entry")
+        table = raw[section]
+        for i, part in enumerate([name, *path[:-1]]):
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join([section, name, *path][:i + 2])} is "
+                                  f"{table!r}, not a table")
+        table[path[-1]] = _parse_override_value(value)
     return config_from_dict(raw)
 
 
@@ -546,7 +570,7 @@ def _split_override(item: str) -> tuple[str, str]:
         raise ConfigError(f"override {item!r} must look like section.key=value (e.g. actor.lr=1e-6)")
     key, value = item.split("=", 1)
     key = key.strip().lstrip("-")
-    if key.count(".") != 1:
+    if key.count(".") < 1 or not all(key.split(".")):
         raise ConfigError(f"override key {key!r} must be section.key (e.g. actor.lr)")
     return key, value.strip()
 
@@ -561,6 +585,11 @@ def _parse_override_value(text: str) -> Any:
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
+    if origin is dict:  # a table of TOML values handed on as they are (rollout.engine_kwargs)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a table, got {value!r}: write {key}={{name=value}} or "
+                              f"{key}.name=value on the command line, a [{key}] table in the config file")
+        return {k: _table_value(f"{key}.{k}", v) for k, v in value.items()}
     if origin is list:
         (item_type,) = typing.get_args(hint)
         if isinstance(value, str):  # "a,b" on the command line
@@ -585,6 +614,18 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return value
         raise ConfigError(f"{key} must be a string, got {value!r} (quote it)")
     raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover
+
+
+def _table_value(key: str, value: Any) -> Any:
+    """A copy of a value inside a table key: TOML's strings, numbers, booleans, lists and tables
+    (no dates and times: nothing takes them, and config.toml would not keep them)."""
+    if isinstance(value, dict):
+        return {k: _table_value(f"{key}.{k}", v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_table_value(f"{key}[{i}]", v) for i, v in enumerate(value)]
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    raise ConfigError(f"{key} = {value!r}: a date or time is not a value here; quote it as a string")
 
 
 # --------------------------------------------------------------------------- validation
@@ -735,6 +776,9 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
              f"trainer.export_hf_dir = {t.export_hf_dir!r} exists and is not empty: choose a new directory "
              "(the export would otherwise fail after training)")
     validate_ranges(cfg)
+    from spmd_rl.vllm_kwargs import check_engine_kwargs
+
+    check_engine_kwargs(r)  # last: with engine kwargs set, it imports vLLM to know its argument names
 
 
 def _cannot_write(path: str) -> str | None:
@@ -813,6 +857,9 @@ def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML (saved into the run directory)."""
 
@@ -823,6 +870,8 @@ def to_toml(cfg: Config) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         if isinstance(v, list):
             return "[" + ", ".join(fmt(x) for x in v) + "]"
+        if isinstance(v, dict):  # an inline table, so the section's later keys stay in the section
+            return "{" + ", ".join(f"{k if _BARE_KEY.fullmatch(k) else fmt(k)} = {fmt(x)}" for k, x in v.items()) + "}"
         return repr(v)
 
     lines = []

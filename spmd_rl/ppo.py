@@ -44,17 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     try:
         cfg = load_config(resolve_config(args.config), args.overrides)
+        # Training tensors of changing shapes (packed rows) fragment the caching allocator; expandable
+        # segments let empty_cache() give every free page back before the engine wakes. The vLLM engine
+        # switches them off while it is awake (spmd_rl/gpu_memory.py). A user's own setting wins. Set
+        # before validation, which imports vLLM when rollout.engine_kwargs are set (their names).
+        if cfg.rollout.engine == "vllm" and not any(v in os.environ for v in ("PYTORCH_CUDA_ALLOC_CONF",
+                                                                              "PYTORCH_ALLOC_CONF")):
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         cfg.validate(world_size=world, gpus_per_node=local_world)
     except UserError as e:
         code = report(e)
         let_rank0_report_first()
         return code
-
-    # Training tensors of changing shapes (packed rows) fragment the caching allocator; expandable
-    # segments let empty_cache() give every free page back before the engine wakes. The vLLM engine
-    # switches them off while it is awake (spmd_rl/gpu_memory.py). A user's own setting wins.
-    if cfg.rollout.engine == "vllm" and not any(v in os.environ for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
     from spmd_rl import lifecycle
 

@@ -3,6 +3,8 @@
 At resume the saved `<run_dir>/config.toml` (written by the run that made the checkpoint) is
 compared key by key with the new config: every changed key is logged, and changes that make
 the checkpoint meaningless or unloadable are refused before any model loads, naming the key.
+The engine's arguments (rollout.*, rollout.engine_kwargs entries) may change: the engine is
+built afresh and gets its weights from the actor.
 """
 
 from __future__ import annotations
@@ -30,7 +32,21 @@ FIXED_WITH_RANDOM_INIT = {"model.seed": "the random starting weights (and so the
 
 
 def flatten(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {f"{section}.{k}": v for section, values in cfg.items() if isinstance(values, dict) for k, v in values.items()}
+    """section.key -> value; a table-valued key (rollout.engine_kwargs) gives one section.key.entry
+    per entry, so a change is listed as the entry that changed (and an empty table as nothing)."""
+    out: dict[str, Any] = {}
+
+    def add(prefix: str, values: dict[str, Any]) -> None:
+        for k, v in values.items():
+            if isinstance(v, dict):
+                add(f"{prefix}{k}.", v)
+            else:
+                out[prefix + k] = v
+
+    for section, values in cfg.items():
+        if isinstance(values, dict):
+            add(f"{section}.", values)
+    return out
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -88,7 +88,10 @@ def test_validation_errors(tmp_path, overrides, world, needle):
     assert needle in str(e.value)
 
 
-def test_tp_group_may_not_span_nodes(tmp_path):
+def test_tp_group_may_not_span_nodes(tmp_path, monkeypatch):
+    from spmd_rl import vllm_kwargs
+
+    monkeypatch.setattr(vllm_kwargs, "vllm_import_problem", lambda: None)  # engine = "vllm" without vLLM here
     cfg = valid_cfg(tmp_path, ['rollout.engine="vllm"', "rollout.tensor_parallel_size=4",
                                "data.train_batch_size=24", "actor.ppo_mini_batch_size=24"])
     cfg.validate(world_size=8, gpus_per_node=8)

@@ -220,6 +220,15 @@ def test_torchrun_config_error(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_torchrun_refused_engine_kwarg_is_found_before_vllm_or_cuda_is_needed(tmp_path):
+    """On this CPU machine, with or without vLLM installed: the config check refuses it first."""
+    p = run_cmd(tiny_cmd(tmp_path / "run", tmp_path / "data", 'rollout.engine="vllm"',
+                         "rollout.engine_kwargs.max_num_seqs=64"))
+    assert_one_line_error(p, "rollout.engine_kwargs.max_num_seqs duplicates rollout.max_num_seqs: set "
+                             "rollout.max_num_seqs instead, and remove it from rollout.engine_kwargs")
+    assert not (tmp_path / "run").exists()
+
+
 def test_torchrun_bad_data_leaves_an_existing_run_untouched(tiny_run, tmp_path):
     run_dir, data_dir, export_dir = tiny_run
     before = run_files(run_dir)

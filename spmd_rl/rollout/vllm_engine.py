@@ -41,6 +41,7 @@ Facts this module relies on (vLLM 0.26; checked on H100/H200, see tests/gpu/):
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import logging
@@ -79,8 +80,10 @@ def eos_token_ids(model_dir: str) -> list[int]:
 
 def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_mode: bool = True,
                   **overrides: Any) -> dict[str, Any]:
-    """Keyword arguments of `vllm.LLM` for this config. `dummy=False, sleep_mode=False` gives a plain
-    engine that reads the checkpoint from disk with otherwise identical settings (tests, bench)."""
+    """Keyword arguments of `vllm.LLM` for this config: the project's own, then the user's
+    `rollout.engine_kwargs` (config validation refused those that would replace one of ours), then
+    `overrides`. `dummy=False, sleep_mode=False` gives a plain engine that reads the checkpoint from
+    disk with otherwise identical settings (tests, bench)."""
     r, d = cfg.rollout, cfg.data
     kw: dict[str, Any] = dict(
         model=model_dir,
@@ -103,6 +106,7 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
     )
     if r.cudagraph_capture_sizes:
         kw["cudagraph_capture_sizes"] = list(r.cudagraph_capture_sizes)
+    kw.update(copy.deepcopy(r.engine_kwargs))  # a copy: vLLM may change the tables it is given
     kw.update(overrides)
     return kw
 
