@@ -114,6 +114,15 @@ def step_table(out: Path) -> str:
         lines.append(f"| {name} | {col('time/step')} | {col('time/generate')} | {col('time/update_actor')} | "
                      f"{col('time/update_critic')} | {col('time/values')} | "
                      f"{', '.join(f'{stall[k]:.1f}' for k in sorted(stall)) or '-'} |")
+    steady = {}  # mean step seconds after step 1 (warm-up) of the first process of a run
+    for name, path in runs.items():
+        rows = [r for r in read_steps(str(path)) if 1 < r["step"] <= 3]
+        if rows:
+            steady[name] = sum(r["time/step"] for r in rows) / len(rows)
+    if "ppo-1gpu-shipped" in steady and "grpo-1gpu-shipped" in steady:
+        lines.append(f"\nPPO / GRPO step ratio on the shipped 0.5B work (steps 2-3): "
+                     f"{steady['ppo-1gpu-shipped']:.2f} s / {steady['grpo-1gpu-shipped']:.2f} s = "
+                     f"{steady['ppo-1gpu-shipped'] / steady['grpo-1gpu-shipped']:.2f}x")
     return "\n".join(lines)
 
 
@@ -122,6 +131,9 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=570, help="wall-clock seconds for all checks")
     ap.add_argument("--only", default="", help="comma-separated check names (default: all)")
+    ap.add_argument("--continue", dest="cont", action="store_true",
+                    help="add to the results of an earlier call on the same machine (a check list split over "
+                         "two calls), and print the table of both")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -155,6 +167,12 @@ def main() -> int:
             check.add(name, "FAIL", time.time() - t0, f"{type(e).__name__}: {e}"[:120])
         print(f"[gpu_check] {name}: {time.time() - t0:.0f}s", flush=True)
     rows = [r for c in checks for r in c.rows]
+    saved = WORK / "results.json"
+    if args.cont and saved.is_file():
+        earlier = json.loads(saved.read_text())
+        rows = [tuple(r) for r in earlier["rows"]] + rows
+        t_start -= earlier["seconds"]
+    saved.write_text(json.dumps({"rows": rows, "seconds": time.time() - t_start}))
     failed = [r for r in rows if r[1] in ("FAIL", "NOT RUN")]
     width = max([len(r[0]) for r in rows] + [10])
     table = [f"{'check':<{width}} | result  | seconds | note", f"{'-' * width}-|---------|---------|-----"]
