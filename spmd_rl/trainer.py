@@ -188,7 +188,8 @@ class Trainer:
 
         def policy_model(dtype):
             return functools.partial(load_causal_lm, self.model_dir, dtype, m.attn_implementation, m.remove_padding,
-                                     m.chunked_logprobs, self.model_key)
+                                     m.chunked_logprobs, self.model_key, fused_kernels=m.fused_kernels,
+                                     fused_logprob_head=m.fused_logprob_head)
 
         self.actor = sharded(policy_model(master), resume)
         self.n_params = count_parameters(self.actor)
@@ -206,7 +207,7 @@ class Trainer:
         if cfg.use_critic:
             critic_dir, critic_key = (c.path, "critic.path") if c.path else (self.model_dir, self.model_key)
             self.critic = sharded(functools.partial(load_value_model, critic_dir, master, m.attn_implementation,
-                                                    m.remove_padding, critic_key), resume)
+                                                    m.remove_padding, critic_key, fused_kernels=m.fused_kernels), resume)
             self.critic_opt = make_optimizer(self.critic, c.lr, c.weight_decay)
             self.critic_sched = make_scheduler(self.critic_opt, c.warmup_steps, cfg.trainer.total_steps)
         self.startup.end()
