@@ -240,8 +240,10 @@ def _apply_compile(model: torch.nn.Module, patches: list) -> None:
 def _call_compiled_layer(forward, layer, *args, **kwargs):
     """The compiled layer, traced without duck sizing: every input size gets a symbol of its own, so
     a packed row's sequence count that happens to equal the head size (or two lengths that happen
-    to be equal) is not made one symbol, then specialized and compiled again when they differ."""
-    with torch.fx.experimental._config.patch(use_duck_shape=False):
+    to be equal) is not made one symbol, then specialized and compiled again when they differ. The
+    layer's float attributes (RMSNorm's eps, the attention scale) stay constants (dynamic=True would
+    make them graph inputs, and the attention kernel takes its scale as a Python float)."""
+    with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(specialize_float=True):
         return forward(layer, *args, **kwargs)
 
 

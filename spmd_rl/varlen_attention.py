@@ -38,8 +38,8 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         raise ValueError("packed attention takes one packed row, no attention mask, no sliding window, no dropout")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     if q.is_cuda:
-        max_len = kwargs["max_length_q"]  # an int (symbolic under torch.compile: no int() here, it would specialize)
-        out = _cuda_varlen(q, k, v, cu.to(torch.int32), max_len if isinstance(max_len, int) else int(max_len), scaling)
+        # max_length_q: packing's Python int, symbolic under torch.compile (no int() here: it would specialize)
+        out = _cuda_varlen(q, k, v, cu.to(torch.int32), kwargs["max_length_q"], scaling)
     else:
         out = _sdpa_per_sequence(q, k, v, cu, scaling)
     return out.unsqueeze(0), None
