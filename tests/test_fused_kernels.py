@@ -126,3 +126,51 @@ def test_compiled_layers_and_head_match_eager_without_recompiling(monkeypatch):
     with torch.no_grad():  # no-grad passes (the old / reference log-probs) too
         want = forward_logprobs(eager, ragged_batch([6, 2, 9]), 1.0)[0]
         torch.testing.assert_close(forward_logprobs(fused, ragged_batch([6, 2, 9]), 1.0)[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="fake CUDA tensors need a CUDA build of torch")
+def test_compiled_layer_on_cuda_is_one_graph_with_the_varlen_kernel(monkeypatch):
+    """What dynamo makes of a decoder layer on CUDA, traced here on fake CUDA tensors (no GPU): one
+    graph per layer class, no graph break, PyTorch's varlen attention op inside it, the maximum
+    length symbolic and the attention scale a constant, and three packed batches of other lengths
+    and sequence counts reuse it."""
+    import itertools
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+    from spmd_rl import varlen_attention
+
+    config = tiny_model().config
+    config._attn_implementation = varlen_attention.register()
+    monkeypatch.setattr(varlen_attention, "_VARLEN_KW", varlen_attention._varlen_kwargs())  # register() does on a GPU
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward  # runs on the fake tensors
+
+    monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": record})
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with mode, torch.device("cuda"):
+            layer, rotary = Qwen2DecoderLayer(config, 0), Qwen2RotaryEmbedding(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    forward = fused_kernels.compiled(Qwen2DecoderLayer.forward, dynamic=True)
+    for lens in ([5, 9, 3], [7, 4, 8, 2, 6], [30, 2]):
+        with mode, torch.device("cuda"):
+            hidden = torch.randn(1, sum(lens), config.hidden_size, requires_grad=True)
+            positions = torch.cat([torch.arange(n) for n in lens])[None]
+            cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+            out = fused_kernels._call_compiled_layer(
+                forward, layer, hidden, attention_mask=None, position_ids=positions, past_key_values=None,
+                use_cache=False, position_embeddings=rotary(hidden, positions), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                max_length_q=max(lens), max_length_k=max(lens))
+        assert out.shape == hidden.shape and out.device.type == "cuda"
+    assert len(graphs) == 1, [g.code for g in graphs]
+    code = graphs[0].code
+    assert "torch.ops.torch_attn._varlen_attn(" in code and "l_kwargs_max_length_q_" in code, code
+    assert f", {(config.hidden_size // config.num_attention_heads) ** -0.5}, " in code, code  # the scale, a constant
