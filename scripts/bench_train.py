@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch of the packed variants")
     ap.add_argument("--logprob-budget", type=int, default=0, help="tokens per log-prob micro-batch (0 = 2 x budget)")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
-    ap.add_argument("--reps", type=int, default=1, help="timed repetitions (after one warm-up); the best counts")
+    ap.add_argument("--reps", type=int, default=1, help="timed repetitions (>= 1, after one warm-up); the best counts")
     ap.add_argument("--fit", action="store_true", help="also search the largest packed micro-batch that fits")
     ap.add_argument("--fit-start", type=int, default=8192, help="first budget of the largest-budget search")
     ap.add_argument("--max-budget", type=int, default=131072, help="stop the largest-budget search here")
@@ -182,6 +182,8 @@ def main() -> None:
     ap.add_argument("--model-root", default="/tmp/spmd_rl_models")
     ap.add_argument("--out", default="/tmp/bench_train")
     args = ap.parse_args()
+    if args.reps < 1:
+        ap.error("--reps must be >= 1")
     for name in args.variants.split(",") + [v for v in args.profile.split(",") if v]:
         if name not in VARIANTS:
             ap.error(f"unknown variant {name!r}: use {', '.join(VARIANTS)}")
@@ -192,25 +194,29 @@ def main() -> None:
     peak = matmul_peak_tflops(dev)
     results = {"peak_tflops_measured": peak, "world": env.world_size,
                "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-               "torch": torch.__version__, "args": vars(args), "rows": []}
-    results["profiles"] = []
+               "torch": torch.__version__, "args": vars(args), "rows": [], "profiles": []}
+    path = os.path.join(args.out, f"bench_train_w{env.world_size}.json")
+
+    def save() -> None:
+        """Written after every row and profile: a run cut short keeps what it measured."""
+        if env.is_main:
+            with open(path, "w") as f:
+                json.dump(results, f, indent=1)
+            if results["profiles"]:
+                write_profiles(results["profiles"], args.out)
+
     for arch in args.arch.split(","):
-        rows, profiles = bench_arch(arch, args, env, peak)
-        results["rows"] += rows
-        results["profiles"] += profiles
+        bench_arch(arch, args, env, peak, results, save)
         gc.collect()
         torch.cuda.empty_cache()
+    save()
     if env.is_main:
-        if results["profiles"]:
-            write_profiles(results["profiles"], args.out)
-        path = os.path.join(args.out, f"bench_train_w{env.world_size}.json")
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
         print_table(results, path)
     dist.destroy_process_group()
 
 
-def bench_arch(arch: str, args, env, peak: float) -> tuple[list[dict], list[dict]]:
+def bench_arch(arch: str, args, env, peak: float, results: dict, save) -> None:
+    """Every variant of `arch` (rows into results["rows"]), then its profiles and the fit search."""
     dev = env.device
     config = random_model_config(arch)
     mdir = materialize_random_model(os.path.join(args.model_root, arch), config, seed=0, dtype=torch.bfloat16)
@@ -222,7 +228,7 @@ def bench_arch(arch: str, args, env, peak: float) -> tuple[list[dict], list[dict
     tokens = int(batch["attention_mask"].sum())
     all_tokens = tokens * env.world_size
     acfg = ActorConfig()
-    rows = []
+    rows, profiles = results["rows"], results["profiles"]
     for name in args.variants.split(","):
         packed, chunked, gc_on, kernels, head = VARIANTS[name]
         in_effect = set_variant(model, packed, chunked, gc_on, kernels, head)
@@ -251,16 +257,17 @@ def bench_arch(arch: str, args, env, peak: float) -> tuple[list[dict], list[dict
                           "warmup_s": warm, "compile_s": max(warm - best, 0.0),
                           "graphs_compiled_warmup": graphs.get("warmup", 0), "recompiles_timed": graphs.get("timed", 0)}
         rows.append(row)
+        save()
         if env.is_main:
             print(json.dumps(row), flush=True)
-    profiles = []
     for name in [v for v in args.profile.split(",") if v]:
         profiles.append(profile_variant(model, opt, batch, acfg, args, env, arch, name))
+        save()
     if args.fit:
         for gc_on in (True, False):
             rows.append(largest_budget(model, opt, acfg, config.vocab_size, gc_on, args, env, arch))
+            save()
     set_variant(model, *VARIANTS["packed-nogc"])  # no compiled forwards left on a model about to be freed
-    return rows, profiles
 
 
 def phase_fns(model, opt, batch, acfg, args, dev, packed: bool):
@@ -334,24 +341,35 @@ def kernel_table(prof, top: int) -> dict:
 
 
 def profile_variant(model, opt, batch, acfg, args, env, arch: str, name: str) -> dict:
-    """torch.profiler over one update and one log-prob pass of variant `name`, after a warm-up."""
+    """torch.profiler over one update and one log-prob pass of variant `name`, warm (after its
+    timed runs, or a warm-up of its own)."""
     from torch.profiler import ProfilerActivity, profile
 
     packed, chunked, gc_on, kernels, head = VARIANTS[name]
     in_effect = set_variant(model, packed, chunked, gc_on, kernels, head)
     out = {"arch": arch, "variant": name, "fused_kernels": in_effect, "fused_logprob_head": head}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    timed_before = name in args.variants.split(",")  # compiled and warm already
     for phase, fn in zip(("update", "logprob"), phase_fns(model, opt, batch, acfg, args, env.device, packed)):
-        _, _, err, _ = timed(fn, model, opt)  # warm-up (compiles if this variant was not timed)
-        if err:
-            out[phase] = {"error": err}
-            continue
+        if not timed_before:
+            _, _, err, _ = timed(fn, model, opt)  # warm-up: compiles here, not under the profiler
+            if err:
+                out[phase] = {"error": err}
+                continue
         cuda_sync()
         dist.barrier()
         t = time.perf_counter()
-        with profile(activities=activities) as prof:
-            fn()
-            cuda_sync()
+        try:
+            with profile(activities=activities) as prof:
+                fn()
+                cuda_sync()
+        except Exception as e:  # reported; the rest of the run goes on (a single rank: no collective to agree on)
+            traceback.print_exc()
+            out[phase] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"}
+            opt.zero_grad(set_to_none=True)
+            model.set_requires_gradient_sync(True)
+            reshard(model)
+            continue
         secs = time.perf_counter() - t
         out[phase] = {"s_profiled": secs, **kernel_table(prof, args.top_kernels)}
         del prof
