@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl import algorithms as algos
+from spmd_rl import fused_kernels
 from spmd_rl.actor import actor_loss_fn, compute_logprobs
 from spmd_rl.batch import Batch, build_rollout_batch, response_token_ids
 from spmd_rl.checkpoint import CheckpointError, Checkpointer, ModelAndOptimizer, saved_world_size
@@ -483,6 +484,9 @@ class Trainer:
             "perf/tokens_per_sec_per_gpu": s[3].item() / step_time / env.world_size,
             "data/epoch": float(self.sampler.epoch), "actor/lr_sched": self.actor_sched.get_last_lr()[0],
         }
+        m = self.cfg.model
+        if "compile" in (m.fused_kernels, m.fused_logprob_head):  # flat after the first steps; growth = recompiles
+            out["perf/compiled_graphs"] = float(fused_kernels.compiled_graphs())
         peak = self.peak_flops()
         if peak and "time/update_actor" in times:
             # Training FLOPs: 6 per parameter per token (fwd + bwd), per epoch, over the update's time.
