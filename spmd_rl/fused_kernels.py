@@ -43,7 +43,7 @@ MODES = ("none", "liger", "compile")
 
 _FALLBACK_WARNED = False
 _MISSING = object()
-_COMPILED: dict = {}  # a layer class's forward -> its torch.compile wrapper (one per process)
+_COMPILED: dict = {}  # (function, torch.compile options) -> its wrapper, one per process (see compiled())
 _LIGER_ROPE = [False]  # inside a patched attention forward (a plain global: dynamo can read it)
 _ORIGINAL_ROPE: dict = {}  # modeling module -> transformers' apply_rotary_pos_emb
 
