@@ -81,6 +81,19 @@ class ModelConfig:
     each chunk. false = the plain full-logits path (more memory; kept for comparison)."""
     fsdp_forward_prefetch: bool = False
     """FSDP2: each decoder layer starts the all-gather of the next one explicitly in forward."""
+    fused_kernels: str = "none"
+    """Fused kernels in the decoder layers of actor, reference and critic (spmd_rl/fused_kernels.py).
+    "liger": liger-kernel's Triton RMSNorm, rotary embedding and SiLU-multiply on this model's
+    modules (Qwen2 models; CUDA; install the `gpu` extra). "compile": torch.compile of each decoder
+    layer (dynamic shapes: no recompile per packed length; compiling takes a minute or so at start).
+    "none": transformers' modules as they are. Without CUDA, Triton or liger-kernel, "liger" runs
+    unfused with one warning. Same numbers up to bf16 rounding."""
+    fused_logprob_head: str = "none"
+    """How the log-prob head (`chunked_logprobs`) computes each chunk's log-sum-exp, target log-prob,
+    entropy and, in backward, the logits' gradient: "none" = eager float32 passes over the
+    [chunk, vocab] logits; "compile" = torch.compile'd, one or two fused kernels per chunk reading
+    the bf16 logits (same formulas and chunks; needs `chunked_logprobs`). No liger-kernel op fits:
+    its fused linear losses take no temperature and give no per-token entropy."""
 
 
 @dataclass
@@ -488,6 +501,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16"),
     "model.compute_dtype": ("float32", "bfloat16"),
     "model.attn_implementation": ("sdpa", "eager"),
+    "model.fused_kernels": ("none", "liger", "compile"),
+    "model.fused_logprob_head": ("none", "compile"),
     "data.synthetic_task": ("", "successor", "arithmetic"),
     "rollout.engine": ("hf", "vllm"),
     "rollout.dtype": ("bfloat16", "float16", "float32"),
@@ -654,6 +669,9 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
             need(m.arch in ARCH_PRESETS, f"model.arch = {m.arch!r} is not a preset: use one of {', '.join(ARCH_PRESETS)}")
         need(bool(m.tokenizer) or bool(m.path),
              'model.init = "random" with a preset arch needs model.tokenizer (a directory, or "char")')
+    need(m.fused_logprob_head == "none" or m.chunked_logprobs,
+         f"model.fused_logprob_head = {m.fused_logprob_head!r} fuses the chunked log-prob head: set "
+         "model.chunked_logprobs = true, or model.fused_logprob_head = \"none\"")
     from spmd_rl.model_files import check_model_inputs
 
     check_model_inputs(cfg)  # the directories' files: config.json, weights, tokenizer (no weights are read)

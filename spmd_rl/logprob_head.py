@@ -19,6 +19,12 @@ mixed precision), upcast to float32, divided by the temperature, then log-softma
 It goes through `model.__call__`, so FSDP2's root hooks run as for a normal forward: the head's
 weight is gathered, and its gradient reduce-scattered in backward, exactly as for `.logits`.
 Without `logprob_targets` the model behaves exactly as before.
+
+`model.fused_logprob_head = "compile"` runs each chunk's element-wise math (upcast, / T,
+log-sum-exp, gather, entropy; in backward the logits' gradient and its cast) as torch.compile'd
+functions (`_compiled_stats`, `_compiled_grad_logits`): one or two fused kernels reading the
+bf16 logits, instead of a chain of float32 [chunk, vocab] passes. The matmuls stay cuBLAS, the
+chunks and the formulas are the same; only the floating-point summation order differs.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ from __future__ import annotations
 import types
 
 import torch
+
+from spmd_rl import fused_kernels
+
+HEAD_MODES = ("none", "compile")
 
 # Positions per chunk are chosen so a chunk's float32 [positions, vocab] temporaries stay near
 # this many elements (256 MiB each), whatever the vocabulary.
@@ -72,19 +82,28 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, want_entropy: bool):
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, want_entropy: bool,
+                compiled: bool = False):
         n, dtype = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
         logp = torch.empty(n, dtype=dtype, device=hidden.device)
         lse = torch.empty(n, dtype=dtype, device=hidden.device)
         entropy = torch.zeros(n if want_entropy else 0, dtype=dtype, device=hidden.device)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
+            if compiled:
+                logits = _dynamic_rows(hidden[s:e] @ weight.t())
+                out = _compiled_stats()(logits, _dynamic_rows(targets[s:e]), temperature, want_entropy)
+                lse[s:e], logp[s:e] = out[0], out[1]
+                if want_entropy:
+                    entropy[s:e] = out[2]
+                del logits, out
+                continue
             z, lse[s:e], logp[s:e] = _chunk_stats(hidden[s:e], weight, targets[s:e], temperature)
             if want_entropy:
                 entropy[s:e] = _entropy(z, lse[s:e])
             del z
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.temperature, ctx.chunk, ctx.want_entropy = temperature, chunk, want_entropy
+        ctx.temperature, ctx.chunk, ctx.want_entropy, ctx.compiled = temperature, chunk, want_entropy, compiled
         ctx.mark_non_differentiable(targets)
         ctx.set_materialize_grads(False)  # an unused output (the logged entropy) costs nothing in backward
         return logp, entropy
@@ -102,6 +121,16 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             e = min(s + chunk, hidden.shape[0])
             h = hidden[s:e]
+            if ctx.compiled:
+                rows = [_dynamic_rows(x[s:e]) for x in (lse, grad_logp, targets)]
+                extra = [_dynamic_rows(x[s:e]) for x in (entropy, grad_entropy)] if use_entropy else [None, None]
+                g = _compiled_grad_logits()(_dynamic_rows(h @ weight.t()), *rows, *extra, t, weight.dtype)
+                if need_h:
+                    grad_h[s:e] = g @ weight
+                if need_w:
+                    grad_w += g.t() @ h
+                del g
+                continue
             log_p = _scaled_logits(h, weight, t).sub_(lse[s:e, None])
             if use_entropy:
                 p = log_p.exp()
@@ -119,24 +148,78 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if need_w:
                 grad_w += g.t() @ h
             del g
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+
+
+# --------------------------------------------------------------------------- compiled chunk math
+
+
+def _stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float, want_entropy: bool):
+    """(lse, log p(target), entropy or None) of one chunk's logits: `_chunk_stats` + `_entropy`."""
+    z = _upcast(logits)
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets[:, None])[:, 0] - lse
+    if not want_entropy:
+        return lse, logp
+    return lse, logp, lse - ((z - lse[:, None]).exp() * z).sum(-1)
+
+
+def _grad_logits(logits, lse, grad_logp, targets, entropy, grad_entropy, temperature: float, dtype: torch.dtype):
+    """d loss / d logits of one chunk, in `dtype`: the eager backward's formula (see
+    _ChunkedLogProbs), the target's one-hot term as a comparison with the column index."""
+    log_p = _upcast(logits)
+    if temperature != 1.0:
+        log_p = log_p / temperature
+    log_p = log_p - lse[:, None]
+    p = log_p.exp()
+    if entropy is not None:
+        g = -(((log_p + entropy[:, None]) * grad_entropy[:, None] + grad_logp[:, None]) * p)
+    else:
+        g = -(p * grad_logp[:, None])
+    hit = torch.arange(logits.shape[-1], device=logits.device)[None, :] == targets[:, None]
+    g = torch.where(hit, g + grad_logp[:, None].to(g.dtype), g)
+    if temperature != 1.0:
+        g = g / temperature
+    return g.to(dtype)
+
+
+def _compiled_stats():
+    return fused_kernels.compiled(_stats)
+
+
+def _compiled_grad_logits():
+    return fused_kernels.compiled(_grad_logits)
+
+
+def _dynamic_rows(x: torch.Tensor | None) -> torch.Tensor | None:
+    """Mark dim 0 (the chunk's positions: the last chunk is shorter) dynamic for torch.compile, so
+    a new remainder does not compile again; the vocabulary stays static."""
+    if x is not None:
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+    return x
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                    with_entropy: bool = False, entropy_grad: bool = False,
-                   chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   chunk: int | None = None, fused: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) under softmax(hidden @ weight^T / temperature), float32, shaped like
     `targets`; and the entropy of the same distributions when `with_entropy` (differentiable only
-    with `entropy_grad`: the bonus needs it, the logged metric does not)."""
+    with `entropy_grad`: the bonus needs it, the logged metric does not). `fused = "compile"`:
+    each chunk's element-wise math torch.compile'd (HEAD_MODES)."""
+    if fused not in HEAD_MODES:
+        raise ValueError(f"fused log-prob head {fused!r} is not one of {', '.join(HEAD_MODES)}")
     shape = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     tg = targets.reshape(-1)
     chunk = chunk or chunk_positions(weight.shape[0])
     grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    compiled = fused == "compile"
     if not grad:
-        logp, ent = _ChunkedLogProbs.forward(_NoCtx(), h, weight, tg, temperature, chunk, with_entropy)
+        logp, ent = _ChunkedLogProbs.forward(_NoCtx(), h, weight, tg, temperature, chunk, with_entropy, compiled)
     else:
-        logp, ent = _ChunkedLogProbs.apply(h, weight, tg, temperature, chunk, with_entropy)
+        logp, ent = _ChunkedLogProbs.apply(h, weight, tg, temperature, chunk, with_entropy, compiled)
         if with_entropy and not entropy_grad:
             ent = ent.detach()
     return logp.reshape(shape), (ent.reshape(shape) if with_entropy else None)
@@ -181,15 +264,18 @@ def _logprob_forward(self, *args, logprob_targets: torch.Tensor | None = None, t
         base = getattr(self, self.base_model_prefix)
         hidden = base(*args, **kwargs).last_hidden_state
         return token_logprobs(hidden, self.get_output_embeddings().weight, logprob_targets, temperature,
-                              with_entropy, entropy_grad)
+                              with_entropy, entropy_grad, fused=getattr(self, "spmd_logprob_head", "none"))
     logits = type(self).forward(self, *args, **kwargs).logits
     return full_logits_logprobs(logits, logprob_targets, temperature, with_entropy, entropy_grad)
 
 
-def install(model: torch.nn.Module, chunked: bool = True) -> torch.nn.Module:
+def install(model: torch.nn.Module, chunked: bool = True, fused: str = "none") -> torch.nn.Module:
     """Let `model(..., logprob_targets=...)` return (log-probs, entropy) (see the module doc), chunked
     from the hidden states or (chunked=False) from the full logits. The chunked path needs a
-    bias-free linear LM head without logit soft-capping."""
+    bias-free linear LM head without logit soft-capping. `fused`: HEAD_MODES, for the chunked path
+    (`model.spmd_logprob_head` switches it later)."""
+    if fused not in HEAD_MODES:
+        raise ValueError(f"model.fused_logprob_head = {fused!r} is not one of {', '.join(HEAD_MODES)}")
     head = model.get_output_embeddings()
     config = model.config
     plain_head = isinstance(head, torch.nn.Linear) and head.bias is None
@@ -198,4 +284,5 @@ def install(model: torch.nn.Module, chunked: bool = True) -> torch.nn.Module:
                          "logit soft-capping; set model.chunked_logprobs = false for this model")
     model.forward = types.MethodType(_logprob_forward, model)
     model.spmd_chunked_logprobs = chunked
+    model.spmd_logprob_head = fused
     return model

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config
 
-from spmd_rl import logprob_head, varlen_attention
+from spmd_rl import fused_kernels, logprob_head, varlen_attention
 from spmd_rl.model_files import check_no_missing_weights, loading
 
 log = logging.getLogger(__name__)
@@ -90,30 +90,43 @@ def materialize_random_model(out_dir: str, config, seed: int, dtype: torch.dtype
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", remove_padding: bool = False,
-                   chunked_logprobs: bool = True, key: str = "", weights: bool = True) -> torch.nn.Module:
+                   chunked_logprobs: bool = True, key: str = "", weights: bool = True, fused_kernels: str = "none",
+                   fused_logprob_head: str = "none") -> torch.nn.Module:
     """A causal LM on CPU in `dtype`, exactly as `from_pretrained` builds it, that can also be
     called for token log-probs (spmd_rl.logprob_head; chunked from the hidden states unless
     `chunked_logprobs` is false). `remove_padding`: it takes packed rows (spmd_rl.packing) through
     the variable-length attention backend (which runs padded batches as sdpa does). `key`: the
     config key that named `path`, for the one-line error when its files cannot be loaded.
     `weights` false: the same model on the meta device, nothing read but the config (see
-    build_sharded)."""
+    build_sharded). `fused_kernels`, `fused_logprob_head`: see prepare_policy."""
     model = _from_dir(AutoModelForCausalLM, path, dtype, attn_implementation, weights, key)
-    return prepare_policy(model, remove_padding, chunked_logprobs)
+    return prepare_policy(model, remove_padding, chunked_logprobs, fused_kernels, fused_logprob_head)
 
 
-def prepare_policy(model: torch.nn.Module, remove_padding: bool = False, chunked_logprobs: bool = True) -> torch.nn.Module:
+def prepare_policy(model: torch.nn.Module, remove_padding: bool = False, chunked_logprobs: bool = True,
+                   fused_kernels: str = "none", fused_logprob_head: str = "none") -> torch.nn.Module:
     """Make a causal LM callable for token log-probs (spmd_rl.actor.forward_logprobs): the
-    log-prob head, and with `remove_padding` the variable-length attention backend."""
+    log-prob head, and with `remove_padding` the variable-length attention backend.
+    `fused_kernels`: the decoder layers' kernels (spmd_rl.fused_kernels: "none", "liger",
+    "compile"; applied here, before any fully_shard). `fused_logprob_head`: the head's chunk math
+    ("none", "compile"; spmd_rl.logprob_head)."""
     set_layout(model, remove_padding)
-    return logprob_head.install(model, chunked=chunked_logprobs)
+    set_fused_kernels(model, fused_kernels)
+    return logprob_head.install(model, chunked=chunked_logprobs, fused=fused_logprob_head)
+
+
+def set_fused_kernels(model: torch.nn.Module, mode: str) -> str:
+    """Switch the decoder layers' kernels (spmd_rl.fused_kernels.apply); returns the mode in effect
+    ("none" after a fallback, which logs one warning per process)."""
+    return fused_kernels.apply(model, mode)
 
 
 def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
-                     remove_padding: bool = False, key: str = "", weights: bool = True) -> torch.nn.Module:
+                     remove_padding: bool = False, key: str = "", weights: bool = True,
+                     fused_kernels: str = "none") -> torch.nn.Module:
     """The critic: the causal LM's backbone with a scalar head per token, initialised to zero so
-    every rank starts from the same values (0) whatever the RNG. `key`, `weights`: as for
-    load_causal_lm."""
+    every rank starts from the same values (0) whatever the RNG. `key`, `weights`, `fused_kernels`:
+    as for load_causal_lm."""
     model = _from_dir(AutoModelForTokenClassification, path, dtype, attn_implementation, weights, key,
                       "the critic", new=("score.",), num_labels=1)
     with torch.no_grad():
@@ -122,6 +135,7 @@ def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "
         if getattr(head, "bias", None) is not None:
             head.bias.zero_()
     set_layout(model, remove_padding)
+    set_fused_kernels(model, fused_kernels)
     return model
 
 
@@ -168,9 +182,7 @@ def uses_packing(model: torch.nn.Module) -> bool:
     return bool(getattr(model, "spmd_remove_padding", False))
 
 
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    base = getattr(model, model.base_model_prefix)
-    return list(base.layers)
+decoder_layers = fused_kernels.decoder_layers
 
 
 def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, gradient_checkpointing: bool = False,

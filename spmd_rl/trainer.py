@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl import algorithms as algos
+from spmd_rl import fused_kernels
 from spmd_rl.actor import actor_loss_fn, compute_logprobs
 from spmd_rl.batch import Batch, build_rollout_batch, response_token_ids
 from spmd_rl.checkpoint import CheckpointError, Checkpointer, ModelAndOptimizer, saved_world_size
@@ -188,7 +189,8 @@ class Trainer:
 
         def policy_model(dtype):
             return functools.partial(load_causal_lm, self.model_dir, dtype, m.attn_implementation, m.remove_padding,
-                                     m.chunked_logprobs, self.model_key)
+                                     m.chunked_logprobs, self.model_key, fused_kernels=m.fused_kernels,
+                                     fused_logprob_head=m.fused_logprob_head)
 
         self.actor = sharded(policy_model(master), resume)
         self.n_params = count_parameters(self.actor)
@@ -206,7 +208,7 @@ class Trainer:
         if cfg.use_critic:
             critic_dir, critic_key = (c.path, "critic.path") if c.path else (self.model_dir, self.model_key)
             self.critic = sharded(functools.partial(load_value_model, critic_dir, master, m.attn_implementation,
-                                                    m.remove_padding, critic_key), resume)
+                                                    m.remove_padding, critic_key, fused_kernels=m.fused_kernels), resume)
             self.critic_opt = make_optimizer(self.critic, c.lr, c.weight_decay)
             self.critic_sched = make_scheduler(self.critic_opt, c.warmup_steps, cfg.trainer.total_steps)
         self.startup.end()
@@ -484,6 +486,9 @@ class Trainer:
             "perf/tokens_per_sec_per_gpu": s[3].item() / step_time / env.world_size,
             "data/epoch": float(self.sampler.epoch), "actor/lr_sched": self.actor_sched.get_last_lr()[0],
         }
+        m = self.cfg.model
+        if "compile" in (m.fused_kernels, m.fused_logprob_head):  # flat after the first steps; growth = recompiles
+            out["perf/compiled_graphs"] = float(fused_kernels.compiled_graphs())
         peak = self.peak_flops()
         if peak and "time/update_actor" in times:
             # Training FLOPs: 6 per parameter per token (fwd + bwd), per epoch, over the update's time.

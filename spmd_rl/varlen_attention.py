@@ -38,14 +38,17 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         raise ValueError("packed attention takes one packed row, no attention mask, no sliding window, no dropout")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     if q.is_cuda:
-        out = _cuda_varlen(q, k, v, cu.to(torch.int32), int(kwargs["max_length_q"]), scaling)
+        # max_length_q: packing's Python int, symbolic under torch.compile (no int() here: it would specialize)
+        out = _cuda_varlen(q, k, v, cu.to(torch.int32), kwargs["max_length_q"], scaling)
     else:
-        out = _sdpa_per_sequence(q, k, v, cu.tolist(), scaling)
+        out = _sdpa_per_sequence(q, k, v, cu, scaling)
     return out.unsqueeze(0), None
 
 
-def _sdpa_per_sequence(q, k, v, cu: list[int], scale: float | None) -> torch.Tensor:
+@torch.compiler.disable  # a Python loop over the sequences: eager under a compiled layer (CPU only)
+def _sdpa_per_sequence(q, k, v, cu: torch.Tensor, scale: float | None) -> torch.Tensor:
     parts = []
+    cu = cu.tolist()
     for s, e in zip(cu[:-1], cu[1:]):
         qi, ki, vi = (x[s:e].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
         parts.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
@@ -56,10 +59,19 @@ def _sdpa_per_sequence(q, k, v, cu: list[int], scale: float | None) -> torch.Ten
 def _cuda_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    kw = dict(_causal_kwargs())
-    if q.shape[1] != k.shape[1] and "enable_gqa" in _varlen_params():
+    causal, gqa = _VARLEN_KW or _varlen_kwargs()  # computed eagerly by register(): nothing for dynamo to trace
+    kw = dict(causal)
+    if q.shape[1] != k.shape[1] and gqa:
         kw["enable_gqa"] = True
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **kw)
+
+
+_VARLEN_KW: tuple = ()
+
+
+def _varlen_kwargs() -> tuple:
+    """(causal keyword arguments, whether varlen_attn takes enable_gqa) of this torch's varlen_attn."""
+    return _causal_kwargs(), "enable_gqa" in _varlen_params()
 
 
 @functools.cache
@@ -91,9 +103,12 @@ def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_
 @functools.cache
 def register() -> str:
     """Register the backend with transformers (idempotent); returns its name for from_pretrained."""
+    global _VARLEN_KW
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, varlen_attention_forward)
     AttentionMaskInterface.register(NAME, _mask)
+    if torch.cuda.is_available():
+        _VARLEN_KW = _varlen_kwargs()
     return NAME

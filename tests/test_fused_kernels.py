@@ -1,0 +1,176 @@
+"""The fused-kernel switches on CPU (model.fused_kernels, model.fused_logprob_head): config keys,
+liger's fallback (one warning, the unfused numbers bit for bit), switching back, and the compiled
+decoder layers + log-prob head against eager (dynamo + AOTAutograd; inductor's C++ codegen takes
+minutes on CPU, so the compiled kernels themselves are checked by tests/gpu/test_fused_gpu.py)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from spmd_rl import fused_kernels
+from spmd_rl.actor import forward_logprobs
+from spmd_rl.batch import Batch
+from spmd_rl.config import ConfigError
+from spmd_rl.models import prepare_policy
+from test_config import valid_cfg
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+
+
+def ragged_batch(lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 97, (len(lens), max(lens)), generator=g)
+    attn = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    for i, n in enumerate(lens):
+        attn[i, :n] = 1
+    return Batch({"input_ids": ids * attn, "attention_mask": attn})
+
+
+def run(model, lens, seed=0):
+    """log-probs, entropy (both differentiable) and the parameters' gradients of one packed batch."""
+    model.zero_grad(set_to_none=True)
+    logp, ent = forward_logprobs(model, ragged_batch(lens, seed), 0.7, with_entropy=True, entropy_grad=True)
+    w = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
+    ((logp * w).sum() + (ent * w.flip(-1)).sum()).backward()
+    return logp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def fallback_warnings(caplog):
+    return [r for r in caplog.records if r.name == "spmd_rl.fused_kernels" and r.levelno == logging.WARNING]
+
+
+def test_config_keys(tmp_path):
+    cfg = valid_cfg(tmp_path, ['model.fused_kernels="liger"', 'model.fused_logprob_head="compile"'])
+    assert (cfg.model.fused_kernels, cfg.model.fused_logprob_head) == ("liger", "compile")
+    assert valid_cfg(tmp_path, ['model.fused_kernels="compile"']).model.fused_kernels == "compile"
+    base = valid_cfg(tmp_path)
+    assert (base.model.fused_kernels, base.model.fused_logprob_head) == ("none", "none")  # off by default
+    cfg.validate(world_size=1)
+    for overrides, needle in ((['model.fused_kernels="triton"'], "model.fused_kernels = 'triton' is not one of 'none', "
+                               "'liger', 'compile'"),
+                              (['model.fused_logprob_head="liger"'], "model.fused_logprob_head = 'liger' is not one of "
+                               "'none', 'compile'"),
+                              (['model.fused_logprob_head="compile"', "model.chunked_logprobs=false"],
+                               "set model.chunked_logprobs = true")):
+        with pytest.raises(ConfigError) as e:
+            valid_cfg(tmp_path, overrides).validate(world_size=1)
+        assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_liger_falls_back_with_one_warning_and_the_unfused_numbers(caplog, device_type):
+    """On CPU, or without liger-kernel/Triton, "liger" runs the unfused modules: one warning per
+    process whatever the number of models and calls, and the same numbers bit for bit. With
+    device_type "cuda" on this CPU machine the modules are patched where liger-kernel imports, and
+    the CPU tensors reaching them take the unfused code (the same single warning)."""
+    fused_kernels._reset_warning()
+    base = tiny_model()
+    plain = prepare_policy(copy.deepcopy(base), remove_padding=True)
+    want = run(plain, [5, 9, 3])
+    with caplog.at_level(logging.WARNING, logger="spmd_rl.fused_kernels"):
+        models = []
+        for _ in range(2):  # actor and reference, say
+            model = prepare_policy(copy.deepcopy(base), remove_padding=True)
+            fused_kernels.apply(model, "liger", device_type=device_type)
+            models.append(model)
+        for model in models:
+            got = run(model, [5, 9, 3])
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+    warnings = fallback_warnings(caplog)
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "model.fused_kernels = 'liger'" in warnings[0].getMessage() and "unfused" in warnings[0].getMessage()
+    patched = device_type == "cuda" and fused_kernels.liger_problem(None, "cuda") is None  # liger-kernel imports
+    assert all(fused_kernels.active_mode(m) == ("liger" if patched else "none") for m in models)
+    fused_kernels.restore(models[0])  # every patched module gets its own forward back
+    assert not [n for n, m in models[0].named_modules() if n and "forward" in m.__dict__]
+    assert fused_kernels.active_mode(models[0]) == "none"
+
+
+def test_prepare_policy_passes_the_switches():
+    fused_kernels._reset_warning()
+    model = prepare_policy(tiny_model(), True, True, fused_kernels="compile", fused_logprob_head="compile")
+    assert fused_kernels.active_mode(model) == "compile" and model.spmd_logprob_head == "compile"
+    assert all("forward" in layer.__dict__ for layer in fused_kernels.decoder_layers(model))
+    with pytest.raises(ValueError, match="fused_logprob_head = 'liger'"):
+        prepare_policy(tiny_model(), fused_logprob_head="liger")
+
+
+def test_compiled_layers_and_head_match_eager_without_recompiling(monkeypatch):
+    """fused_kernels = "compile" + fused_logprob_head = "compile": the same log-probs, entropy and
+    gradients as eager (float32 tolerance), and a second packed batch of other lengths and another
+    sequence count reuses the graphs (dynamic shapes: no recompile per micro-batch)."""
+    monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": "aot_eager"})
+    base = tiny_model()
+    eager = prepare_policy(copy.deepcopy(base), remove_padding=True)
+    fused = prepare_policy(copy.deepcopy(base), True, True, fused_kernels="compile", fused_logprob_head="compile")
+    batches = ([5, 9, 3], [7, 4, 8, 2, 6])
+    graphs = []
+    for lens in batches:
+        want, got = run(eager, lens), run(fused, lens)
+        graphs.append(fused_kernels.compiled_graphs())
+        for a, b in zip(got[:2], want[:2]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got[2], want[2]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert graphs[1] == graphs[0] > 0, graphs
+    with torch.no_grad():  # no-grad passes (the old / reference log-probs) too
+        want = forward_logprobs(eager, ragged_batch([6, 2, 9]), 1.0)[0]
+        torch.testing.assert_close(forward_logprobs(fused, ragged_batch([6, 2, 9]), 1.0)[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="fake CUDA tensors need a CUDA build of torch")
+def test_compiled_layer_on_cuda_is_one_graph_with_the_varlen_kernel(monkeypatch):
+    """What dynamo makes of a decoder layer on CUDA, traced here on fake CUDA tensors (no GPU): one
+    graph per layer class, no graph break, PyTorch's varlen attention op inside it, the maximum
+    length symbolic and the attention scale a constant, and three packed batches of other lengths
+    and sequence counts reuse it."""
+    import itertools
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+    from spmd_rl import varlen_attention
+
+    config = tiny_model().config
+    config._attn_implementation = varlen_attention.register()
+    monkeypatch.setattr(varlen_attention, "_VARLEN_KW", varlen_attention._varlen_kwargs())  # register() does on a GPU
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward  # runs on the fake tensors
+
+    monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": record})
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with mode, torch.device("cuda"):
+            layer, rotary = Qwen2DecoderLayer(config, 0), Qwen2RotaryEmbedding(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    forward = fused_kernels.compiled(Qwen2DecoderLayer.forward, dynamic=True)
+    for lens in ([5, 9, 3], [7, 4, 8, 2, 6], [30, 2]):
+        with mode, torch.device("cuda"):
+            hidden = torch.randn(1, sum(lens), config.hidden_size, requires_grad=True)
+            positions = torch.cat([torch.arange(n) for n in lens])[None]
+            cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+            out = fused_kernels._call_compiled_layer(
+                forward, layer, hidden, attention_mask=None, position_ids=positions, past_key_values=None,
+                use_cache=False, position_embeddings=rotary(hidden, positions), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                max_length_q=max(lens), max_length_k=max(lens))
+        assert out.shape == hidden.shape and out.device.type == "cuda"
+    assert len(graphs) == 1, [g.code for g in graphs]
+    code = graphs[0].code
+    assert "torch.ops.torch_attn._varlen_attn(" in code and "l_kwargs_max_length_q_" in code, code
+    assert f", {(config.hidden_size // config.num_attention_heads) ** -0.5}, " in code, code  # the scale, a constant
