@@ -193,15 +193,16 @@ def test_mesh_shapes():
 
 
 def test_hsdp_run_on_4_ranks_resumes_on_2_with_another_fsdp_size(tmp_path):
-    """The trainer end to end: 2 steps on 4 ranks as 2 replicas x shard groups of 2 (2 micro-batches
-    per mini-batch: gradient accumulation with the sync on the last), then a resume of its
-    checkpoint on 2 ranks as 2 replicas of 1 for a third step."""
+    """The trainer end to end, actor, critic and reference on the HSDP mesh (GAE with the KL loss):
+    2 steps on 4 ranks as 2 replicas x shard groups of 2 (2 micro-batches per mini-batch: gradient
+    accumulation with the sync on the last), then a resume of its checkpoint on 2 ranks as 2
+    replicas of 1 for a third step."""
     from test_e2e import read_metrics, run, torchrun_cmd
 
     run_dir = tmp_path / "run"
     common = [f"trainer.run_dir={run_dir}", f'data.train_files=["{tmp_path}/data/train.parquet"]', "data.val_files=[]",
               "data.synthetic_size=64", "trainer.val_every=0", "trainer.tensorboard=false",
-              "actor.micro_batch_size_per_gpu=8"]
+              "actor.micro_batch_size_per_gpu=8", 'algorithm.adv_estimator="gae"', "actor.use_kl_loss=true"]
     out = run(torchrun_cmd(4, *common, "trainer.total_steps=2", "trainer.fsdp_size=2"))
     assert "world=4 (HSDP: 2 replicas x shard groups of 2)" in out and "= 2 micro-batches of 8 sequences" in out, out
     out = run(torchrun_cmd(2, *common, "trainer.total_steps=3", "trainer.fsdp_size=1"))
@@ -213,4 +214,5 @@ def test_hsdp_run_on_4_ranks_resumes_on_2_with_another_fsdp_size(tmp_path):
         # the engine samples with exactly the actor's weights (fp32 on CPU): the weight sync
         # gathered whole tensors within each shard group
         assert m[step]["rollout/logprob_diff_max"] < 1e-4, (step, m[step]["rollout/logprob_diff_max"])
-        assert 0 < m[step]["actor/grad_norm"] < float("inf"), step
+        for key in ("actor/grad_norm", "critic/grad_norm"):
+            assert 0 < m[step][key] < float("inf"), (step, key)
