@@ -376,6 +376,18 @@ class TrainerConfig:
     """Seed of data order, sampling and dropout."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cuda or cpu."""
+    fsdp_size: int = 0
+    """Ranks per FSDP shard group (verl's fsdp_size). 0 = all ranks: plain FSDP, each parameter
+    sharded over the whole world. Otherwise hybrid sharding (HSDP): the ranks form
+    world / fsdp_size groups of fsdp_size consecutive ranks; each group holds the model, its
+    gradients and optimizer state sharded over its ranks, and the groups are replicas, kept equal
+    by an all-reduce of the gradients across groups once per optimizer step. The update is the
+    same as plain FSDP's (gradients are averaged over all ranks either way). Must divide the world
+    size. On several nodes: the GPUs per node (one node per shard group) when the training states
+    fit in one node (about 16 bytes per parameter over fsdp_size GPUs with float32 masters and
+    AdamW, plus activations), so parameter gathers and the weight sync stay inside a node and only
+    the gradient all-reduce crosses the network; else a multiple of the GPUs per node
+    (docs/multinode.md)."""
     val_every: int = 0
     """Validate every this many steps and after the last one (0 = only after the last, if
     data.val_files is set)."""
@@ -479,7 +491,9 @@ class Config:
         n = self.rollout.n
         per_rank_prompts = self.data.train_batch_size // world_size
         roles = [("actor", self.actor)] + ([("critic", self.critic)] if self.use_critic else [])
-        parts = [f"world={world_size} | per step: {self.data.train_batch_size} prompts x n={n} = "
+        shard = self.trainer.fsdp_size or world_size
+        fsdp = "" if shard == world_size else f" (HSDP: {world_size // shard} replicas x shard groups of {shard})"
+        parts = [f"world={world_size}{fsdp} | per step: {self.data.train_batch_size} prompts x n={n} = "
                  f"{self.data.train_batch_size * n} sequences ({per_rank_prompts * n} per rank)"]
         for role, section in roles:
             mini_seqs = section.ppo_mini_batch_size * n // world_size
@@ -694,6 +708,12 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     need(d.max_prompt_length > 0 and d.max_response_length > 0, "data.max_prompt_length and data.max_response_length must be > 0")
 
     # batch layout
+    need(t.fsdp_size >= 0, f"trainer.fsdp_size = {t.fsdp_size} must be >= 0 (0 = shard over all ranks)")
+    per_node = f"the {gpus_per_node} GPUs per node" if gpus_per_node else "the GPUs per node"
+    need(t.fsdp_size == 0 or world_size % t.fsdp_size == 0,
+         f"trainer.fsdp_size = {t.fsdp_size} does not divide the world size {world_size} (it is the ranks per "
+         f"shard group; the model is replicated across the groups): use a divisor of {world_size}, e.g. "
+         f"{per_node} on several nodes, or 0 to shard over all ranks")
     need(d.train_batch_size % world_size == 0,
          f"data.train_batch_size = {d.train_batch_size} does not divide by the {world_size} ranks: "
          f"make it a multiple of {world_size}")

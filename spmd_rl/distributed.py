@@ -24,7 +24,9 @@ class DistEnv:
     local_world_size: int
     device: torch.device
     mesh: DeviceMesh
-    """1-D mesh over all ranks: the FSDP (data-parallel) dimension."""
+    """The FSDP mesh over all ranks (fsdp_mesh): 1-D ("fsdp",) when every parameter is sharded over
+    all ranks; 2-D ("replicate", "shard") for hybrid sharding (trainer.fsdp_size). Data parallelism
+    is over all ranks either way: each rank holds its own rows."""
 
     @property
     def is_main(self) -> bool:
@@ -38,8 +40,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device: str = "auto") -> DistEnv:
-    """Join the process group torchrun (or the SLURM launcher) described in the environment.
+def init_distributed(device: str = "auto", fsdp_size: int = 0) -> DistEnv:
+    """Join the process group torchrun (or the SLURM launcher) described in the environment, and
+    build the FSDP mesh for `fsdp_size` ranks per shard group (fsdp_mesh; 0 = all ranks).
 
     A plain `python -m spmd_rl.ppo` run becomes a world of one, so FSDP2 and vLLM's
     external_launcher, which both need a process group, work the same way there."""
@@ -59,8 +62,29 @@ def init_distributed(device: str = "auto") -> DistEnv:
         dev = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
-    mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("fsdp",))
-    return DistEnv(rank, world, local_rank, local_world, dev, mesh)
+    return DistEnv(rank, world, local_rank, local_world, dev, fsdp_mesh(dev.type, world, fsdp_size))
+
+
+def fsdp_mesh_shape(world: int, fsdp_size: int) -> tuple[int, ...]:
+    """(world,): shard over all ranks (fsdp_size 0 or the world); else (world // fsdp_size,
+    fsdp_size): replicas x ranks per shard group. A shard group is fsdp_size consecutive ranks
+    (one node, when fsdp_size is the GPUs per node: torchrun numbers a node's ranks together)."""
+    if fsdp_size < 0 or (fsdp_size and world % fsdp_size):  # Config.validate names the fix for users
+        raise ValueError(f"fsdp_size = {fsdp_size} does not divide the world size {world}")
+    if fsdp_size in (0, world):
+        return (world,)
+    return (world // fsdp_size, fsdp_size)
+
+
+def fsdp_mesh(device_type: str, world: int, fsdp_size: int = 0) -> DeviceMesh:
+    """The device mesh FSDP2's fully_shard takes: 1-D ("fsdp",) shards over all ranks; 2-D
+    ("replicate", "shard") is hybrid sharding (HSDP): parameters sharded within each group of
+    fsdp_size ranks, replicated across the groups. Under HSDP, FSDP2 reduce-scatters gradients in
+    the shard group, then all-reduces the shards across the replicas; together they average over
+    all ranks, as plain FSDP does (update.global_denominator relies on it; tests/test_hsdp.py)."""
+    shape = fsdp_mesh_shape(world, fsdp_size)
+    names = ("fsdp",) if len(shape) == 1 else ("replicate", "shard")
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def raise_together(fn=None) -> None:

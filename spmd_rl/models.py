@@ -187,7 +187,8 @@ decoder_layers = fused_kernels.decoder_layers
 
 def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, gradient_checkpointing: bool = False,
                forward_prefetch: bool = False) -> torch.nn.Module:
-    """fully_shard every decoder layer, then the root (embeddings, norm, head). Parameters move to
+    """fully_shard every decoder layer, then the root (embeddings, norm, head), over `mesh`: 1-D
+    (shard over all ranks) or 2-D (hybrid sharding, distributed.fsdp_mesh). Parameters move to
     the mesh's device; grads are reduced in float32. `forward_prefetch`: each layer also starts
     the all-gather of the next one (FSDP2 already overlaps one layer ahead implicitly; explicit
     prefetch issues it earlier, which helps when a layer's compute is short)."""
@@ -227,7 +228,7 @@ def build_sharded(load: Callable[..., torch.nn.Module], mesh, compute_dtype: tor
 
     Only rank 0 holds a full copy, and only on a fresh start: a 7B model in float32 is 28 GB of
     host memory and disk reads once per job, not once per rank."""
-    if not from_checkpoint and mesh.size() == 1:
+    if not from_checkpoint and mesh.size() == 1:  # size(): all of the mesh's ranks, 2-D meshes too
         return apply_fsdp(load(weights=True), mesh, compute_dtype, gradient_checkpointing, forward_prefetch)
     model = apply_fsdp(load(weights=False), mesh, compute_dtype, gradient_checkpointing, forward_prefetch)
     allocate_meta_model(model, _mesh_device(mesh))

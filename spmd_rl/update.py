@@ -27,8 +27,10 @@ and are weighted here by the micro-batch's share of the mini-batch's tokens."""
 def global_denominator(mini: Batch, loss_agg_mode: str, device: torch.device) -> float:
     """The count a micro-batch's summed loss is divided by: global tokens (token-mean) or
     sequences with at least one loss token (seq-mean-*) of the mini-batch, over the ranks, divided
-    by the ranks (FSDP averages gradients over ranks). Tokens and sequences masked out of the loss
-    (rollout correction, overlong filtering: zeros in response_mask) leave it."""
+    by the ranks: FSDP averages gradients over all ranks, and so does hybrid sharding (the mean
+    over the shard group, then over the replicas; distributed.fsdp_mesh). Tokens and sequences
+    masked out of the loss (rollout correction, overlong filtering: zeros in response_mask) leave
+    it."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     mask = mini["response_mask"]
     count = mask.sum() if loss_agg_mode == "token-mean" else (mask.sum(-1) > 0).sum()

@@ -1,9 +1,11 @@
 """Stream the FSDP2 actor's weights, unsharded, into a rollout engine.
 
-The actor's parameters are DTensors sharded on dim 0 (FSDP2 `fully_shard`). We walk them in
-order and gather them a *bucket* at a time: each rank casts its local shards to the engine's
-dtype (halving the bytes moved for fp32 masters), packs them into one flat buffer, and a
-single `all_gather_into_tensor` per bucket brings every rank the full tensors. The bucket's
+The actor's parameters are DTensors sharded on dim 0 (FSDP2 `fully_shard`) along one mesh
+dimension: the whole mesh, or under hybrid sharding the shard group, each replica holding
+a full copy. We walk them in order and gather them a *bucket* at a time: each rank casts its
+local shards to the engine's dtype (halving the bytes moved for fp32 masters), packs them into
+one flat buffer, and a single `all_gather_into_tensor` per bucket over the shard group brings
+every rank the full tensors (under HSDP with a node per shard group, nothing crosses nodes). The bucket's
 tensors are handed to the engine, and the next bucket reuses nothing from it, so the extra
 memory peaks at about two buckets -- never a whole state dict, never a CPU copy.
 
@@ -23,8 +25,21 @@ from torch.distributed.tensor import DTensor, Shard
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 
-def _is_dim0_sharded(p: torch.Tensor) -> bool:
-    return isinstance(p, DTensor) and p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),)
+def _shard_mesh_dim(p: torch.Tensor) -> int | None:
+    """The mesh dimension over which `p` is split on its dim 0, if it is split over exactly one of
+    more than one rank and replicated over any other (FSDP2's 1-D and hybrid 2-D layouts); else
+    None (left to DTensor's full_tensor)."""
+    if not isinstance(p, DTensor):
+        return None
+    split = [i for i, pl in enumerate(p.placements) if pl == Shard(0)]
+    others = [pl for i, pl in enumerate(p.placements) if i not in split]
+    if len(split) != 1 or not all(pl.is_replicate() for pl in others) or p.device_mesh.size(split[0]) == 1:
+        return None
+    return split[0]
+
+
+def _whole_locally(p: DTensor) -> bool:
+    return all(pl.is_replicate() or p.device_mesh.size(i) == 1 for i, pl in enumerate(p.placements))
 
 
 def _bucket_plan(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -41,13 +56,15 @@ def _bucket_plan(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int) 
 
 
 def _gather_bucket(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> NamedTensors:
-    """One collective for all dim-0-sharded DTensors of the bucket; others are passed through."""
-    sharded = [(n, p) for n, p in params if _is_dim0_sharded(p) and p.device_mesh.size() > 1]
+    """One collective (over the shard group) for all dim-0-sharded DTensors of the bucket; others
+    are passed through."""
+    sharded = [(n, p) for n, p in params if _shard_mesh_dim(p) is not None]
     out: dict[str, torch.Tensor] = {}
     if sharded:
-        mesh = sharded[0][1].device_mesh
-        group = mesh.get_group()
-        world = mesh.size()
+        mesh, dim = sharded[0][1].device_mesh, _shard_mesh_dim(sharded[0][1])
+        sharded = [(n, p) for n, p in sharded if p.device_mesh == mesh and _shard_mesh_dim(p) == dim]
+        group = mesh.get_group(dim)
+        world = mesh.size(dim)
         device = sharded[0][1].to_local().device
         # Per parameter: ceil(dim0 / world) rows per rank (torch.chunk's split, as FSDP2 uses).
         layout = []
@@ -69,8 +86,8 @@ def _gather_bucket(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -
             out[name] = full[: p.shape[0]]
     for name, p in params:
         if name not in out:
-            if isinstance(p, DTensor):  # a 1-rank mesh holds the whole tensor locally: no collective
-                t = p.to_local() if p.device_mesh.size() == 1 else p.full_tensor()
+            if isinstance(p, DTensor):  # split only over 1-rank dims (a 1-rank shard group): whole locally
+                t = p.to_local() if _whole_locally(p) else p.full_tensor()
             else:
                 t = p.detach()
             out[name] = t.to(dtype)
@@ -80,7 +97,8 @@ def _gather_bucket(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -
 @torch.no_grad()
 def iter_weight_buckets(model: torch.nn.Module, dtype: torch.dtype, bucket_mb: int) -> Iterator[NamedTensors]:
     """Yield the model's parameters as full tensors of `dtype`, one bucket (list of (name, tensor))
-    at a time. Collective: every rank of the FSDP mesh must iterate it to the end."""
+    at a time. Collective: every rank of the FSDP mesh must iterate it to the end (under hybrid
+    sharding, every rank of each shard group)."""
     for bucket in _bucket_plan(model, dtype, bucket_mb * 2**20):
         yield _gather_bucket(bucket, dtype)
 

@@ -100,6 +100,20 @@ def test_tp_group_may_not_span_nodes(tmp_path, monkeypatch):
         cfg.validate(world_size=12, gpus_per_node=6)
 
 
+def test_fsdp_size_must_divide_the_world(tmp_path):
+    cfg = valid_cfg(tmp_path, ["trainer.fsdp_size=4", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"])
+    cfg.validate(world_size=8, gpus_per_node=4)
+    assert "world=8 (HSDP: 2 replicas x shard groups of 4)" in cfg.describe_layout(8)
+    assert "HSDP" not in valid_cfg(tmp_path, ["trainer.fsdp_size=4"]).describe_layout(4)  # one group = plain FSDP
+    with pytest.raises(ConfigError) as e:
+        valid_cfg(tmp_path, ["trainer.fsdp_size=8"]).validate(world_size=12, gpus_per_node=6)
+    assert str(e.value) == ("trainer.fsdp_size = 8 does not divide the world size 12 (it is the ranks per shard "
+                            "group; the model is replicated across the groups): use a divisor of 12, e.g. the 6 GPUs "
+                            "per node on several nodes, or 0 to shard over all ranks")
+    with pytest.raises(ConfigError, match=r"trainer.fsdp_size = -1 must be >= 0 \(0 = shard over all ranks\)"):
+        valid_cfg(tmp_path, ["trainer.fsdp_size=-1"]).validate(world_size=1)
+
+
 def test_missing_model_and_data(tmp_path):
     cfg = load_config(None, ["model.path=/no/model", f'data.train_files=["{tmp_path}/x.parquet"]'])
     with pytest.raises(ModelFilesError, match="model.path = '/no/model' does not exist"):

@@ -39,6 +39,13 @@ def make_batch(seed=0, rows=8):
 def reference_grads(model, batch, mode):
     """float64, whole batch, written out plainly (no spmd_rl code)."""
     model = model.double()
+    reference_loss(model, batch, mode).backward()
+    return {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def reference_loss(model, batch, mode):
+    """The actor's PPO loss (clip 0.2 / 0.28, dual clip 3) of the whole batch for a float64 model,
+    written out plainly (no spmd_rl code)."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     logp = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
     mask = batch["response_mask"][:, 1:].double()
@@ -52,8 +59,7 @@ def reference_grads(model, batch, mode):
         loss = (per_tok * mask).sum(-1).mean()
     else:
         loss = ((per_tok * mask).sum(-1) / mask.sum(-1)).mean()
-    loss.backward()
-    return {n: p.grad.float() for n, p in model.named_parameters()}
+    return loss
 
 
 # (remove_padding, chunked_logprobs, max_tokens): the padded full-logits path in micro-batches of one
