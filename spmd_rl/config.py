@@ -27,16 +27,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from spmd_rl.errors import UserError
+from spmd_rl.errors import ConfigError, UserError  # noqa: F401  (ConfigError: spmd_rl.config.ConfigError for callers)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration problem, with the key at fault and how to fix it."""
 
 
 # --------------------------------------------------------------------------- sections

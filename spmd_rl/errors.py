@@ -28,6 +28,10 @@ class UserError(Exception):
     whose message names the problem and the fix."""
 
 
+class ConfigError(UserError, ValueError):
+    """A configuration problem, with the key at fault and how to fix it."""
+
+
 def report(e: Exception, rank: int | None = None, kind: str = "error") -> int:
     """Print `e` as one line (only on rank 0 of a torchrun job); returns the exit code."""
     if rank is None:

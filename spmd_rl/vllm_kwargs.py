@@ -24,7 +24,7 @@ import inspect
 import sys
 from typing import Any, Callable, Collection
 
-from spmd_rl.config import ConfigError
+from spmd_rl.errors import ConfigError
 
 _WEIGHTS = "the engine starts from dummy weights and gets the actor's weights at every step"
 _LAYOUT = ("the engine's layout comes from the launch: one replica per rollout.tensor_parallel_size consecutive "
