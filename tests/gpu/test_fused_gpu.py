@@ -15,22 +15,11 @@ import time
 
 import pytest
 import torch
+from test_packing_gpu import ragged_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 VARIANTS = [("liger", "none", False), ("compile", "none", False), ("none", "compile", False), ("liger", "compile", True)]
-
-
-def _ragged(lens, vocab, device, seed=0):
-    from spmd_rl.batch import Batch
-
-    g = torch.Generator().manual_seed(seed)
-    L = max(lens)
-    ids = torch.randint(0, vocab, (len(lens), L), generator=g)
-    attn = torch.zeros(len(lens), L, dtype=torch.long)
-    for i, n in enumerate(lens):
-        attn[i, :n] = 1
-    return Batch({"input_ids": (ids * attn).to(device), "attention_mask": attn.to(device)})
 
 
 def _grads(model) -> torch.Tensor:
@@ -52,8 +41,8 @@ def test_fused_kernels_match_the_unfused_path_on_gpu(env):
     with dev:
         ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
-    mb = _ragged([130, 517, 64, 300, 611, 12, 450, 233], config.vocab_size, dev)
-    other = _ragged([401, 77, 250, 19, 333, 129, 500], config.vocab_size, dev, seed=1)  # other lengths, other count
+    mb = ragged_batch([130, 517, 64, 300, 611, 12, 450, 233], config.vocab_size, dev)
+    other = ragged_batch([401, 77, 250, 19, 333, 129, 500], config.vocab_size, dev, seed=1)  # other lengths, other count
     keep = mb["attention_mask"].bool()
     keep[:, 0] = False
     prepare_policy(ref, remove_padding=False, chunked_logprobs=False)

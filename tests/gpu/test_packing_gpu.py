@@ -11,8 +11,9 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def _ragged(lens, vocab, device):
-    g = torch.Generator().manual_seed(0)
+def ragged_batch(lens, vocab, device, seed=0):
+    """Rows of the given lengths (random ids, padded on the right) on `device` (also test_fused_gpu's)."""
+    g = torch.Generator().manual_seed(seed)
     L = max(lens)
     ids = torch.randint(0, vocab, (len(lens), L), generator=g)
     attn = torch.zeros(len(lens), L, dtype=torch.long)
@@ -38,7 +39,7 @@ def test_packed_varlen_matches_padded_on_gpu(arch):
     with dev:  # random init on the GPU: seconds instead of a minute on the CPU for 1.5B
         ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     state = ref.state_dict()
-    mb = _ragged([130, 517, 64, 300, 611, 12, 450, 233], config.vocab_size, dev)
+    mb = ragged_batch([130, 517, 64, 300, 611, 12, 450, 233], config.vocab_size, dev)
     keep = mb["attention_mask"].bool()
     keep[:, 0] = False
     prepare_policy(ref, remove_padding=False, chunked_logprobs=False)
