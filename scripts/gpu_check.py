@@ -34,20 +34,19 @@ WORK = Path(os.environ.get("GPU_CHECK_WORK", "/tmp/gpu_check"))
 
 
 class Check:
-    def __init__(self, name: str, needs_s: int):
-        self.name, self.needs_s = name, needs_s
+    def __init__(self, name: str):
+        self.name = name
         self.rows: list[tuple[str, str, float, str]] = []  # (item, PASS/FAIL/..., seconds, note)
 
     def add(self, item: str, result: str, seconds: float, note: str = "") -> None:
         self.rows.append((item, result, seconds, note))
 
 
-def run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int, float]:
+def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
     """Run `cmd` with output to `log`; (exit status, seconds). 124 when it ran past `timeout`."""
     t0 = time.time()
     with open(log, "w") as f:
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, **(env or {})})
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = p.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
@@ -154,7 +153,7 @@ def main() -> int:
     for name, needs, files in plan:
         if only and name not in only:
             continue
-        check = Check(name, needs)
+        check = Check(name)
         checks.append(check)
         left = deadline - time.time()
         if left < needs:
