@@ -384,6 +384,20 @@ class TrainerConfig:
     AdamW, plus activations), so parameter gathers and the weight sync stay inside a node and only
     the gradient all-reduce crosses the network; else a multiple of the GPUs per node
     (docs/multinode.md)."""
+    ulysses_size: int = 1
+    """Sequence parallelism (DeepSpeed-Ulysses; verl's ulysses_sequence_parallel_size) for long
+    responses whose activations do not fit one GPU: groups of this many consecutive ranks share
+    every packed micro-batch of actor, reference and critic, each rank holding 1/ulysses_size of
+    its tokens; attention splits the heads across the group instead (an all-to-all before and
+    after it; spmd_rl/sequence_parallel.py). Data parallelism is over world / ulysses_size groups:
+    `*.micro_batch_size_per_gpu` counts sequences per group and each mini-batch is cut per group,
+    while the token budgets (`*max_token_len_per_gpu`) stay per GPU, so a group's micro-batch holds
+    up to ulysses_size times the budget. Needs model.remove_padding; must divide the world size,
+    trainer.fsdp_size (a group lies inside a shard group) and the model's attention heads, and its
+    KV heads must divide by it or divide it (then each is replicated, as verl does). Rollout,
+    weight sync and checkpoints are the same as without it; a checkpoint resumes under another
+    ulysses_size. Costs 4 all-to-alls per layer and pass; use it only where the longest sequence
+    of a micro-batch does not fit one GPU (docs/performance.md). 1 = off."""
     val_every: int = 0
     """Validate every this many steps and after the last one (0 = only after the last, if
     data.val_files is set)."""
@@ -471,15 +485,16 @@ class Config:
 
     def micro_batching(self, role: str) -> MicroBatching:
         """How the "actor" (and reference) or the "critic" cuts its work into micro-batches, with
-        the critic's unset keys taken from the actor."""
-        a = self.actor
+        the critic's unset keys taken from the actor. The token budgets are a micro-batch's: with
+        sequence parallelism (trainer.ulysses_size) the per-GPU budget times the group's GPUs."""
+        a, sp = self.actor, max(self.trainer.ulysses_size, 1)  # an SP group's micro-batch: sp GPUs' budgets
         if role == "actor":
-            return MicroBatching(a.micro_batch_size_per_gpu, a.max_token_len_per_gpu,
-                                 a.logprob_max_token_len_per_gpu or 2 * a.max_token_len_per_gpu)
+            return MicroBatching(a.micro_batch_size_per_gpu, sp * a.max_token_len_per_gpu,
+                                 sp * (a.logprob_max_token_len_per_gpu or 2 * a.max_token_len_per_gpu))
         c = self.critic
         tokens = a.max_token_len_per_gpu if c.max_token_len_per_gpu == -1 else c.max_token_len_per_gpu
-        return MicroBatching(c.micro_batch_size_per_gpu or a.micro_batch_size_per_gpu, tokens,
-                             c.forward_max_token_len_per_gpu or 2 * tokens)
+        return MicroBatching(c.micro_batch_size_per_gpu or a.micro_batch_size_per_gpu, sp * tokens,
+                             sp * (c.forward_max_token_len_per_gpu or 2 * tokens))
 
     def describe_layout(self, world_size: int) -> str:
         """The derived per-rank batch numbers and the micro-batching actually used, for the
@@ -489,10 +504,14 @@ class Config:
         roles = [("actor", self.actor)] + ([("critic", self.critic)] if self.use_critic else [])
         shard = self.trainer.fsdp_size or world_size
         fsdp = "" if shard == world_size else f" (HSDP: {world_size // shard} replicas x shard groups of {shard})"
-        parts = [f"world={world_size}{fsdp} | per step: {self.data.train_batch_size} prompts x n={n} = "
+        sp = max(self.trainer.ulysses_size, 1)
+        ulysses = "" if sp == 1 else (f" (sequence parallel: {world_size // sp} data-parallel x SP groups of {sp} "
+                                      "ranks sharing each micro-batch)")
+        parts = [f"world={world_size}{fsdp}{ulysses} | per step: {self.data.train_batch_size} prompts x n={n} = "
                  f"{self.data.train_batch_size * n} sequences ({per_rank_prompts * n} per rank)"]
+        where = "rank" if sp == 1 else "SP group"
         for role, section in roles:
-            mini_seqs = section.ppo_mini_batch_size * n // world_size
+            mini_seqs = section.ppo_mini_batch_size * n * sp // world_size
             mb = self.micro_batching(role)
             if mb.update_tokens:
                 cut = (f"packed into micro-batches of <= {mb.update_tokens} tokens "
@@ -500,7 +519,7 @@ class Config:
             else:
                 cut = f"= {mini_seqs // mb.rows} micro-batches of {mb.rows} sequences"
             parts.append(f"{role}: {self.data.train_batch_size // section.ppo_mini_batch_size} optimizer steps "
-                         f"x {section.ppo_epochs} epochs, {mini_seqs} sequences per rank per mini-batch {cut}")
+                         f"x {section.ppo_epochs} epochs, {mini_seqs} sequences per {where} per mini-batch {cut}")
         return " | ".join(parts)
 
 
@@ -710,6 +729,7 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
          f"trainer.fsdp_size = {t.fsdp_size} does not divide the world size {world_size} (it is the ranks per "
          f"shard group; the model is replicated across the groups): use a divisor of {world_size}, e.g. "
          f"{per_node} on several nodes, or 0 to shard over all ranks")
+    validate_ulysses(cfg, world_size)
     need(d.train_batch_size % world_size == 0,
          f"data.train_batch_size = {d.train_batch_size} does not divide by the {world_size} ranks: "
          f"make it a multiple of {world_size}")
@@ -723,13 +743,15 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
         need(seqs % world_size == 0,
              f"{role}.ppo_mini_batch_size * rollout.n = {seqs} sequences do not divide by the {world_size} ranks: "
              f"make {role}.ppo_mini_batch_size a multiple of {world_size}")
-        per_rank = seqs // world_size
+        sp = max(t.ulysses_size, 1)  # the ranks of a sequence-parallel group share their rows
+        per_rank = seqs * sp // world_size
         rows = cfg.micro_batching(role).rows
         inherited = " (actor.micro_batch_size_per_gpu, taken as critic.micro_batch_size_per_gpu = 0)" if (
             role == "critic" and not c.micro_batch_size_per_gpu) else ""
+        ranks = "ranks" if sp == 1 else "data-parallel ranks"
         need(rows > 0 and per_rank % rows == 0,
              f"{role}.micro_batch_size_per_gpu = {rows}{inherited} must divide the "
-             f"{per_rank} sequences per rank of a mini-batch ({role}.ppo_mini_batch_size * rollout.n / ranks)")
+             f"{per_rank} sequences per rank of a mini-batch ({role}.ppo_mini_batch_size * rollout.n / {ranks})")
         need(cfg_role.ppo_epochs >= 1, f"{role}.ppo_epochs must be >= 1")
         budgets = {"max_token_len_per_gpu": cfg_role.max_token_len_per_gpu}
         budgets.update({k: getattr(cfg_role, k) for k in ("logprob_max_token_len_per_gpu", "forward_max_token_len_per_gpu")
@@ -743,8 +765,14 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
             if budget:
                 need(m.remove_padding, f"{role}.{key} = {budget} builds micro-batches by tokens, which needs packed "
                      "sequences: set model.remove_padding = true (or the budget to 0)")
-                need(budget >= longest, f"{role}.{key} = {budget} is below the longest possible sequence "
-                     f"(data.max_prompt_length + data.max_response_length = {longest}): raise it to at least {longest}")
+                if sp == 1:
+                    need(budget >= longest, f"{role}.{key} = {budget} is below the longest possible sequence "
+                         f"(data.max_prompt_length + data.max_response_length = {longest}): raise it to at least "
+                         f"{longest}")
+                else:  # a micro-batch of an SP group holds sp GPUs' budgets
+                    need(budget * sp >= longest, f"{role}.{key} = {budget} x trainer.ulysses_size = {sp} is below the "
+                         f"longest possible sequence (data.max_prompt_length + data.max_response_length = {longest}): "
+                         f"raise it to at least {-(-longest // sp)}")
 
     # algorithm
     need(r.n >= 1, "rollout.n must be >= 1")
@@ -813,6 +841,46 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     from spmd_rl.vllm_kwargs import check_engine_kwargs
 
     check_engine_kwargs(r)  # last: with engine kwargs set, it imports vLLM to know its argument names
+
+
+def validate_ulysses(cfg: Config, world_size: int) -> None:
+    """trainer.ulysses_size (sequence parallelism, spmd_rl/sequence_parallel.py): it divides the
+    world and the shard group, the rows are packed, and every model's attention heads split."""
+    sp, t, m = cfg.trainer.ulysses_size, cfg.trainer, cfg.model
+    if sp < 1:
+        raise ConfigError(f"trainer.ulysses_size = {sp} must be >= 1 (1 = no sequence parallelism)")
+    if sp == 1:
+        return
+    divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
+    if world_size % sp:
+        raise ConfigError(f"trainer.ulysses_size = {sp} does not divide the world size {world_size} (it is the ranks "
+                          f"that share each micro-batch): use one of {', '.join(map(str, divisors))}")
+    if t.fsdp_size and t.fsdp_size % sp:
+        raise ConfigError(f"trainer.ulysses_size = {sp} does not divide trainer.fsdp_size = {t.fsdp_size}: a "
+                          "sequence-parallel group must lie inside a shard group; use a divisor of "
+                          f"{t.fsdp_size}, or a trainer.fsdp_size that {sp} divides")
+    if not m.remove_padding:
+        raise ConfigError(f"trainer.ulysses_size = {sp} splits packed rows across ranks: set "
+                          "model.remove_padding = true")
+    from spmd_rl.model_files import model_attention_heads
+    from spmd_rl.sequence_parallel import head_problem
+
+    models = {}
+    if m.init == "random" and not m.path:
+        from spmd_rl.models import ARCH_PRESETS
+
+        arch = ARCH_PRESETS[m.arch]
+        models[f"model.arch = {m.arch!r}"] = (arch["num_attention_heads"], arch["num_key_value_heads"])
+    else:
+        models[f"model.path = {m.path!r}"] = model_attention_heads(m.path, "model.path")
+    if cfg.use_critic and cfg.critic.path:
+        models[f"critic.path = {cfg.critic.path!r}"] = model_attention_heads(cfg.critic.path, "critic.path")
+    for model, (heads, kv_heads) in models.items():
+        problem = head_problem(heads, kv_heads, sp)
+        if problem:
+            fits = [k for k in divisors if not head_problem(heads, kv_heads, k)]
+            raise ConfigError(f"trainer.ulysses_size = {sp} does not fit the model ({model}): {problem}; use one of "
+                              f"{', '.join(map(str, fits))}")
 
 
 def _cannot_write(path: str) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from spmd_rl import algorithms as algos
+from spmd_rl import sequence_parallel
 from spmd_rl.actor import per_token_outputs
 from spmd_rl.batch import Batch
 from spmd_rl.config import CriticConfig
@@ -17,7 +18,7 @@ from spmd_rl.packing import make_layout
 
 
 def forward_values(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
-    layout = make_layout(mb["input_ids"], mb["attention_mask"], uses_packing(model))
+    layout = make_layout(mb["input_ids"], mb["attention_mask"], uses_packing(model), sequence_parallel.of_model(model))
     out = model(**layout.inputs, use_cache=False).logits
     return layout.to_columns(out[..., 0].float())
 

@@ -7,13 +7,14 @@ import os
 import random
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from spmd_rl.errors import UserError
+from spmd_rl.sequence_parallel import SPGroups, make_groups
 
 
 @dataclass
@@ -27,10 +28,18 @@ class DistEnv:
     """The FSDP mesh over all ranks (fsdp_mesh): 1-D ("fsdp",) when every parameter is sharded over
     all ranks; 2-D ("replicate", "shard") for hybrid sharding (trainer.fsdp_size). Data parallelism
     is over all ranks either way: each rank holds its own rows."""
+    sp: SPGroups = field(default_factory=SPGroups)
+    """Sequence parallelism (trainer.ulysses_size; spmd_rl.sequence_parallel): the ranks of an SP
+    group share their rows and each takes a slice of every packed micro-batch."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks (world / ulysses_size): the update's batch sizes are per data-parallel rank."""
+        return self.world_size // self.sp.size
 
 
 def free_port() -> int:
@@ -40,9 +49,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device: str = "auto", fsdp_size: int = 0) -> DistEnv:
+def init_distributed(device: str = "auto", fsdp_size: int = 0, ulysses_size: int = 1) -> DistEnv:
     """Join the process group torchrun (or the SLURM launcher) described in the environment, and
-    build the FSDP mesh for `fsdp_size` ranks per shard group (fsdp_mesh; 0 = all ranks).
+    build the FSDP mesh for `fsdp_size` ranks per shard group (fsdp_mesh; 0 = all ranks) and the
+    sequence-parallel groups of `ulysses_size` ranks (sequence_parallel.make_groups).
 
     A plain `python -m spmd_rl.ppo` run becomes a world of one, so FSDP2 and vLLM's
     external_launcher, which both need a process group, work the same way there."""
@@ -62,7 +72,8 @@ def init_distributed(device: str = "auto", fsdp_size: int = 0) -> DistEnv:
         dev = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
-    return DistEnv(rank, world, local_rank, local_world, dev, fsdp_mesh(dev.type, world, fsdp_size))
+    return DistEnv(rank, world, local_rank, local_world, dev, fsdp_mesh(dev.type, world, fsdp_size),
+                   make_groups(ulysses_size))
 
 
 def fsdp_mesh_shape(world: int, fsdp_size: int) -> tuple[int, ...]:

@@ -238,6 +238,18 @@ def model_vocab_size(path: str, key: str) -> int:
     return int(text.vocab_size)
 
 
+def model_attention_heads(path: str, key: str) -> tuple[int, int]:
+    """(attention heads, KV heads) in the config.json of the model directory `path` (its text
+    model's, for a multimodal config)."""
+    from transformers import AutoConfig
+
+    with loading(path, key, "its config.json"):
+        config = AutoConfig.from_pretrained(path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    return heads, int(getattr(text, "num_key_value_heads", None) or heads)
+
+
 def check_vocab(tokenizer_size: int, tokenizer_source: str, vocab_size: int, model_source: str) -> None:
     """Refuse a tokenizer whose ids reach past the model's embedding. A smaller tokenizer is
     normal: models pad their vocabulary (Qwen2.5: 151,665 tokens, vocab_size 151,936)."""

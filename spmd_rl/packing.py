@@ -10,6 +10,8 @@ token t, the value before t; column 0 gets 0) -- the batch's convention.
   position ids restarting at 0 per sequence (a left-aligned row's column *is* the position) and
   the boundaries as `cu_seq_lens_*` for a variable-length attention backend
   (spmd_rl.varlen_attention). No compute or memory is spent on padding.
+- `sequence_parallel.SlicedLayout` (trainer.ulysses_size > 1): a packed row of which each rank of
+  a sequence-parallel group feeds one slice of the tokens to the model.
 
 `targets` is the next token of every position (what its log-prob is of). Positions whose next
 token belongs to another sequence or is padding get some token too; their outputs never reach a
@@ -52,5 +54,15 @@ class PackedLayout:
         return shifted.new_zeros(self.shape).index_put((self.rows, self.cols), shifted)
 
 
-def make_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool) -> PaddedLayout | PackedLayout:
-    return (PackedLayout if packed else PaddedLayout)(input_ids, attention_mask)
+def make_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool, sp=None):
+    """The layout of a micro-batch for a model loaded `packed` (model.remove_padding) or not; `sp`:
+    the model's sequence-parallel groups (spmd_rl.sequence_parallel.of_model), whose ranks each
+    take a slice of the packed row (SlicedLayout)."""
+    if not packed:
+        return PaddedLayout(input_ids, attention_mask)
+    layout = PackedLayout(input_ids, attention_mask)
+    if sp is not None and sp.enabled:
+        from spmd_rl.sequence_parallel import SlicedLayout
+
+        return SlicedLayout(layout, sp)
+    return layout

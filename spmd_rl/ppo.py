@@ -92,7 +92,7 @@ def _train(cfg) -> int:
     trainer, lock, fitting = None, None, False
     try:
         with clock("distributed"):
-            env = init_distributed(cfg.trainer.device, cfg.trainer.fsdp_size)
+            env = init_distributed(cfg.trainer.device, cfg.trainer.fsdp_size, cfg.trainer.ulysses_size)
         os.makedirs(cfg.run_dir, exist_ok=True)
         lock = RunDirLock(cfg.run_dir)
         raise_together(lock.acquire if env.is_main else None)  # before anything is written into run_dir

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl import algorithms as algos
-from spmd_rl import fused_kernels
+from spmd_rl import fused_kernels, sequence_parallel
 from spmd_rl.actor import actor_loss_fn, compute_logprobs
 from spmd_rl.batch import Batch, build_rollout_batch, response_token_ids
 from spmd_rl.checkpoint import CheckpointError, Checkpointer, ModelAndOptimizer, saved_world_size
@@ -43,7 +43,7 @@ from spmd_rl.models import (ARCH_PRESETS, DTYPES, allocate_meta_model, build_sha
 from spmd_rl.offload import move_train_state
 from spmd_rl.optim import make_optimizer, make_scheduler
 from spmd_rl.preemption import StopFlag
-from spmd_rl.rank_balance import balance_ranks
+from spmd_rl.rank_balance import balance_ranks, mini_batch_block_rows
 from spmd_rl.rewards import RewardFunction, extract_answer
 from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.startup import startup_clock
@@ -185,7 +185,8 @@ class Trainer:
         resume = self.resume_path is not None  # checkpointed models: no weights read, the resume fills them
 
         def sharded(load, from_checkpoint: bool, gradient_checkpointing: bool = m.gradient_checkpointing):
-            return build_sharded(load, env.mesh, compute, from_checkpoint, gradient_checkpointing, m.fsdp_forward_prefetch)
+            model = build_sharded(load, env.mesh, compute, from_checkpoint, gradient_checkpointing, m.fsdp_forward_prefetch)
+            return sequence_parallel.apply(model, env.sp)  # trainer.ulysses_size: each rank takes a slice of a row
 
         def policy_model(dtype):
             return functools.partial(load_causal_lm, self.model_dir, dtype, m.attn_implementation, m.remove_padding,
@@ -373,6 +374,9 @@ class Trainer:
         reward_errors = self.reward_fn.sync_failures()  # collective: a failed scorer stops every rank
         with timer("balance"):  # rows move between ranks to even out their tokens (trainer.balance_ranks)
             batch, balance_metrics = balance_ranks(batch, cfg, self.tokenizer.pad_token_id)
+            # trainer.ulysses_size: the ranks of a sequence-parallel group train on the same rows
+            batch = sequence_parallel.share_rows(batch, mini_batch_block_rows(cfg, env.world_size),
+                                                 self.tokenizer.pad_token_id, env.sp)
         temp = cfg.rollout.temperature
         a, c = cfg.actor, cfg.critic
         amb, cmb = cfg.micro_batching("actor"), cfg.micro_batching("critic")
@@ -390,7 +394,7 @@ class Trainer:
         if self.critic is not None:
             with timer("update_critic"):
                 cm = ppo_update(self.critic, self.critic_opt, batch, critic_loss_fn(self.critic, c),
-                                mini_batch_size=c.ppo_mini_batch_size * n // env.world_size,
+                                mini_batch_size=c.ppo_mini_batch_size * n // env.dp_size,
                                 micro_batch_size=cmb.rows, epochs=c.ppo_epochs,
                                 grad_clip=c.grad_clip, loss_agg_mode=c.loss_agg_mode, device=self.device,
                                 max_tokens=cmb.update_tokens)
@@ -398,7 +402,7 @@ class Trainer:
         actor_batch, corr_metrics = actor_update_batch(batch, cfg.algorithm, self.device)  # loss mask, IS weights
         with timer("update_actor"):
             am = ppo_update(self.actor, self.actor_opt, actor_batch, actor_loss_fn(self.actor, a, temp),
-                            mini_batch_size=a.ppo_mini_batch_size * n // env.world_size,
+                            mini_batch_size=a.ppo_mini_batch_size * n // env.dp_size,
                             micro_batch_size=amb.rows, epochs=a.ppo_epochs,
                             grad_clip=a.grad_clip, loss_agg_mode=a.loss_agg_mode, device=self.device,
                             max_tokens=amb.update_tokens, offload_optimizer=a.offload_optimizer)
@@ -425,8 +429,8 @@ class Trainer:
                                                        mask, self.kl_ctrl.value, alg.kl_penalty)
             kl = float(all_reduce_mean({"kl": kl}, self.device)["kl"])
             extra.update({"kl/reward_penalty": kl, "kl/coef": self.kl_ctrl.value})
-            self.kl_ctrl.update(kl, len(batch) * self.env.world_size)
-        group = dist.group.WORLD
+            self.kl_ctrl.update(kl, len(batch) * self.env.dp_size)
+        group = self.env.sp.data_group  # each row once (all ranks without sequence parallelism)
         est = alg.adv_estimator
         if est == "gae":
             adv, ret = algos.gae_advantages(token_rewards, batch["values"], mask, alg.gamma, alg.lam, whiten_group=group)
@@ -475,7 +479,7 @@ class Trainer:
         scores = batch["scores"].double()
         s = all_reduce_sum(torch.tensor([scores.sum(), (scores ** 2).sum(), len(scores),
                                          batch["attention_mask"].sum().item(), batch.num_response_tokens],
-                                        dtype=torch.float64, device=self.device))
+                                        dtype=torch.float64, device=self.device)) / env.sp.size  # rows held sp times
         mean = s[0] / s[2]
         var = (s[1] / s[2] - mean ** 2).clamp(min=0) * s[2] / max(s[2] - 1, 1)
         step_time = t[4].item()

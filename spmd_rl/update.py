@@ -30,7 +30,9 @@ def global_denominator(mini: Batch, loss_agg_mode: str, device: torch.device) ->
     by the ranks: FSDP averages gradients over all ranks, and so does hybrid sharding (the mean
     over the shard group, then over the replicas; distributed.fsdp_mesh). Tokens and sequences
     masked out of the loss (rollout correction, overlong filtering: zeros in response_mask) leave
-    it."""
+    it. With sequence parallelism (trainer.ulysses_size) the ranks of a group hold the same rows,
+    so each row is counted once per rank of its group, and every rank's (identical) loss counts
+    in the average: the two factors cancel (spmd_rl/sequence_parallel.py, tests/test_ulysses.py)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     mask = mini["response_mask"]
     count = mask.sum() if loss_agg_mode == "token-mean" else (mask.sum(-1) > 0).sum()
