@@ -233,3 +233,139 @@ def test_actor_update_with_and_without_kl_loss_equals_ulysses_1(model_dir, layou
 def test_critic_and_gae_equal_ulysses_1(model_dir, layout):
     world, size, fsdp_size = LAYOUTS[layout]
     run_distributed(_critic_body, world, model_dir, size, fsdp_size)
+
+
+def _replicated_kv_body(rank, world, model_dir):
+    """One KV head, an SP group of 2: each rank gets a copy of it. Log-probs, entropy and the
+    gradients of the sliced FSDP model against the same model unsliced on one rank."""
+    from spmd_rl import sequence_parallel
+    from spmd_rl.actor import forward_logprobs
+    from spmd_rl.distributed import fsdp_mesh
+    from spmd_rl.models import apply_fsdp, load_causal_lm
+
+    sp = sequence_parallel.make_groups(2)
+    plain = load_causal_lm(model_dir, torch.float64, remove_padding=True)
+    model = sequence_parallel.apply(apply_fsdp(load_causal_lm(model_dir, torch.float64, remove_padding=True),
+                                               fsdp_mesh("cpu", world), torch.float64), sp)
+    assert sequence_parallel.kv_replication(1, 2) == 2
+    mb = odd_batch(1, seed=3).select([0, 1, 2])  # 3 odd rows: an odd packed row
+    assert int(mb["attention_mask"].sum()) % 2 == 1
+    results = []
+    for m in (plain, model):
+        logp, ent = forward_logprobs(m, mb, 0.7, with_entropy=True, entropy_grad=True)
+        ((logp * mb["advantages"]).sum() + ent.sum()).backward()
+        results.append((logp.detach(), ent.detach(), {n: full(p.grad) for n, p in m.named_parameters()}))
+    (want_logp, want_ent, want_grads), (logp, ent, grads) = results
+    assert_close(logp, want_logp, "log-probs")
+    assert_close(ent, want_ent, "entropy")
+    for n, g in want_grads.items():
+        assert_close(grads[n], g, f"gradient of {n}")
+
+
+def test_kv_heads_fewer_than_the_group_are_replicated(tmp_path):
+    from spmd_rl.models import materialize_random_model
+
+    config = tiny_config()
+    config.num_key_value_heads = 1
+    run_distributed(_replicated_kv_body, 2, materialize_random_model(str(tmp_path), config, seed=4, dtype=torch.float32))
+
+
+# --------------------------------------------------------------------------- config
+
+
+def valid_cfg(tmp_path, extra=()):
+    from test_config import valid_cfg as base
+
+    return base(tmp_path, ["model.remove_padding=true", "trainer.ulysses_size=2", *extra])
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    ([], 3, "trainer.ulysses_size = 2 does not divide the world size 3 (it is the ranks that share each micro-batch): "
+            "use one of 1, 3"),
+    (["trainer.fsdp_size=2", "trainer.ulysses_size=4", "data.train_batch_size=8"], 8,
+     "trainer.ulysses_size = 4 does not divide trainer.fsdp_size = 2: a sequence-parallel group must lie inside a "
+     "shard group; use a divisor of 2, or a trainer.fsdp_size that 4 divides"),
+    (["model.remove_padding=false"], 2, "trainer.ulysses_size = 2 splits packed rows across ranks: set "
+                                        "model.remove_padding = true"),
+    (["trainer.ulysses_size=0"], 2, "trainer.ulysses_size = 0 must be >= 1 (1 = no sequence parallelism)"),
+    (['model.arch="qwen2-0.5b"', "trainer.ulysses_size=4", "data.train_batch_size=8"], 8,
+     "trainer.ulysses_size = 4 does not fit the model (model.arch = 'qwen2-0.5b'): its 14 attention heads do not "
+     "divide by 4; use one of 1, 2"),
+    (["actor.max_token_len_per_gpu=300"], 2,
+     "actor.max_token_len_per_gpu = 300 x trainer.ulysses_size = 2 is below the longest possible sequence "
+     "(data.max_prompt_length + data.max_response_length = 768): raise it to at least 384"),
+])
+def test_config_refuses_in_one_line(tmp_path, overrides, world, message):
+    from spmd_rl.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        valid_cfg(tmp_path, overrides).validate(world_size=world)
+    assert str(e.value) == message
+
+
+def test_config_refuses_kv_heads_that_neither_divide_nor_split(tmp_path):
+    from spmd_rl.config import ConfigError
+
+    model = tmp_path / "model"
+    config = tiny_config()
+    config.num_attention_heads, config.num_key_value_heads, config.hidden_size = 6, 3, 48
+    config.save_pretrained(model)
+    cfg = valid_cfg(tmp_path, [f'model.path="{model}"', 'model.arch=""'])
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(world_size=2)
+    assert str(e.value) == (f"trainer.ulysses_size = 2 does not fit the model (model.path = '{model}'): its 3 KV "
+                            "heads neither divide by 2 nor divide 2; use one of 1")
+    valid_cfg(tmp_path, [f'model.path="{model}"', 'model.arch=""', "trainer.ulysses_size=3",
+                         "data.train_batch_size=6", "actor.ppo_mini_batch_size=6"]).validate(world_size=3)
+
+
+def test_config_batch_sizes_count_data_parallel_ranks(tmp_path):
+    # 4 ranks, SP groups of 2: 2 data-parallel ranks, each with 8 * 4 / 2 = 16 sequences per mini-batch
+    cfg = valid_cfg(tmp_path, ["actor.micro_batch_size_per_gpu=16", "actor.max_token_len_per_gpu=1000",
+                               "actor.logprob_max_token_len_per_gpu=1500"])
+    cfg.validate(world_size=4)
+    assert cfg.micro_batching("actor") == (16, 2000, 3000)  # a group's micro-batch: 2 GPUs' budgets
+    layout = cfg.describe_layout(4)
+    assert layout.startswith("world=4 (sequence parallel: 2 data-parallel x SP groups of 2 ranks sharing each "
+                             "micro-batch) | per step: 8 prompts x n=4 = 32 sequences (8 per rank)"), layout
+    assert "actor: 1 optimizer steps x 1 epochs, 16 sequences per SP group per mini-batch packed into " \
+           "micro-batches of <= 2000 tokens (<= 3000 without gradients)" in layout, layout
+    from spmd_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"actor.micro_batch_size_per_gpu = 32 must divide the 16 sequences per "
+                                          r"rank of a mini-batch \(actor.ppo_mini_batch_size \* rollout.n / "
+                                          r"data-parallel ranks\)"):
+        valid_cfg(tmp_path, ["actor.micro_batch_size_per_gpu=32"]).validate(world_size=4)
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+def test_trainer_with_ulysses_2_resumes_under_ulysses_1_and_continues_the_same(tmp_path):
+    """The tiny preset on 2 ranks, PPO with a critic (GAE) and the KL loss (reference model), as one
+    SP group of 2: 3 steps, a checkpoint at step 2. That checkpoint resumed with ulysses_size = 1
+    (2 data-parallel ranks) trains step 3 on the same rollouts to the same losses and gradient norms
+    (float32 on CPU: the sums' order differs, see the module doc; rel 1e-5)."""
+    from test_e2e import read_metrics, run, torchrun_cmd
+
+    common = [f'data.train_files=["{tmp_path}/data/train.parquet"]', "data.val_files=[]", "data.synthetic_size=64",
+              "trainer.val_every=0", "trainer.tensorboard=false", "trainer.total_steps=3", "model.remove_padding=true",
+              'algorithm.adv_estimator="gae"', "actor.use_kl_loss=true", "actor.max_token_len_per_gpu=64"]
+    straight, resumed = tmp_path / "ulysses2", tmp_path / "resumed"
+    out = run(torchrun_cmd(2, *common, f"trainer.run_dir={straight}", "trainer.ulysses_size=2", "trainer.save_every=2"))
+    assert "world=2 (sequence parallel: 1 data-parallel x SP groups of 2 ranks sharing each micro-batch)" in out, out
+    assert "micro-batches of <= 128 tokens" in out, out  # 2 GPUs' budgets of 64
+    checkpoint = straight / "checkpoints" / "step_2"
+    out = run(torchrun_cmd(2, *common, f"trainer.run_dir={resumed}", "trainer.ulysses_size=1",
+                           f"trainer.resume={checkpoint}"))
+    assert f"resumed from {checkpoint} at step 2" in out and "sequence parallel" not in out, out
+    a, b = read_metrics(straight), read_metrics(resumed)
+    assert sorted(b) == [3]
+    # same rollouts; reward/std from sums over the ranks with its n / (n - 1): each row counted once
+    for key in ("reward/mean", "reward/std", "response/length_mean"):
+        assert b[3][key] == pytest.approx(a[3][key], rel=1e-6, abs=1e-9), key
+    # the same critic's values, a mean of small numbers of both signs: float32 ulps of the values
+    assert b[3]["critic/values_mean"] == pytest.approx(a[3]["critic/values_mean"], abs=1e-6)
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss",
+                "critic/grad_norm"):
+        assert b[3][key] == pytest.approx(a[3][key], rel=1e-5, abs=1e-8), key
