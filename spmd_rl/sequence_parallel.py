@@ -294,11 +294,20 @@ def register() -> str:
 
 def apply(model: torch.nn.Module, sp: SPGroups) -> torch.nn.Module:
     """Set up a packed model (models.load_causal_lm / load_value_model with remove_padding) for
-    sequence parallelism over `sp` (nothing when its size is 1): the Ulysses attention backend,
-    and the groups on the model and its attention modules."""
-    if not sp.enabled:
-        return model
+    sequence parallelism over `sp`: the Ulysses attention backend, and the groups on the model and
+    its attention modules. Size 1: nothing for a model never set up, else back to the plain packed
+    model (scripts/bench_ulysses.py switches one model between sizes)."""
     from spmd_rl.models import decoder_layers, uses_packing
+
+    if not sp.enabled:
+        if of_model(model) is not None:
+            from spmd_rl import varlen_attention
+
+            for layer in decoder_layers(model):
+                del layer.self_attn.spmd_ulysses
+            model.set_attn_implementation(varlen_attention.register())
+            del model.spmd_ulysses
+        return model
 
     if not uses_packing(model):
         raise ValueError("sequence parallelism needs a packed model (model.remove_padding = true)")
