@@ -396,8 +396,12 @@ class TrainerConfig:
     trainer.fsdp_size (a group lies inside a shard group) and the model's attention heads, and its
     KV heads must divide by it or divide it (then each is replicated, as verl does). Rollout,
     weight sync and checkpoints are the same as without it; a checkpoint resumes under another
-    ulysses_size. Costs 4 all-to-alls per layer and pass; use it only where the longest sequence
-    of a micro-batch does not fit one GPU (docs/performance.md). 1 = off."""
+    ulysses_size. Costs 4 all-to-alls per decoder layer in forward (4 more in backward) over the
+    group's activations. When: the longest prompt + response (with gradient checkpointing) does
+    not fit one GPU's update micro-batch, or leaves no room for a useful token budget
+    (scripts/bench_ulysses.py measures the longest sequence that fits at each size; the preset
+    qwen1.5b-long uses 2 for 16k-token responses); keep the group inside a node (NVLink). Where
+    the longest sequence fits one GPU, plain data parallelism is faster. 1 = off."""
     val_every: int = 0
     """Validate every this many steps and after the last one (0 = only after the last, if
     data.val_files is set)."""
