@@ -369,3 +369,31 @@ def test_trainer_with_ulysses_2_resumes_under_ulysses_1_and_continues_the_same(t
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss",
                 "critic/grad_norm"):
         assert b[3][key] == pytest.approx(a[3][key], rel=1e-5, abs=1e-8), key
+
+
+def test_long_response_preset_validates_on_2_4_and_8_gpus(tmp_path, monkeypatch):
+    """configs/qwen1.5b-long.toml at its model's shape (random weights, no model directory here):
+    ulysses_size 2, a group's micro-batch holds the longest prompt + response, DAPO's switches."""
+    import os
+
+    from spmd_rl import vllm_kwargs
+    from spmd_rl.config import ConfigError, load_config
+
+    from conftest import ROOT
+
+    monkeypatch.setattr(vllm_kwargs, "vllm_import_problem", lambda: None)  # engine = "vllm" without vLLM here
+    data = tmp_path / "train.parquet"
+    data.write_bytes(b"")
+    shape = ['model.init="random"', 'model.arch="qwen2-1.5b"', 'model.path=""', 'model.tokenizer="char"',
+             f'data.train_files=["{data}"]', "data.val_files=[]"]
+    cfg = load_config(os.path.join(ROOT, "configs", "qwen1.5b-long.toml"), shape)
+    for world in (2, 4, 8):
+        cfg.validate(world_size=world, gpus_per_node=world)
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    assert cfg.trainer.ulysses_size == 2 and cfg.data.max_response_length == 16384
+    assert cfg.actor.max_token_len_per_gpu < longest <= cfg.micro_batching("actor").update_tokens
+    assert cfg.reward.overlong_buffer and cfg.algorithm.dynamic_sampling and not cfg.use_reference
+    assert "(sequence parallel: 4 data-parallel x SP groups of 2" in cfg.describe_layout(8)
+    with pytest.raises(ConfigError, match="trainer.ulysses_size = 2 does not divide the world size 3"):
+        load_config(os.path.join(ROOT, "configs", "qwen1.5b-long.toml"),
+                    [*shape, "data.train_batch_size=3", "actor.ppo_mini_batch_size=3"]).validate(world_size=3)
