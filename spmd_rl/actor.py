@@ -22,7 +22,9 @@ def forward_logprobs(model: torch.nn.Module, mb: Batch, temperature: float, with
     """[b, L] log p(token_t | tokens < t) (column 0 is 0), and optionally the entropy of the
     distribution that predicted token t (differentiable only with entropy_grad). The model was
     loaded by `models.load_causal_lm`: packed or padded input as it was loaded for, log-probs
-    from its hidden states (spmd_rl.logprob_head)."""
+    from its hidden states (spmd_rl.logprob_head). A model set up for sequence parallelism
+    (sequence_parallel.apply) takes this rank's slice of the packed row; every rank of its group
+    gets the whole micro-batch's columns."""
     if not hasattr(model, "spmd_chunked_logprobs"):
         raise TypeError("forward_logprobs needs a model from models.load_causal_lm or models.prepare_policy")
     layout = make_layout(mb["input_ids"], mb["attention_mask"], uses_packing(model), sequence_parallel.of_model(model))

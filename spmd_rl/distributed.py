@@ -27,7 +27,7 @@ class DistEnv:
     mesh: DeviceMesh
     """The FSDP mesh over all ranks (fsdp_mesh): 1-D ("fsdp",) when every parameter is sharded over
     all ranks; 2-D ("replicate", "shard") for hybrid sharding (trainer.fsdp_size). Data parallelism
-    is over all ranks either way: each rank holds its own rows."""
+    is over all ranks either way (each rank holds its own rows), unless `sp` groups them."""
     sp: SPGroups = field(default_factory=SPGroups)
     """Sequence parallelism (trainer.ulysses_size; spmd_rl.sequence_parallel): the ranks of an SP
     group share their rows and each takes a slice of every packed micro-batch."""

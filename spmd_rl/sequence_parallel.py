@@ -70,8 +70,6 @@ class SPGroups:
     """This rank's data-parallel group: one rank of every SP group (None: all ranks)."""
     dp_size: int = 1
     """Data-parallel ranks: world / size."""
-    dp_rank: int = 0
-    """Which SP group this rank belongs to."""
 
     @property
     def enabled(self) -> bool:
@@ -96,11 +94,11 @@ def make_groups(size: int) -> SPGroups:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     if size == 1:
-        return SPGroups(dp_size=world, dp_rank=rank)
+        return SPGroups(dp_size=world)
     sp_ranks, dp_ranks = sp_group_ranks(world, size)
     sp_group, _ = dist.new_subgroups_by_enumeration(sp_ranks)
     dp_group, _ = dist.new_subgroups_by_enumeration(dp_ranks)
-    return SPGroups(size, rank % size, sp_group, dp_group, world // size, rank // size)
+    return SPGroups(size, rank % size, sp_group, dp_group, world // size)
 
 
 # --------------------------------------------------------------------------- rows

@@ -10,7 +10,9 @@ attention call). This backend, registered as "spmd_varlen", attends within each 
 - elsewhere (CPU tests): scaled_dot_product_attention sequence by sequence, exact and simple.
 
 Called without boundaries (a padded batch, or generation) it is exactly transformers' "sdpa"
-backend, mask included, so one loaded model serves both layouts.
+backend, mask included, so one loaded model serves both layouts. With sequence parallelism
+(trainer.ulysses_size) spmd_rl.sequence_parallel wraps it: the heads are split across the ranks
+by all-to-all, and this runs on whole sequences for each rank's share of them.
 """
 
 from __future__ import annotations

@@ -273,6 +273,18 @@ def test_kv_heads_fewer_than_the_group_are_replicated(tmp_path):
 # --------------------------------------------------------------------------- config
 
 
+def test_sp_groups_are_consecutive_ranks_inside_shard_groups():
+    from spmd_rl.distributed import fsdp_mesh_shape
+    from spmd_rl.sequence_parallel import sp_group_ranks
+
+    sp, dp = sp_group_ranks(8, 2)
+    assert sp == [[0, 1], [2, 3], [4, 5], [6, 7]] and dp == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert fsdp_mesh_shape(8, 4) == (2, 4)  # shard groups [0..3], [4..7]: each holds two SP groups whole
+    assert sp_group_ranks(4, 4) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
+    with pytest.raises(ValueError, match="ulysses_size = 3 does not divide the world size 8"):
+        sp_group_ranks(8, 3)
+
+
 def valid_cfg(tmp_path, extra=()):
     from test_config import valid_cfg as base
 
