@@ -390,7 +390,9 @@ class TrainerConfig:
     val_before_train: bool = False
     """Validate once before the first step."""
     save_every: int = 0
-    """Checkpoint every this many steps (0 = only at the end)."""
+    """Checkpoint every this many steps (0 = only at the end; -1 = never, not even at the end: for
+    benchmarks and throwaway runs whose checkpoints would only fill the disk. A stop signal, such
+    as a SLURM preemption, still writes one)."""
     keep_last: int = 2
     """Checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
     resume: str = "auto"
@@ -856,7 +858,7 @@ def validate_ranges(cfg: Config) -> None:
         ("rollout.max_model_len", r.max_model_len == 0 or r.max_model_len >= d.max_prompt_length + d.max_response_length,
          "0 or >= data.max_prompt_length + data.max_response_length"),
         ("rollout.cudagraph_capture_sizes", all(s > 0 for s in r.cudagraph_capture_sizes), "sizes > 0"),
-        ("trainer.val_every", t.val_every >= 0, ">= 0"), ("trainer.save_every", t.save_every >= 0, ">= 0"),
+        ("trainer.val_every", t.val_every >= 0, ">= 0"), ("trainer.save_every", t.save_every >= -1, ">= -1 (0 = only at the end, -1 = never)"),
         ("trainer.log_every", t.log_every >= 1, ">= 1"), ("trainer.peak_tflops", t.peak_tflops >= 0, ">= 0"),
         ("trainer.experiment_name", bool(t.experiment_name.strip()), "a non-empty name"),
         ("reward.format_bonus", cfg.reward.format_bonus >= 0, ">= 0 (0 = off)"),

@@ -563,11 +563,12 @@ class Trainer:
                 log.info(summary_line(self.step, t.total_steps, metrics))
                 if "val/acc" in metrics:
                     log.info("validation: acc %.3f reward %.3f", metrics["val/acc"], metrics["val/reward_mean"])
-            if last or (t.save_every and self.step % t.save_every == 0):
+            periodic = t.save_every > 0 and self.step % t.save_every == 0
+            if periodic or (last and t.save_every >= 0):
                 self.save_checkpoint(wait=last)
             if not last and self.stop.requested():
                 log.warning("stop signal received: checkpointing at step %d and exiting", self.step)
-                if not (t.save_every and self.step % t.save_every == 0):
+                if not periodic:
                     self.save_checkpoint()
                 self.checkpointer.wait()  # exit with the requeue code only once the checkpoint is complete
                 return "preempted"
