@@ -50,6 +50,11 @@ log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
+WRITE_THREADS = min(8, os.cpu_count() or 1)
+"""Threads (and files) per rank that write a checkpoint. DCP's default is one: a rank's shards then
+go through one thread's serialisation at about 1.1 GB/s (measured: a 7B actor's 86 GB took 75 s
+on 2 ranks into tmpfs), which bounds the save at the end of a run and, when a write outlasts the
+steps between saves, the next save's stall."""
 FAULT_ENV = "SPMD_RL_CHECKPOINT_FAULT"
 """Test hook, read by the background writer: "fail@N" makes the save of step N fail after its
 files are written; "delay@N:S" holds the commit of step N back S seconds (a save in flight)."""
@@ -154,6 +159,11 @@ def _fault(step: int) -> tuple[str, float] | None:
 
 
 # --------------------------------------------------------------------------- the checkpointer
+
+
+def _writer(path: str) -> dcp.FileSystemWriter:
+    """DCP's file writer with WRITE_THREADS threads, each writing its own file of this rank's shards."""
+    return dcp.FileSystemWriter(path, thread_count=WRITE_THREADS)
 
 
 class Checkpointer:
@@ -274,7 +284,7 @@ class Checkpointer:
         self._barrier()
         torch.save(trainer_state, os.path.join(tmp, f"trainer_state_rank{_rank()}.pt"))
         if not self.async_save:
-            dcp.save(dict(models), checkpoint_id=tmp)
+            dcp.save(dict(models), checkpoint_id=tmp, storage_writer=_writer(tmp))
             self._finish(step, None)
             self._barrier()
             return final
@@ -283,7 +293,8 @@ class Checkpointer:
         t1 = time.perf_counter()
         with warnings.catch_warnings():  # torch >= 2.10 deprecates the synchronize_staging it calls itself
             warnings.simplefilter("ignore", FutureWarning)
-            upload = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, async_stager=self._stager)
+            upload = dcp.async_save(state, checkpoint_id=tmp, storage_writer=_writer(tmp), process_group=self._group,
+                                    async_stager=self._stager)
         self.stall_parts.update(state_dict=t1 - t0, staging=time.perf_counter() - t1)
         upload = getattr(upload, "upload_completion", upload)  # AsyncSaveResponse when staging is async
         self._pending = self._pool.submit(self._finish, step, upload)

@@ -10,8 +10,10 @@ Batch sizes follow verl: *algorithm* sizes are global and counted in prompts
 per GPU and counted in sequences (`*.micro_batch_size_per_gpu`). The derived
 per-rank numbers are printed at start (`Config.describe_layout`).
 
-`load_config` refuses unknown keys, wrong types and impossible combinations
-with one message that names the key and the fix, before any model is loaded.
+`load_config` (reading: spmd_rl/config_toml.py) refuses unknown keys and wrong types;
+`validate` refuses impossible combinations, running the checks each section keeps beside
+its keys (`check...`, `ranges`). Each refusal is one message that names the key and the fix,
+before any model is loaded.
 """
 
 from __future__ import annotations
@@ -21,18 +23,39 @@ import dataclasses
 import inspect
 import math
 import os
-import re
 import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from spmd_rl import config_toml
+from spmd_rl.config_toml import to_dict, to_toml, tomllib  # noqa: F401  (spmd_rl.config.to_toml etc. for callers)
 from spmd_rl.errors import ConfigError, UserError  # noqa: F401  (ConfigError: spmd_rl.config.ConfigError for callers)
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+
+# --------------------------------------------------------------------------- checks
+
+
+Rule = tuple[str, bool, str]
+"""A range rule of a section's key: (key, whether its value is in range, the range in words)."""
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def _cannot_write(path: str) -> str | None:
+    """Why no directory can be created and written at `path` (None: it can), from the nearest part
+    of it that exists. Found here, before the process group exists, not by a makedirs traceback."""
+    target = p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        return "it is a file" if p == target else f"{p!r} is a file"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p!r} is not writable"
+    return None
 
 
 # --------------------------------------------------------------------------- sections
@@ -91,6 +114,25 @@ class ModelConfig:
     the bf16 logits (same formulas and chunks; needs `chunked_logprobs`). No liger-kernel op fits:
     its fused linear losses take no temperature and give no per-token entropy."""
 
+    def check(self) -> None:
+        """The model keys together (the files they name: model_files.check_model_inputs)."""
+        if self.init == "pretrained":
+            _need(bool(self.path), 'model.path is empty: set it to a local model directory, or use model.init = "random" with model.arch')
+        else:
+            _need(bool(self.path) or bool(self.arch), 'model.init = "random" needs model.arch (a preset) or model.path (a config.json)')
+            if not self.path:
+                from spmd_rl.models import ARCH_PRESETS
+
+                _need(self.arch in ARCH_PRESETS, f"model.arch = {self.arch!r} is not a preset: use one of {', '.join(ARCH_PRESETS)}")
+            _need(bool(self.tokenizer) or bool(self.path),
+                  'model.init = "random" with a preset arch needs model.tokenizer (a directory, or "char")')
+        _need(self.fused_logprob_head == "none" or self.chunked_logprobs,
+              f"model.fused_logprob_head = {self.fused_logprob_head!r} fuses the chunked log-prob head: set "
+              "model.chunked_logprobs = true, or model.fused_logprob_head = \"none\"")
+
+    def ranges(self, cfg: Config) -> list[Rule]:
+        return [("seed", self.seed >= 0, ">= 0")]
+
 
 @dataclass
 class DataConfig:
@@ -117,6 +159,35 @@ class DataConfig:
     tokenized as they are)."""
     val_batch_size: int = 64
     """Prompts per validation generation call, global."""
+
+    def check(self) -> None:
+        """The data files exist (or data.synthetic_task can write them) and the sizes are positive."""
+        _need(bool(self.train_files), "data.train_files is empty: list at least one Parquet file")
+        for f in self.train_files + self.val_files:
+            _need(not os.path.isdir(f), f"data file {f!r} is a directory: list the Parquet files in it in "
+                  "data.train_files / data.val_files")
+        if not self.synthetic_task:
+            for f in self.train_files + self.val_files:
+                _need(os.path.isfile(f), f"data file {f!r} does not exist: fix data.train_files / data.val_files, "
+                      "or set data.synthetic_task to generate it")
+        elif not all(os.path.isfile(f) for f in self.train_files):  # rank 0 writes the first train and val file
+            for f in self.train_files[:1] + self.val_files[:1]:
+                problem = _cannot_write(os.path.dirname(f) or ".")
+                _need(problem is None, f"data file {f!r} cannot be written for data.synthetic_task ({problem}): "
+                      "choose another directory in data.train_files / data.val_files")
+        _need(self.train_batch_size > 0, "data.train_batch_size must be > 0")
+        _need(self.max_prompt_length > 0 and self.max_response_length > 0,
+              "data.max_prompt_length and data.max_response_length must be > 0")
+
+    def check_layout(self, world_size: int) -> None:
+        _need(self.train_batch_size % world_size == 0,
+              f"data.train_batch_size = {self.train_batch_size} does not divide by the {world_size} ranks: "
+              f"make it a multiple of {world_size}")
+
+    def ranges(self, cfg: Config) -> list[Rule]:
+        return [("val_batch_size", self.val_batch_size > 0, "> 0"),
+                ("synthetic_size", not self.synthetic_task or self.synthetic_size >= self.train_batch_size,
+                 ">= data.train_batch_size (one batch at least)")]
 
 
 @dataclass
@@ -189,9 +260,91 @@ class RolloutConfig:
     distributed_executor_backend, enable_sleep_mode, logprobs_mode, skip_tokenizer_init, parallel
     layout...) and what a `rollout.*` key sets (dtype, seed, max_num_seqs, ...: set that key)."""
 
+    def check_sampling(self) -> None:
+        _need(self.n >= 1, "rollout.n must be >= 1")
+        _need(self.temperature > 0, "rollout.temperature must be > 0 for training rollouts")
+        _need(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
+        _need(self.top_k == -1 or self.top_k > 0, "rollout.top_k must be -1 (off) or > 0")
+        _need(self.val_n >= 1, "rollout.val_n must be >= 1")
+        _need(self.val_n == 1 or self.val_temperature > 0,
+              "rollout.val_n > 1 needs rollout.val_temperature > 0 (greedy samples are all the same)")
+
+    def check_engine(self, world_size: int, gpus_per_node: int | None) -> None:
+        """The engine's tensor-parallel groups fit the ranks and the nodes; its memory settings."""
+        tp = self.tensor_parallel_size
+        _need(tp >= 1, "rollout.tensor_parallel_size must be >= 1")
+        if self.engine == "hf":
+            _need(tp == 1, 'rollout.tensor_parallel_size > 1 needs rollout.engine = "vllm"')
+        _need(world_size % tp == 0, f"rollout.tensor_parallel_size = {tp} must divide the world size {world_size}")
+        if gpus_per_node is not None:
+            _need(gpus_per_node % tp == 0,
+                  f"rollout.tensor_parallel_size = {tp} does not divide the {gpus_per_node} GPUs per node, so a "
+                  f"tensor-parallel group would span two nodes: use a divisor of {gpus_per_node}")
+        _need(0 < self.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization must be in (0, 1)")
+        _need(self.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb must be > 0")
+
+    def ranges(self, cfg: Config) -> list[Rule]:
+        d = cfg.data
+        return [
+            ("val_temperature", self.val_temperature >= 0, ">= 0 (0 = greedy)"),
+            ("val_n", self.val_n >= 1, ">= 1"),
+            ("stop_token_ids", all(i >= 0 for i in self.stop_token_ids), "token ids >= 0"),
+            ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
+            ("max_model_len", self.max_model_len == 0 or self.max_model_len >= d.max_prompt_length + d.max_response_length,
+             "0 or >= data.max_prompt_length + data.max_response_length"),
+            ("cudagraph_capture_sizes", all(s > 0 for s in self.cudagraph_capture_sizes), "sizes > 0"),
+            ("seed", self.seed >= 0, ">= 0"),
+        ]
+
+class _TrainedModel:
+    """What the actor and critic sections share: the layout of a PPO update (Config.micro_batching)."""
+
+    def check_batches(self, cfg: Config, role: str, world_size: int) -> None:
+        """`role`'s mini-batches divide the step and the ranks, its micro-batches the mini-batch;
+        its token budgets hold the longest sequence."""
+        d, r, m = cfg.data, cfg.rollout, cfg.model
+        mini = self.ppo_mini_batch_size
+        _need(mini > 0 and d.train_batch_size % mini == 0,
+              f"{role}.ppo_mini_batch_size = {mini} must divide data.train_batch_size = {d.train_batch_size}")
+        seqs = mini * r.n
+        _need(seqs % world_size == 0,
+              f"{role}.ppo_mini_batch_size * rollout.n = {seqs} sequences do not divide by the {world_size} ranks: "
+              f"make {role}.ppo_mini_batch_size a multiple of {world_size}")
+        sp = max(cfg.trainer.ulysses_size, 1)  # the ranks of a sequence-parallel group share their rows
+        per_rank = seqs * sp // world_size
+        rows = cfg.micro_batching(role).rows
+        inherited = " (actor.micro_batch_size_per_gpu, taken as critic.micro_batch_size_per_gpu = 0)" if (
+            role == "critic" and not self.micro_batch_size_per_gpu) else ""
+        ranks = "ranks" if sp == 1 else "data-parallel ranks"
+        _need(rows > 0 and per_rank % rows == 0,
+              f"{role}.micro_batch_size_per_gpu = {rows}{inherited} must divide the "
+              f"{per_rank} sequences per rank of a mini-batch ({role}.ppo_mini_batch_size * rollout.n / {ranks})")
+        _need(self.ppo_epochs >= 1, f"{role}.ppo_epochs must be >= 1")
+        budgets = {"max_token_len_per_gpu": self.max_token_len_per_gpu}
+        budgets.update({k: getattr(self, k) for k in ("logprob_max_token_len_per_gpu", "forward_max_token_len_per_gpu")
+                        if hasattr(self, k)})
+        if role == "critic" and self.max_token_len_per_gpu == -1:  # the actor's, checked as the actor's
+            budgets.pop("max_token_len_per_gpu")
+        longest = d.max_prompt_length + d.max_response_length
+        for key, budget in budgets.items():
+            floor = -1 if (role, key) == ("critic", "max_token_len_per_gpu") else 0
+            _need(budget >= floor, f"{role}.{key} must be >= 0 (0 = off)" + (", or -1 = the actor's" if floor else ""))
+            if budget:
+                _need(m.remove_padding, f"{role}.{key} = {budget} builds micro-batches by tokens, which needs packed "
+                      "sequences: set model.remove_padding = true (or the budget to 0)")
+                if sp == 1:
+                    _need(budget >= longest, f"{role}.{key} = {budget} is below the longest possible sequence "
+                          f"(data.max_prompt_length + data.max_response_length = {longest}): raise it to at least "
+                          f"{longest}")
+                else:  # a micro-batch of an SP group holds sp GPUs' budgets
+                    _need(budget * sp >= longest, f"{role}.{key} = {budget} x trainer.ulysses_size = {sp} is below "
+                          f"the longest possible sequence (data.max_prompt_length + data.max_response_length = "
+                          f"{longest}): raise it to at least {-(-longest // sp)}")
+
 
 @dataclass
-class ActorConfig:
+class ActorConfig(_TrainedModel):
     lr: float = 1e-6
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -254,9 +407,31 @@ class ActorConfig:
     cispo_clip_ratio_high: float = 4.0
     """CISPO: the IS weight is capped at 1 + this (no lower cap, as MiniMax-M1)."""
 
+    def check_loss(self) -> None:
+        """The policy loss's clip ratios and the optimizer's betas."""
+        for side in ("low", "high"):  # 0 freezes the policy on that side: ratio 1 is already clipped
+            _need(getattr(self, f"clip_ratio_{side}") > 0, f"actor.clip_ratio_{side} = {getattr(self, f'clip_ratio_{side}')} "
+                  f"must be > 0: with 0 the clipped loss has no gradient on that side, so the policy can never move "
+                  "there (0.2 is usual)")
+        _need(self.clip_ratio_low < 1, f"actor.clip_ratio_low = {self.clip_ratio_low} must be < 1 (the ratio is positive)")
+        _need(self.clip_ratio_c == 0 or self.clip_ratio_c > 1, "actor.clip_ratio_c must be > 1 (or 0 to turn dual clip off)")
+        _need(len(self.betas) == 2, "actor.betas must be two numbers, e.g. [0.9, 0.999]")
+        for key in ("gspo_clip_ratio_low", "gspo_clip_ratio_high", "cispo_clip_ratio_high"):
+            _need(getattr(self, key) >= 0, f"actor.{key} = {getattr(self, key)} must be >= 0")
+
+    def ranges(self, cfg: Config) -> list[Rule]:
+        return [
+            ("lr", self.lr > 0, "> 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("betas", all(0 <= b < 1 for b in self.betas), "in [0, 1) each"),
+            ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+            ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+            ("grad_clip", self.grad_clip >= 0, ">= 0 (0 = no clipping)"),
+            ("entropy_coeff", self.entropy_coeff >= 0, ">= 0"), ("kl_loss_coef", self.kl_loss_coef >= 0, ">= 0"),
+        ]
+
 
 @dataclass
-class CriticConfig:
+class CriticConfig(_TrainedModel):
     path: str = ""
     """Model directory for the critic's backbone; empty = the actor's model."""
     lr: float = 1e-5
@@ -285,6 +460,13 @@ class CriticConfig:
     forward_max_token_len_per_gpu: int = 0
     """Token budget of the no-grad value pass per micro-batch; 0 = twice the critic's update budget
     (after taking the actor's)."""
+
+    def ranges(self, cfg: Config) -> list[Rule]:
+        if not cfg.use_critic:
+            return []
+        return [("lr", self.lr > 0, "> 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
+                ("warmup_steps", self.warmup_steps >= 0, ">= 0"), ("grad_clip", self.grad_clip >= 0, ">= 0"),
+                ("cliprange_value", self.cliprange_value >= 0, ">= 0 (0 = no clipping)")]
 
 
 @dataclass
@@ -336,6 +518,27 @@ class AlgorithmConfig:
     overlong_filtering: bool = False
     """DAPO overlong filtering: responses cut at data.max_response_length leave the actor's loss."""
 
+    def check(self, n: int) -> None:
+        """The estimator fits `n` = rollout.n samples per prompt; discounts, rollout-correction bounds
+        and DAPO dynamic sampling in range."""
+        if self.adv_estimator in ("grpo", "rloo"):
+            _need(n >= 2, f"algorithm.adv_estimator = {self.adv_estimator!r} compares samples of one prompt: "
+                  f"set rollout.n >= 2 (got {n})")
+        _need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma and algorithm.lam must be in [0, 1]")
+        _need(self.rollout_is_threshold > 0, "algorithm.rollout_is_threshold must be > 0 (TIS uses 2)")
+        _need(0 < self.rollout_mask_low <= 1,
+              f"algorithm.rollout_mask_low = {self.rollout_mask_low} must be in (0, 1] (IcePop uses 0.5)")
+        _need(self.rollout_mask_high >= 1,
+              f"algorithm.rollout_mask_high = {self.rollout_mask_high} must be >= 1 (IcePop uses 2)")
+        _need(self.dynamic_sampling_max_rounds >= 1, "algorithm.dynamic_sampling_max_rounds must be >= 1")
+        if self.dynamic_sampling:
+            _need(self.adv_estimator in ("grpo", "rloo"), "algorithm.dynamic_sampling filters prompt groups: use "
+                  f"algorithm.adv_estimator = grpo or rloo (got {self.adv_estimator!r})")
+
+    def ranges(self, cfg: Config) -> list[Rule]:
+        return [("kl_coef", self.kl_coef >= 0, ">= 0"), ("target_kl", self.target_kl > 0, "> 0"),
+                ("kl_horizon", self.kl_horizon > 0, "> 0")]
+
 
 @dataclass
 class RewardConfig:
@@ -357,6 +560,16 @@ class RewardConfig:
     """What a scorer that raises or returns a non-number does: "fail" stops the run with one line
     naming the data source, row and response; "zero" scores that response 0 and counts it in the
     metric reward/errors."""
+
+    def check(self, max_response_length: int) -> None:
+        """DAPO's overlong shaping within `max_response_length` = data.max_response_length."""
+        _need(self.overlong_penalty_factor >= 0,
+              f"reward.overlong_penalty_factor = {self.overlong_penalty_factor} must be >= 0 (DAPO uses 1.0)")
+        _need(0 <= self.overlong_buffer < max_response_length,
+              "reward.overlong_buffer must be in [0, data.max_response_length) (0 = off)")
+
+    def ranges(self, cfg: Config) -> list[Rule]:
+        return [("format_bonus", self.format_bonus >= 0, ">= 0 (0 = off)")]
 
 
 @dataclass
@@ -408,7 +621,9 @@ class TrainerConfig:
     val_before_train: bool = False
     """Validate once before the first step."""
     save_every: int = 0
-    """Checkpoint every this many steps (0 = only at the end)."""
+    """Checkpoint every this many steps (0 = only at the end; -1 = never, not even at the end: for
+    benchmarks and throwaway runs whose checkpoints would only fill the disk. A stop signal, such
+    as a SLURM preemption, still writes one)."""
     keep_last: int = 2
     """Checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
     resume: str = "auto"
@@ -441,6 +656,80 @@ class TrainerConfig:
     """After the last step, rank 0 writes the final actor here as a Hugging Face model directory
     (safetensors, config, tokenizer; what `python -m spmd_rl.export` does for any checkpoint);
     empty = no export. Must not exist yet (or be empty)."""
+
+    def check_layout(self, world_size: int, gpus_per_node: int | None) -> None:
+        """trainer.fsdp_size cuts the `world_size` ranks into whole shard groups."""
+        _need(self.fsdp_size >= 0, f"trainer.fsdp_size = {self.fsdp_size} must be >= 0 (0 = shard over all ranks)")
+        per_node = f"the {gpus_per_node} GPUs per node" if gpus_per_node else "the GPUs per node"
+        _need(self.fsdp_size == 0 or world_size % self.fsdp_size == 0,
+              f"trainer.fsdp_size = {self.fsdp_size} does not divide the world size {world_size} (it is the ranks per "
+              f"shard group; the model is replicated across the groups): use a divisor of {world_size}, e.g. "
+              f"{per_node} on several nodes, or 0 to shard over all ranks")
+
+    def check_ulysses(self, cfg: Config, world_size: int) -> None:
+        """trainer.ulysses_size (sequence parallelism, spmd_rl/sequence_parallel.py): it divides the
+        world and the shard group, the rows are packed, and every model's attention heads split."""
+        sp, m = self.ulysses_size, cfg.model
+        if sp < 1:
+            raise ConfigError(f"trainer.ulysses_size = {sp} must be >= 1 (1 = no sequence parallelism)")
+        if sp == 1:
+            return
+        divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
+        if world_size % sp:
+            raise ConfigError(f"trainer.ulysses_size = {sp} does not divide the world size {world_size} (it is the ranks "
+                              f"that share each micro-batch): use one of {', '.join(map(str, divisors))}")
+        if self.fsdp_size and self.fsdp_size % sp:
+            raise ConfigError(f"trainer.ulysses_size = {sp} does not divide trainer.fsdp_size = {self.fsdp_size}: a "
+                              "sequence-parallel group must lie inside a shard group; use a divisor of "
+                              f"{self.fsdp_size}, or a trainer.fsdp_size that {sp} divides")
+        if not m.remove_padding:
+            raise ConfigError(f"trainer.ulysses_size = {sp} splits packed rows across ranks: set "
+                              "model.remove_padding = true")
+        from spmd_rl.model_files import model_attention_heads
+        from spmd_rl.sequence_parallel import head_problem
+
+        models = {}
+        if m.init == "random" and not m.path:
+            from spmd_rl.models import ARCH_PRESETS
+
+            arch = ARCH_PRESETS[m.arch]
+            models[f"model.arch = {m.arch!r}"] = (arch["num_attention_heads"], arch["num_key_value_heads"])
+        else:
+            models[f"model.path = {m.path!r}"] = model_attention_heads(m.path, "model.path")
+        if cfg.use_critic and cfg.critic.path:
+            models[f"critic.path = {cfg.critic.path!r}"] = model_attention_heads(cfg.critic.path, "critic.path")
+        for model, (heads, kv_heads) in models.items():
+            problem = head_problem(heads, kv_heads, sp)
+            if problem:
+                fits = [k for k in divisors if not head_problem(heads, kv_heads, k)]
+                raise ConfigError(f"trainer.ulysses_size = {sp} does not fit the model ({model}): {problem}; use one of "
+                                  f"{', '.join(map(str, fits))}")
+
+    def check(self, run_dir: str) -> None:
+        """Steps and checkpoints in range; the resume target exists; `run_dir` (Config.run_dir) and
+        the export directory can be written."""
+        _need(self.total_steps >= 1, "trainer.total_steps must be >= 1")
+        _need(self.keep_last >= 1, "trainer.keep_last must be >= 1 (the latest checkpoint is always kept)")
+        if self.resume not in ("auto", "none"):
+            _need(os.path.isdir(self.resume), f"trainer.resume = {self.resume!r} is not a checkpoint directory "
+                  '(use "auto", "none" or an existing step_N directory)')
+        problem = _cannot_write(run_dir)
+        _need(problem is None, f"trainer.run_dir = {run_dir!r} cannot be used ({problem}): choose another directory")
+        if self.export_hf_dir:
+            problem = _cannot_write(self.export_hf_dir)
+            _need(problem is None, f"trainer.export_hf_dir = {self.export_hf_dir!r} cannot be used ({problem}): choose "
+                  "another directory")
+            _need(not (os.path.exists(self.export_hf_dir) and os.listdir(self.export_hf_dir)),
+                  f"trainer.export_hf_dir = {self.export_hf_dir!r} exists and is not empty: choose a new directory "
+                  "(the export would otherwise fail after training)")
+
+    def ranges(self, cfg: Config) -> list[Rule]:
+        return [
+            ("val_every", self.val_every >= 0, ">= 0"), ("save_every", self.save_every >= -1, ">= -1 (0 = only at the end, -1 = never)"),
+            ("log_every", self.log_every >= 1, ">= 1"), ("peak_tflops", self.peak_tflops >= 0, ">= 0"),
+            ("experiment_name", bool(self.experiment_name.strip()), "a non-empty name"),
+            ("seed", self.seed >= 0, ">= 0"),
+        ]
 
 
 class MicroBatching(typing.NamedTuple):
@@ -486,6 +775,25 @@ class Config:
     def validate(self, world_size: int = 1, gpus_per_node: int | None = None) -> None:
         """Refuse impossible combinations, naming the key and the fix."""
         validate(self, world_size, gpus_per_node)
+
+    def check_choices(self) -> None:
+        """Every key of CHOICES holds one of its choices."""
+        for key, choices in CHOICES.items():
+            section, name = key.split(".")
+            value = str(getattr(getattr(self, section), name))
+            _need(value in choices, f"{key} = {value!r} is not one of {', '.join(repr(c) for c in choices)}")
+
+    def check_ranges(self) -> None:
+        """Every number a user sets, in its meaningful range (one message naming the key): finite,
+        then each section's `ranges`."""
+        for section in SECTIONS:
+            for name, value in dataclasses.asdict(getattr(self, section)).items():
+                for v in value if isinstance(value, list) else [value]:
+                    if isinstance(v, float) and not math.isfinite(v):
+                        raise ConfigError(f"{section}.{name} = {v} must be a finite number")
+        for section in SECTIONS:
+            for name, ok, expected in getattr(self, section).ranges(self):
+                _need(ok, f"{section}.{name} = {getattr(getattr(self, section), name)!r} must be {expected}")
 
     def micro_batching(self, role: str) -> MicroBatching:
         """How the "actor" (and reference) or the "critic" cuts its work into micro-batches, with
@@ -561,388 +869,42 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
     """Config from a TOML file (optional) and `section.key=value` overrides."""
-    raw: dict[str, Any] = {}
-    if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist: pass an existing TOML file to --config")
-        with open(path, "rb") as f:
-            try:
-                raw = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
-    for item in overrides or []:
-        key, value = _split_override(item)
-        section, name, *path = key.split(".")
-        raw.setdefault(section, {})
-        if not isinstance(raw[section], dict):
-            raise ConfigError(f"override {item!r}: {section!r} is a section, not a value")
-        if not path:
-            raw[section][name] = _parse_override_value(value)
-            continue
-        # section.key.entry[.entry...]: one entry of a table-valued key (rollout.engine_kwargs)
-        hint = typing.get_type_hints(typing.get_type_hints(Config)[section]).get(name) if section in SECTIONS else None
-        if hint is not None and typing.get_origin(hint) is not dict:
-            raise ConfigError(f"override key {key!r} must be section.key (e.g. actor.lr): only table keys "
-                              f"(rollout.engine_kwargs) take section.key.entry")
-        table = raw[section]
-        for i, part in enumerate([name, *path[:-1]]):
-            table = table.setdefault(part, {})
-            if not isinstance(table, dict):
-                raise ConfigError(f"override {item!r}: {'.'.join([section, name, *path][:i + 2])} is "
-                                  f"{table!r}, not a table")
-        table[path[-1]] = _parse_override_value(value)
-    return config_from_dict(raw)
+    return config_toml.load(Config, path, overrides)
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
-    cfg = Config()
-    for section, values in raw.items():
-        if section not in SECTIONS:
-            raise ConfigError(f"unknown config section [{section}]: valid sections are {', '.join(SECTIONS)}")
-        if not isinstance(values, dict):
-            raise ConfigError(f"[{section}] must be a table of keys, got {values!r}")
-        target = getattr(cfg, section)
-        hints = typing.get_type_hints(type(target))
-        for name, value in values.items():
-            key = f"{section}.{name}"
-            if name not in hints:
-                close = [k for k in hints if k.startswith(name[:3])]
-                hint = f" (did you mean {', '.join(section + '.' + c for c in close)}?)" if close else ""
-                raise ConfigError(f"unknown config key {key!r}{hint}; see docs/config.md for all keys")
-            setattr(target, name, _coerce(key, value, hints[name]))
-    return cfg
-
-
-def _split_override(item: str) -> tuple[str, str]:
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. actor.lr=1e-6)")
-    key, value = item.split("=", 1)
-    key = key.strip().lstrip("-")
-    if key.count(".") < 1 or not all(key.split(".")):
-        raise ConfigError(f"override key {key!r} must be section.key (e.g. actor.lr)")
-    return key, value.strip()
-
-
-def _parse_override_value(text: str) -> Any:
-    """TOML value syntax (1e-6, true, [1, 2], "x"); anything else is a plain string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    origin = typing.get_origin(hint)
-    if origin is dict:  # a table of TOML values handed on as they are (rollout.engine_kwargs)
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a table, got {value!r}: write {key}={{name=value}} or "
-                              f"{key}.name=value on the command line, a [{key}] table in the config file")
-        return {k: _table_value(f"{key}.{k}", v) for k, v in value.items()}
-    if origin is list:
-        (item_type,) = typing.get_args(hint)
-        if isinstance(value, str):  # "a,b" on the command line
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list of {item_type.__name__}, got {value!r}")
-        return [_coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key} must be an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{key} must be a number, got {value!r}")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key} must be a string, got {value!r} (quote it)")
-    raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover
-
-
-def _table_value(key: str, value: Any) -> Any:
-    """A copy of a value inside a table key: TOML's strings, numbers, booleans, lists and tables
-    (no dates and times: nothing takes them, and config.toml would not keep them)."""
-    if isinstance(value, dict):
-        return {k: _table_value(f"{key}.{k}", v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_table_value(f"{key}[{i}]", v) for i, v in enumerate(value)]
-    if isinstance(value, (bool, int, float, str)):
-        return value
-    raise ConfigError(f"{key} = {value!r}: a date or time is not a value here; quote it as a string")
+    return config_toml.from_dict(Config, raw)
 
 
 # --------------------------------------------------------------------------- validation
 
 
 def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None) -> None:
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ConfigError(msg)
-
-    for key, choices in CHOICES.items():
-        section, name = key.split(".")
-        value = str(getattr(getattr(cfg, section), name))
-        need(value in choices, f"{key} = {value!r} is not one of {', '.join(repr(c) for c in choices)}")
-
-    d, r, a, c, alg, t, m = cfg.data, cfg.rollout, cfg.actor, cfg.critic, cfg.algorithm, cfg.trainer, cfg.model
-
-    # model
-    if m.init == "pretrained":
-        need(bool(m.path), 'model.path is empty: set it to a local model directory, or use model.init = "random" with model.arch')
-    else:
-        need(bool(m.path) or bool(m.arch), 'model.init = "random" needs model.arch (a preset) or model.path (a config.json)')
-        if not m.path:
-            from spmd_rl.models import ARCH_PRESETS
-
-            need(m.arch in ARCH_PRESETS, f"model.arch = {m.arch!r} is not a preset: use one of {', '.join(ARCH_PRESETS)}")
-        need(bool(m.tokenizer) or bool(m.path),
-             'model.init = "random" with a preset arch needs model.tokenizer (a directory, or "char")')
-    need(m.fused_logprob_head == "none" or m.chunked_logprobs,
-         f"model.fused_logprob_head = {m.fused_logprob_head!r} fuses the chunked log-prob head: set "
-         "model.chunked_logprobs = true, or model.fused_logprob_head = \"none\"")
+    """Every check, the first that fails raising: the choices; each section's keys; the batch layout
+    over `world_size` ranks; sampling, losses and rewards; the engine's layout; the trainer's paths;
+    the ranges; last vLLM's keyword arguments."""
+    cfg.check_choices()
+    cfg.model.check()
     from spmd_rl.model_files import check_model_inputs
 
     check_model_inputs(cfg)  # the directories' files: config.json, weights, tokenizer (no weights are read)
-
-    # data
-    need(bool(d.train_files), "data.train_files is empty: list at least one Parquet file")
-    for f in d.train_files + d.val_files:
-        need(not os.path.isdir(f), f"data file {f!r} is a directory: list the Parquet files in it in "
-             "data.train_files / data.val_files")
-    if not d.synthetic_task:
-        for f in d.train_files + d.val_files:
-            need(os.path.isfile(f), f"data file {f!r} does not exist: fix data.train_files / data.val_files, "
-                 "or set data.synthetic_task to generate it")
-    elif not all(os.path.isfile(f) for f in d.train_files):  # rank 0 writes the first train and val file
-        for f in d.train_files[:1] + d.val_files[:1]:
-            problem = _cannot_write(os.path.dirname(f) or ".")
-            need(problem is None, f"data file {f!r} cannot be written for data.synthetic_task ({problem}): "
-                 "choose another directory in data.train_files / data.val_files")
-    need(d.train_batch_size > 0, "data.train_batch_size must be > 0")
-    need(d.max_prompt_length > 0 and d.max_response_length > 0, "data.max_prompt_length and data.max_response_length must be > 0")
-
-    # batch layout
-    need(t.fsdp_size >= 0, f"trainer.fsdp_size = {t.fsdp_size} must be >= 0 (0 = shard over all ranks)")
-    per_node = f"the {gpus_per_node} GPUs per node" if gpus_per_node else "the GPUs per node"
-    need(t.fsdp_size == 0 or world_size % t.fsdp_size == 0,
-         f"trainer.fsdp_size = {t.fsdp_size} does not divide the world size {world_size} (it is the ranks per "
-         f"shard group; the model is replicated across the groups): use a divisor of {world_size}, e.g. "
-         f"{per_node} on several nodes, or 0 to shard over all ranks")
-    validate_ulysses(cfg, world_size)
-    need(d.train_batch_size % world_size == 0,
-         f"data.train_batch_size = {d.train_batch_size} does not divide by the {world_size} ranks: "
-         f"make it a multiple of {world_size}")
-    for role, cfg_role in (("actor", a), ("critic", c)):
-        if role == "critic" and not cfg.use_critic:
-            continue
-        mini = cfg_role.ppo_mini_batch_size
-        need(mini > 0 and d.train_batch_size % mini == 0,
-             f"{role}.ppo_mini_batch_size = {mini} must divide data.train_batch_size = {d.train_batch_size}")
-        seqs = mini * r.n
-        need(seqs % world_size == 0,
-             f"{role}.ppo_mini_batch_size * rollout.n = {seqs} sequences do not divide by the {world_size} ranks: "
-             f"make {role}.ppo_mini_batch_size a multiple of {world_size}")
-        sp = max(t.ulysses_size, 1)  # the ranks of a sequence-parallel group share their rows
-        per_rank = seqs * sp // world_size
-        rows = cfg.micro_batching(role).rows
-        inherited = " (actor.micro_batch_size_per_gpu, taken as critic.micro_batch_size_per_gpu = 0)" if (
-            role == "critic" and not c.micro_batch_size_per_gpu) else ""
-        ranks = "ranks" if sp == 1 else "data-parallel ranks"
-        need(rows > 0 and per_rank % rows == 0,
-             f"{role}.micro_batch_size_per_gpu = {rows}{inherited} must divide the "
-             f"{per_rank} sequences per rank of a mini-batch ({role}.ppo_mini_batch_size * rollout.n / {ranks})")
-        need(cfg_role.ppo_epochs >= 1, f"{role}.ppo_epochs must be >= 1")
-        budgets = {"max_token_len_per_gpu": cfg_role.max_token_len_per_gpu}
-        budgets.update({k: getattr(cfg_role, k) for k in ("logprob_max_token_len_per_gpu", "forward_max_token_len_per_gpu")
-                        if hasattr(cfg_role, k)})
-        if role == "critic" and c.max_token_len_per_gpu == -1:  # the actor's, checked as the actor's
-            budgets.pop("max_token_len_per_gpu")
-        longest = d.max_prompt_length + d.max_response_length
-        for key, budget in budgets.items():
-            floor = -1 if (role, key) == ("critic", "max_token_len_per_gpu") else 0
-            need(budget >= floor, f"{role}.{key} must be >= 0 (0 = off)" + (", or -1 = the actor's" if floor else ""))
-            if budget:
-                need(m.remove_padding, f"{role}.{key} = {budget} builds micro-batches by tokens, which needs packed "
-                     "sequences: set model.remove_padding = true (or the budget to 0)")
-                if sp == 1:
-                    need(budget >= longest, f"{role}.{key} = {budget} is below the longest possible sequence "
-                         f"(data.max_prompt_length + data.max_response_length = {longest}): raise it to at least "
-                         f"{longest}")
-                else:  # a micro-batch of an SP group holds sp GPUs' budgets
-                    need(budget * sp >= longest, f"{role}.{key} = {budget} x trainer.ulysses_size = {sp} is below the "
-                         f"longest possible sequence (data.max_prompt_length + data.max_response_length = {longest}): "
-                         f"raise it to at least {-(-longest // sp)}")
-
-    # algorithm
-    need(r.n >= 1, "rollout.n must be >= 1")
-    if alg.adv_estimator in ("grpo", "rloo"):
-        need(r.n >= 2, f"algorithm.adv_estimator = {alg.adv_estimator!r} compares samples of one prompt: "
-             f"set rollout.n >= 2 (got {r.n})")
-    need(r.temperature > 0, "rollout.temperature must be > 0 for training rollouts")
-    need(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
-    need(r.top_k == -1 or r.top_k > 0, "rollout.top_k must be -1 (off) or > 0")
-    for side in ("low", "high"):  # 0 freezes the policy on that side: ratio 1 is already clipped
-        need(getattr(a, f"clip_ratio_{side}") > 0, f"actor.clip_ratio_{side} = {getattr(a, f'clip_ratio_{side}')} "
-             f"must be > 0: with 0 the clipped loss has no gradient on that side, so the policy can never move "
-             "there (0.2 is usual)")
-    need(a.clip_ratio_low < 1, f"actor.clip_ratio_low = {a.clip_ratio_low} must be < 1 (the ratio is positive)")
-    need(a.clip_ratio_c == 0 or a.clip_ratio_c > 1, "actor.clip_ratio_c must be > 1 (or 0 to turn dual clip off)")
-    need(len(a.betas) == 2, "actor.betas must be two numbers, e.g. [0.9, 0.999]")
-    need(0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1, "algorithm.gamma and algorithm.lam must be in [0, 1]")
-    for key in ("gspo_clip_ratio_low", "gspo_clip_ratio_high", "cispo_clip_ratio_high"):
-        need(getattr(a, key) >= 0, f"actor.{key} = {getattr(a, key)} must be >= 0")
-    need(alg.rollout_is_threshold > 0, "algorithm.rollout_is_threshold must be > 0 (TIS uses 2)")
-    need(0 < alg.rollout_mask_low <= 1,
-         f"algorithm.rollout_mask_low = {alg.rollout_mask_low} must be in (0, 1] (IcePop uses 0.5)")
-    need(alg.rollout_mask_high >= 1,
-         f"algorithm.rollout_mask_high = {alg.rollout_mask_high} must be >= 1 (IcePop uses 2)")
-    need(cfg.reward.overlong_penalty_factor >= 0,
-         f"reward.overlong_penalty_factor = {cfg.reward.overlong_penalty_factor} must be >= 0 (DAPO uses 1.0)")
-    need(alg.dynamic_sampling_max_rounds >= 1, "algorithm.dynamic_sampling_max_rounds must be >= 1")
-    if alg.dynamic_sampling:
-        need(alg.adv_estimator in ("grpo", "rloo"), "algorithm.dynamic_sampling filters prompt groups: use "
-             f"algorithm.adv_estimator = grpo or rloo (got {alg.adv_estimator!r})")
-    need(0 <= cfg.reward.overlong_buffer < d.max_response_length,
-         "reward.overlong_buffer must be in [0, data.max_response_length) (0 = off)")
-    need(r.val_n >= 1, "rollout.val_n must be >= 1")
-    need(r.val_n == 1 or r.val_temperature > 0,
-         "rollout.val_n > 1 needs rollout.val_temperature > 0 (greedy samples are all the same)")
-
-    # rollout engine
-    tp = r.tensor_parallel_size
-    need(tp >= 1, "rollout.tensor_parallel_size must be >= 1")
-    if r.engine == "hf":
-        need(tp == 1, 'rollout.tensor_parallel_size > 1 needs rollout.engine = "vllm"')
-    need(world_size % tp == 0, f"rollout.tensor_parallel_size = {tp} must divide the world size {world_size}")
-    if gpus_per_node is not None:
-        need(gpus_per_node % tp == 0,
-             f"rollout.tensor_parallel_size = {tp} does not divide the {gpus_per_node} GPUs per node, so a "
-             f"tensor-parallel group would span two nodes: use a divisor of {gpus_per_node}")
-    need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization must be in (0, 1)")
-    need(r.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb must be > 0")
-
-    # trainer
-    need(t.total_steps >= 1, "trainer.total_steps must be >= 1")
-    need(t.keep_last >= 1, "trainer.keep_last must be >= 1 (the latest checkpoint is always kept)")
-    if t.resume not in ("auto", "none"):
-        need(os.path.isdir(t.resume), f"trainer.resume = {t.resume!r} is not a checkpoint directory "
-             '(use "auto", "none" or an existing step_N directory)')
-    problem = _cannot_write(cfg.run_dir)
-    need(problem is None, f"trainer.run_dir = {cfg.run_dir!r} cannot be used ({problem}): choose another directory")
-    if t.export_hf_dir:
-        problem = _cannot_write(t.export_hf_dir)
-        need(problem is None, f"trainer.export_hf_dir = {t.export_hf_dir!r} cannot be used ({problem}): choose "
-             "another directory")
-        need(not (os.path.exists(t.export_hf_dir) and os.listdir(t.export_hf_dir)),
-             f"trainer.export_hf_dir = {t.export_hf_dir!r} exists and is not empty: choose a new directory "
-             "(the export would otherwise fail after training)")
-    validate_ranges(cfg)
+    cfg.data.check()
+    cfg.trainer.check_layout(world_size, gpus_per_node)
+    cfg.trainer.check_ulysses(cfg, world_size)
+    cfg.data.check_layout(world_size)
+    cfg.actor.check_batches(cfg, "actor", world_size)
+    if cfg.use_critic:
+        cfg.critic.check_batches(cfg, "critic", world_size)
+    cfg.rollout.check_sampling()
+    cfg.actor.check_loss()
+    cfg.algorithm.check(cfg.rollout.n)
+    cfg.reward.check(cfg.data.max_response_length)
+    cfg.rollout.check_engine(world_size, gpus_per_node)
+    cfg.trainer.check(cfg.run_dir)
+    cfg.check_ranges()
     from spmd_rl.vllm_kwargs import check_engine_kwargs
 
-    check_engine_kwargs(r)  # last: with engine kwargs set, it imports vLLM to know its argument names
-
-
-def validate_ulysses(cfg: Config, world_size: int) -> None:
-    """trainer.ulysses_size (sequence parallelism, spmd_rl/sequence_parallel.py): it divides the
-    world and the shard group, the rows are packed, and every model's attention heads split."""
-    sp, t, m = cfg.trainer.ulysses_size, cfg.trainer, cfg.model
-    if sp < 1:
-        raise ConfigError(f"trainer.ulysses_size = {sp} must be >= 1 (1 = no sequence parallelism)")
-    if sp == 1:
-        return
-    divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
-    if world_size % sp:
-        raise ConfigError(f"trainer.ulysses_size = {sp} does not divide the world size {world_size} (it is the ranks "
-                          f"that share each micro-batch): use one of {', '.join(map(str, divisors))}")
-    if t.fsdp_size and t.fsdp_size % sp:
-        raise ConfigError(f"trainer.ulysses_size = {sp} does not divide trainer.fsdp_size = {t.fsdp_size}: a "
-                          "sequence-parallel group must lie inside a shard group; use a divisor of "
-                          f"{t.fsdp_size}, or a trainer.fsdp_size that {sp} divides")
-    if not m.remove_padding:
-        raise ConfigError(f"trainer.ulysses_size = {sp} splits packed rows across ranks: set "
-                          "model.remove_padding = true")
-    from spmd_rl.model_files import model_attention_heads
-    from spmd_rl.sequence_parallel import head_problem
-
-    models = {}
-    if m.init == "random" and not m.path:
-        from spmd_rl.models import ARCH_PRESETS
-
-        arch = ARCH_PRESETS[m.arch]
-        models[f"model.arch = {m.arch!r}"] = (arch["num_attention_heads"], arch["num_key_value_heads"])
-    else:
-        models[f"model.path = {m.path!r}"] = model_attention_heads(m.path, "model.path")
-    if cfg.use_critic and cfg.critic.path:
-        models[f"critic.path = {cfg.critic.path!r}"] = model_attention_heads(cfg.critic.path, "critic.path")
-    for model, (heads, kv_heads) in models.items():
-        problem = head_problem(heads, kv_heads, sp)
-        if problem:
-            fits = [k for k in divisors if not head_problem(heads, kv_heads, k)]
-            raise ConfigError(f"trainer.ulysses_size = {sp} does not fit the model ({model}): {problem}; use one of "
-                              f"{', '.join(map(str, fits))}")
-
-
-def _cannot_write(path: str) -> str | None:
-    """Why no directory can be created and written at `path` (None: it can), from the nearest part
-    of it that exists. Found here, before the process group exists, not by a makedirs traceback."""
-    target = p = os.path.abspath(path)
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    if not os.path.isdir(p):
-        return "it is a file" if p == target else f"{p!r} is a file"
-    if not os.access(p, os.W_OK | os.X_OK):
-        return f"{p!r} is not writable"
-    return None
-
-
-def validate_ranges(cfg: Config) -> None:
-    """Every number a user sets, in its meaningful range (one message naming the key)."""
-    for section in SECTIONS:
-        for name, value in dataclasses.asdict(getattr(cfg, section)).items():
-            for v in value if isinstance(value, list) else [value]:
-                if isinstance(v, float) and not math.isfinite(v):
-                    raise ConfigError(f"{section}.{name} = {v} must be a finite number")
-    d, r, a, c, alg, t = cfg.data, cfg.rollout, cfg.actor, cfg.critic, cfg.algorithm, cfg.trainer
-    rules = [
-        ("actor.lr", a.lr > 0, "> 0"), ("actor.weight_decay", a.weight_decay >= 0, ">= 0"),
-        ("actor.betas", all(0 <= b < 1 for b in a.betas), "in [0, 1) each"),
-        ("actor.warmup_steps", a.warmup_steps >= 0, ">= 0"),
-        ("actor.min_lr_ratio", 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
-        ("actor.grad_clip", a.grad_clip >= 0, ">= 0 (0 = no clipping)"),
-        ("actor.entropy_coeff", a.entropy_coeff >= 0, ">= 0"), ("actor.kl_loss_coef", a.kl_loss_coef >= 0, ">= 0"),
-        ("algorithm.kl_coef", alg.kl_coef >= 0, ">= 0"), ("algorithm.target_kl", alg.target_kl > 0, "> 0"),
-        ("algorithm.kl_horizon", alg.kl_horizon > 0, "> 0"),
-        ("data.val_batch_size", d.val_batch_size > 0, "> 0"),
-        ("data.synthetic_size", not d.synthetic_task or d.synthetic_size >= d.train_batch_size,
-         ">= data.train_batch_size (one batch at least)"),
-        ("rollout.val_temperature", r.val_temperature >= 0, ">= 0 (0 = greedy)"),
-        ("rollout.val_n", r.val_n >= 1, ">= 1"),
-        ("rollout.stop_token_ids", all(i >= 0 for i in r.stop_token_ids), "token ids >= 0"),
-        ("rollout.max_num_seqs", r.max_num_seqs >= 1, ">= 1"),
-        ("rollout.max_num_batched_tokens", r.max_num_batched_tokens >= 1, ">= 1"),
-        ("rollout.max_model_len", r.max_model_len == 0 or r.max_model_len >= d.max_prompt_length + d.max_response_length,
-         "0 or >= data.max_prompt_length + data.max_response_length"),
-        ("rollout.cudagraph_capture_sizes", all(s > 0 for s in r.cudagraph_capture_sizes), "sizes > 0"),
-        ("trainer.val_every", t.val_every >= 0, ">= 0"), ("trainer.save_every", t.save_every >= 0, ">= 0"),
-        ("trainer.log_every", t.log_every >= 1, ">= 1"), ("trainer.peak_tflops", t.peak_tflops >= 0, ">= 0"),
-        ("trainer.experiment_name", bool(t.experiment_name.strip()), "a non-empty name"),
-        ("reward.format_bonus", cfg.reward.format_bonus >= 0, ">= 0 (0 = off)"),
-        ("model.seed", cfg.model.seed >= 0, ">= 0"), ("rollout.seed", r.seed >= 0, ">= 0"),
-        ("trainer.seed", t.seed >= 0, ">= 0"),
-    ]
-    if cfg.use_critic:
-        rules += [("critic.lr", c.lr > 0, "> 0"), ("critic.weight_decay", c.weight_decay >= 0, ">= 0"),
-                  ("critic.warmup_steps", c.warmup_steps >= 0, ">= 0"), ("critic.grad_clip", c.grad_clip >= 0, ">= 0"),
-                  ("critic.cliprange_value", c.cliprange_value >= 0, ">= 0 (0 = no clipping)")]
-    for key, ok, expected in rules:
-        if not ok:
-            section, name = key.split(".")
-            raise ConfigError(f"{key} = {getattr(getattr(cfg, section), name)!r} must be {expected}")
+    check_engine_kwargs(cfg.rollout)  # last: with engine kwargs set, it imports vLLM to know its argument names
 
 
 # --------------------------------------------------------------------------- docs
@@ -957,35 +919,6 @@ def field_docs(cls: type) -> dict[str, str]:
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = inspect.cleandoc(nxt.value.value)  # type: ignore[union-attr]
     return docs
-
-
-def to_dict(cfg: Config) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML (saved into the run directory)."""
-
-    def fmt(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(fmt(x) for x in v) + "]"
-        if isinstance(v, dict):  # an inline table, so the section's later keys stay in the section
-            return "{" + ", ".join(f"{k if _BARE_KEY.fullmatch(k) else fmt(k)} = {fmt(x)}" for k, x in v.items()) + "}"
-        return repr(v)
-
-    lines = []
-    for section, values in to_dict(cfg).items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {fmt(v)}" for k, v in values.items()]
-        lines.append("")
-    return "\n".join(lines)
 
 
 def markdown_reference() -> str:

@@ -5,11 +5,20 @@ training with variable sequence lengths, but memory that a sleep-mode vLLM engin
 through it is not handed back by `sleep()` (vLLM's pool maps its own pages; see
 shared/notes/colocation-facts.md). The engine therefore switches expandable segments off from
 `wake_up` to `sleep` and back on afterwards, when the user asked for them (verl does the same).
-Nothing here needs a GPU to import.
+
+While the engine is built they must stay off, and vLLM would switch them back on: its sleep-mode
+allocator (`CuMemAllocator.use_memory_pool`) turns them off around the weights and the KV cache
+and back on afterwards whenever PYTORCH_CUDA_ALLOC_CONF names them, so the CUDA graphs captured
+next get their buffers from expandable (CUDA VMM) segments. With tensor parallelism, vLLM's custom
+all-reduce then registers those graph buffers for the other ranks through cudaIpcGetMemHandle,
+which legacy CUDA IPC refuses for VMM memory: `custom_all_reduce.cuh:455 'invalid argument'` at
+engine start (vLLM issues #42609, #43923). `engine_build_allocator` hides the setting from vLLM
+for the build. Nothing here needs a GPU to import.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -18,16 +27,45 @@ import time
 import torch
 
 GiB = 2**30
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the second: torch's newer alias
 
 
 def expandable_segments_requested() -> bool:
     """Whether the process was started with expandable segments on (PYTORCH_CUDA_ALLOC_CONF, or the
     newer PYTORCH_ALLOC_CONF alias)."""
-    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+    for var in ALLOC_CONF_VARS:
         conf = os.environ.get(var, "").replace(" ", "")
         if "expandable_segments:True" in conf:
             return True
     return False
+
+
+def without_expandable_segments(conf: str) -> str:
+    """An allocator setting string with its expandable_segments entry taken out (the others kept)."""
+    entries = [e for e in conf.split(",") if e.strip() and e.split(":")[0].strip() != "expandable_segments"]
+    return ",".join(entries)
+
+
+@contextlib.contextmanager
+def engine_build_allocator():
+    """Expandable segments off, and hidden from the allocator settings in the environment, while a
+    vLLM engine is built (weights, KV cache and CUDA-graph capture): see the module docstring.
+    The environment is restored afterwards; the allocator stays off until the caller switches it
+    back (the engine does so when it first sleeps)."""
+    saved = {v: os.environ[v] for v in ALLOC_CONF_VARS if v in os.environ}
+    for var, conf in saved.items():
+        hidden = without_expandable_segments(conf)
+        if hidden:
+            os.environ[var] = hidden
+        else:
+            del os.environ[var]
+    set_expandable_segments(False)
+    try:
+        yield
+    finally:
+        for var in ALLOC_CONF_VARS:
+            os.environ.pop(var, None)
+        os.environ.update(saved)
 
 
 def set_expandable_segments(enabled: bool) -> None:

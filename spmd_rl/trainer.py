@@ -9,12 +9,13 @@ One step:
   5. adv     token rewards (+ KL penalty), advantages (GAE / GRPO / RLOO / REINFORCE++)
   6. update  critic, then actor: ppo_epochs x mini-batches x micro-batches
   7. log, validate, checkpoint, honour a stop signal
+
+What the trainer composes (data, models, rollout engine) is built by spmd_rl/build.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import os
@@ -29,26 +30,23 @@ from spmd_rl import algorithms as algos
 from spmd_rl import fused_kernels, sequence_parallel
 from spmd_rl.actor import actor_loss_fn, compute_logprobs
 from spmd_rl.batch import Batch, build_rollout_batch, response_token_ids
-from spmd_rl.checkpoint import CheckpointError, Checkpointer, ModelAndOptimizer, saved_world_size
+from spmd_rl.build import build_data, build_engine, build_models, resume_target
+from spmd_rl.checkpoint import Checkpointer, ModelAndOptimizer, saved_world_size
 from spmd_rl.config import Config, to_toml
 from spmd_rl.critic import compute_values, critic_loss_fn
-from spmd_rl.data import PromptDataset, ShardedSampler, iter_eval_batches
+from spmd_rl.data import iter_eval_batches
 from spmd_rl.distributed import DistEnv, all_reduce_mean, all_reduce_sum
 from spmd_rl.gpu_memory import PhaseMemory
 from spmd_rl.dynamic_sampling import collect_informative_groups
 from spmd_rl.metrics import MetricsLogger, summary_line
-from spmd_rl.model_files import check_vocab, model_vocab_size
-from spmd_rl.models import (ARCH_PRESETS, DTYPES, allocate_meta_model, build_sharded, count_parameters, load_causal_lm,
-                            load_value_model, materialize_random_model, random_model_config)
 from spmd_rl.offload import move_train_state
-from spmd_rl.optim import make_optimizer, make_scheduler
 from spmd_rl.preemption import StopFlag
 from spmd_rl.rank_balance import balance_ranks, mini_batch_block_rows
 from spmd_rl.rewards import RewardFunction, extract_answer
 from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.startup import startup_clock
 from spmd_rl.rollout_correction import actor_update_batch
-from spmd_rl.tokenizer import decode_response, load_tokenizer
+from spmd_rl.tokenizer import decode_response
 from spmd_rl.update import ppo_update
 from spmd_rl.val_metrics import prompt_means, prompt_sums
 from spmd_rl.weight_sync import iter_weights
@@ -88,16 +86,20 @@ class Trainer:
         self.startup = startup_clock()  # logs each phase's seconds; time/startup_* in the first step
         self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), cfg.trainer.keep_last,
                                          cfg.trainer.async_save)
-        self._check_resume_target()
+        self.resume_path = resume_target(self.checkpointer, cfg.trainer.resume)
         self.reward_fn = RewardFunction(cfg.reward, defer_errors=True)  # raised by sync_failures, on every rank
         with self.startup("data"):
-            self._setup_data()
-        self._setup_models()
+            self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg, env, self.reward_fn)
+        models = build_models(cfg, env, self.tokenizer, self.resume_path is not None, self.startup)
+        self.actor, self.actor_opt, self.actor_sched = models.actor, models.actor_opt, models.actor_sched
+        self.ref, self.n_params = models.ref, models.n_params
+        self.critic, self.critic_opt, self.critic_sched = models.critic, models.critic_opt, models.critic_sched
         # after every input check (data, tokenizer, model files): a run refused for one of them must
         # not add files (TensorBoard events) to an existing run_dir
         self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
         with self.startup("engine"):
-            self._setup_engine()
+            self.engine, self.engine_dtype, self.engine_replica = build_engine(cfg, env, models.model_dir,
+                                                                              models.model_key, self.tokenizer)
         self.kl_ctrl = (algos.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.target_kl, cfg.algorithm.kl_horizon)
                         if cfg.algorithm.kl_ctrl == "adaptive" else algos.FixedKLController(cfg.algorithm.kl_coef))
         if env.is_main:
@@ -107,135 +109,6 @@ class Trainer:
         with self.startup("checkpoint_load"):
             self._resume()
         self.startup.finish()
-
-    # ------------------------------------------------------------------ setup
-    def _check_resume_target(self) -> None:
-        t = self.cfg.trainer
-        if t.resume == "none" and self.checkpointer.has_checkpoints():
-            raise CheckpointError(
-                f"trainer.resume = 'none' but {self.checkpointer.root} already holds checkpoints; starting "
-                "fresh would overwrite them. Use trainer.resume=auto to continue, or a new trainer.run_dir.")
-        self.resume_path = self.checkpointer.find_resume(t.resume)  # verified now, loaded once models exist
-
-    def _setup_data(self) -> None:
-        cfg, env = self.cfg, self.env
-        d = cfg.data
-        if d.synthetic_task:
-            # rank 0 alone looks: a rank looking after rank 0 wrote the files would skip the barrier,
-            # and its next collective would meet rank 0's barrier
-            if env.is_main and not all(os.path.isfile(f) for f in d.train_files):
-                from spmd_rl.synthetic import write_synthetic
-
-                out_dir = os.path.dirname(d.train_files[0]) or "."
-                train, val = write_synthetic(d.synthetic_task, out_dir, d.synthetic_size,
-                                             max(1, d.synthetic_size // 4), cfg.trainer.seed)
-                if os.path.abspath(train) != os.path.abspath(d.train_files[0]):
-                    os.replace(train, d.train_files[0])
-                if d.val_files and os.path.abspath(val) != os.path.abspath(d.val_files[0]):
-                    os.replace(val, d.val_files[0])
-                log.info("wrote synthetic %r data to %s", d.synthetic_task, out_dir)
-            dist.barrier()
-        m = cfg.model
-        tok_spec = m.tokenizer if m.tokenizer else ""
-        self.tokenizer = load_tokenizer(tok_spec, m.path)
-        self._check_vocab()
-        self.train_data = PromptDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.apply_chat_template)
-        if self.train_data.num_dropped:
-            log.warning("dropped %d training prompts longer than data.max_prompt_length = %d",
-                        self.train_data.num_dropped, d.max_prompt_length)
-        self.val_data = (PromptDataset(d.val_files, self.tokenizer, d.max_prompt_length, d.apply_chat_template)
-                         if d.val_files else None)
-        sources = [r.data_source for r in self.train_data.records]
-        if self.val_data is not None:
-            sources += [r.data_source for r in self.val_data.records]
-        self.reward_fn.check_data_sources(sources)  # an unscorable data source fails before models load
-        self.sampler = ShardedSampler(len(self.train_data), d.train_batch_size, env.rank, env.world_size,
-                                      cfg.trainer.seed, d.shuffle)
-        log.info("data: %d training prompts (%d steps per epoch), %d validation prompts",
-                 len(self.train_data), self.sampler.steps_per_epoch, len(self.val_data) if self.val_data else 0)
-
-    def _check_vocab(self) -> None:
-        """The tokenizer's ids fit every model's embedding (else a device-side assert mid-run)."""
-        m, c = self.cfg.model, self.cfg.critic
-        if m.init == "random" and not m.path:
-            models = {f"model.arch = {m.arch!r}": ARCH_PRESETS[m.arch]["vocab_size"]}
-        else:
-            models = {f"model.path = {m.path!r}": model_vocab_size(m.path, "model.path")}
-        if self.cfg.use_critic and c.path:
-            models[f"critic.path = {c.path!r}"] = model_vocab_size(c.path, "critic.path")
-        source = f"model.tokenizer = {m.tokenizer!r}" if m.tokenizer else f"model.path = {m.path!r}"
-        for model, vocab_size in models.items():
-            check_vocab(len(self.tokenizer), source, vocab_size, model)
-
-    def _model_dir(self) -> str:
-        m = self.cfg.model
-        if m.init == "pretrained":
-            return m.path
-        config = random_model_config(m.arch, m.path, self.tokenizer)
-        return materialize_random_model(os.path.join(self.run_dir, "init_model"), config, m.seed,
-                                        DTYPES[m.dtype], self.tokenizer)
-
-    def _setup_models(self) -> None:
-        cfg, env = self.cfg, self.env
-        m, a, c = cfg.model, cfg.actor, cfg.critic
-        self.startup.begin("model_build")
-        self.model_dir = self._model_dir()
-        self.model_key = "model.path" if m.init == "pretrained" else ""  # "": <run_dir>/init_model, ours
-        master, compute = DTYPES[m.dtype], DTYPES[m.compute_dtype]
-        resume = self.resume_path is not None  # checkpointed models: no weights read, the resume fills them
-
-        def sharded(load, from_checkpoint: bool, gradient_checkpointing: bool = m.gradient_checkpointing):
-            model = build_sharded(load, env.mesh, compute, from_checkpoint, gradient_checkpointing, m.fsdp_forward_prefetch)
-            return sequence_parallel.apply(model, env.sp)  # trainer.ulysses_size: each rank takes a slice of a row
-
-        def policy_model(dtype):
-            return functools.partial(load_causal_lm, self.model_dir, dtype, m.attn_implementation, m.remove_padding,
-                                     m.chunked_logprobs, self.model_key, fused_kernels=m.fused_kernels,
-                                     fused_logprob_head=m.fused_logprob_head)
-
-        self.actor = sharded(policy_model(master), resume)
-        self.n_params = count_parameters(self.actor)
-        self.actor_opt = make_optimizer(self.actor, a.lr, a.weight_decay, a.betas)
-        self.actor_sched = make_scheduler(self.actor_opt, a.warmup_steps, cfg.trainer.total_steps, a.lr_schedule, a.min_lr_ratio)
-        self.startup.begin("reference_critic")
-        self.ref = None
-        if cfg.use_reference:
-            # frozen, never checkpointed: always from the model directory. Stored in the compute dtype
-            # (forward numerics are the same as fp32 masters cast to it for every forward, at half or a
-            # quarter of the memory)
-            self.ref = sharded(policy_model(compute), False, gradient_checkpointing=False)
-            self.ref.requires_grad_(False)
-        self.critic = self.critic_opt = self.critic_sched = None
-        if cfg.use_critic:
-            critic_dir, critic_key = (c.path, "critic.path") if c.path else (self.model_dir, self.model_key)
-            self.critic = sharded(functools.partial(load_value_model, critic_dir, master, m.attn_implementation,
-                                                    m.remove_padding, critic_key, fused_kernels=m.fused_kernels), resume)
-            self.critic_opt = make_optimizer(self.critic, c.lr, c.weight_decay)
-            self.critic_sched = make_scheduler(self.critic_opt, c.warmup_steps, cfg.trainer.total_steps)
-        self.startup.end()
-        log.info("models ready: actor %.1fM parameters%s%s, %s", self.n_params / 1e6,
-                 ", reference" if self.ref is not None else "", ", critic" if self.critic is not None else "",
-                 "weights left for the checkpoint" if resume else f"from {self.model_dir}")
-
-    def _setup_engine(self) -> None:
-        cfg, env = self.cfg, self.env
-        r = cfg.rollout
-        eos = self.tokenizer.eos_token_id
-        self.engine_dtype = torch.float32 if (r.engine == "hf" and self.device.type == "cpu") else DTYPES[r.dtype]
-        if r.engine == "vllm":
-            from spmd_rl.rollout.vllm_engine import VLLMEngine, use_cache_root
-
-            use_cache_root(r.compile_cache_dir or os.path.join(self.run_dir, "compile_cache"))
-            self.engine = VLLMEngine(cfg, self.model_dir, env.rank, env.world_size, env.local_rank, env.local_world_size)
-            self.engine_replica = env.rank // r.tensor_parallel_size  # (built asleep)
-        else:
-            from spmd_rl.rollout.hf_engine import HFEngine
-
-            # no weights read, as vLLM's dummy load: every generate first syncs the actor's weights in
-            model = allocate_meta_model(load_causal_lm(self.model_dir, self.engine_dtype, cfg.model.attn_implementation,
-                                                       key=self.model_key, weights=False), self.device)
-            self.engine = HFEngine(model, self.tokenizer.pad_token_id, [eos], self.device)
-            self.engine_replica = env.rank
 
     # ------------------------------------------------------------------ checkpoints
     def _stateful(self) -> dict:
@@ -567,11 +440,12 @@ class Trainer:
                 log.info(summary_line(self.step, t.total_steps, metrics))
                 if "val/acc" in metrics:
                     log.info("validation: acc %.3f reward %.3f", metrics["val/acc"], metrics["val/reward_mean"])
-            if last or (t.save_every and self.step % t.save_every == 0):
+            periodic = t.save_every > 0 and self.step % t.save_every == 0
+            if periodic or (last and t.save_every >= 0):
                 self.save_checkpoint(wait=last)
             if not last and self.stop.requested():
                 log.warning("stop signal received: checkpointing at step %d and exiting", self.step)
-                if not (t.save_every and self.step % t.save_every == 0):
+                if not periodic:
                     self.save_checkpoint()
                 self.checkpointer.wait()  # exit with the requeue code only once the checkpoint is complete
                 return "preempted"

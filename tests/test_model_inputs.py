@@ -6,18 +6,17 @@ import json
 import os
 import re
 import shutil
-from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from conftest import ROOT
+from spmd_rl.build import check_tokenizer_vocab
 from spmd_rl.config import load_config
 from spmd_rl.model_files import ModelFilesError, check_vocab, loading, safetensors_problem
 from spmd_rl.models import ARCH_PRESETS, load_causal_lm, load_value_model
 from spmd_rl.tokenizer import build_char_tokenizer, load_tokenizer
-from spmd_rl.trainer import Trainer
 
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
 
@@ -213,8 +212,8 @@ def test_loading_leaves_programming_errors_alone(tmp_path):
 
 
 def vocab_check(cfg_overrides, tokenizer):
-    """Trainer._check_vocab as start-up runs it, without the rest of a trainer."""
-    Trainer._check_vocab(SimpleNamespace(cfg=load_config(TINY, cfg_overrides), tokenizer=tokenizer))
+    """The check start-up runs (build.build_data), without the rest of a trainer."""
+    check_tokenizer_vocab(load_config(TINY, cfg_overrides), tokenizer)
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused_naming_both_numbers(good_model, model, tmp_path):

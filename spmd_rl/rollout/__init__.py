@@ -1,6 +1,6 @@
 """Rollout engines: the interface (base.py), transformers generate (hf_engine.py, CPU/tests) and the
 colocated vLLM engine (vllm_engine.py, GPU). vLLM is imported only when a vLLM engine is built
-(Trainer._setup_engine picks the engine `rollout.engine` names)."""
+(build.build_engine picks the engine `rollout.engine` names)."""
 
 from __future__ import annotations
 

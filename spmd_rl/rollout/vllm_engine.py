@@ -13,7 +13,8 @@ The engine starts asleep and follows the trainer's cycle (spmd_rl/rollout/base.p
 
 with `torch.cuda.empty_cache()` right before waking and right after sleeping (PyTorch's cache must
 give memory back for vLLM's pool to take it, and the other way round), expandable segments off
-while awake (spmd_rl/gpu_memory.py) and the prefix cache reset after every weight load.
+while awake and while it is built (spmd_rl/gpu_memory.py: vLLM's custom all-reduce cannot share
+CUDA-graph buffers from expandable segments) and the prefix cache reset after every weight load.
 
 Facts this module relies on (vLLM 0.26; checked on H100/H200, see tests/gpu/):
 - `load_format="dummy"`: start-up reads no checkpoint; the first `load_weights` gives the weights.
@@ -52,7 +53,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from spmd_rl.gpu_memory import expandable_segments_requested, set_expandable_segments
+from spmd_rl.gpu_memory import engine_build_allocator, expandable_segments_requested, set_expandable_segments
 from spmd_rl.rollout.base import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -267,9 +268,9 @@ class VLLMEngine:
         from vllm import LLM
 
         t0 = time.perf_counter()
-        self._expandable_off()
-        torch.cuda.empty_cache()
-        self.llm = LLM(**engine_kwargs(cfg, model_dir, self.engine_seed))
+        with engine_build_allocator():  # CUDA graphs captured outside expandable segments (custom all-reduce)
+            torch.cuda.empty_cache()
+            self.llm = LLM(**engine_kwargs(cfg, model_dir, self.engine_seed))
         self.init_seconds = time.perf_counter() - t0
         self._awake = set(TAGS)
         self._weights_valid = False  # dummy weights until the first load_weights

@@ -1,0 +1,197 @@
+"""Start-up: what a Trainer composes, built in the same order on every rank (the collectives inside,
+a barrier after writing synthetic data and the models' sharded loading, meet in that order).
+
+    checkpointer = Checkpointer(...); resume = resume_target(checkpointer, cfg.trainer.resume)
+    with clock("data"):
+        data = build_data(cfg, env, reward_fn)       # tokenizer, prompts, sampler (synthetic files first)
+    models = build_models(cfg, env, data.tokenizer, resume is not None, clock)   # actor, reference, critic
+    with clock("engine"):
+        rollout = build_engine(cfg, env, models.model_dir, models.model_key, data.tokenizer)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl import sequence_parallel
+from spmd_rl.checkpoint import CheckpointError, Checkpointer
+from spmd_rl.config import Config
+from spmd_rl.data import PromptDataset, ShardedSampler
+from spmd_rl.distributed import DistEnv
+from spmd_rl.model_files import check_vocab, model_vocab_size
+from spmd_rl.models import (ARCH_PRESETS, DTYPES, allocate_meta_model, build_sharded, count_parameters, load_causal_lm,
+                            load_value_model, materialize_random_model, random_model_config)
+from spmd_rl.optim import make_optimizer, make_scheduler
+from spmd_rl.rewards import RewardFunction
+from spmd_rl.startup import StartupClock
+from spmd_rl.tokenizer import load_tokenizer
+
+log = logging.getLogger("spmd_rl")
+
+
+class Data(NamedTuple):
+    tokenizer: Any
+    train: PromptDataset
+    val: PromptDataset | None  # None: no data.val_files
+    sampler: ShardedSampler  # this rank's prompts of each step
+
+
+class Models(NamedTuple):
+    model_dir: str  # the policy's directory: model.path, or <run_dir>/init_model for random weights
+    model_key: str  # the key that names it in errors: "model.path", or "" for <run_dir>/init_model (ours)
+    actor: torch.nn.Module
+    actor_opt: torch.optim.Optimizer
+    actor_sched: Any
+    n_params: int  # the actor's
+    ref: torch.nn.Module | None  # with actor.use_kl_loss or algorithm.use_kl_in_reward
+    critic: torch.nn.Module | None  # with algorithm.adv_estimator = "gae"
+    critic_opt: torch.optim.Optimizer | None
+    critic_sched: Any
+
+
+class Rollout(NamedTuple):
+    engine: Any  # rollout.base's interface: HFEngine or VLLMEngine
+    dtype: torch.dtype  # of the weights the engine is given
+    replica: int  # which engine replica this rank serves (sampling seeds differ per replica)
+
+
+def resume_target(checkpointer: Checkpointer, resume: str) -> str | None:
+    """The checkpoint to resume (trainer.resume), verified now, loaded once the models exist."""
+    if resume == "none" and checkpointer.has_checkpoints():
+        raise CheckpointError(
+            f"trainer.resume = 'none' but {checkpointer.root} already holds checkpoints; starting "
+            "fresh would overwrite them. Use trainer.resume=auto to continue, or a new trainer.run_dir.")
+    return checkpointer.find_resume(resume)
+
+
+def build_data(cfg: Config, env: DistEnv, reward_fn: RewardFunction) -> Data:
+    d = cfg.data
+    if d.synthetic_task:
+        # rank 0 alone looks: a rank looking after rank 0 wrote the files would skip the barrier,
+        # and its next collective would meet rank 0's barrier
+        if env.is_main and not all(os.path.isfile(f) for f in d.train_files):
+            from spmd_rl.synthetic import write_synthetic
+
+            out_dir = os.path.dirname(d.train_files[0]) or "."
+            train, val = write_synthetic(d.synthetic_task, out_dir, d.synthetic_size,
+                                         max(1, d.synthetic_size // 4), cfg.trainer.seed)
+            if os.path.abspath(train) != os.path.abspath(d.train_files[0]):
+                os.replace(train, d.train_files[0])
+            if d.val_files and os.path.abspath(val) != os.path.abspath(d.val_files[0]):
+                os.replace(val, d.val_files[0])
+            log.info("wrote synthetic %r data to %s", d.synthetic_task, out_dir)
+        dist.barrier()
+    m = cfg.model
+    tok_spec = m.tokenizer if m.tokenizer else ""
+    tokenizer = load_tokenizer(tok_spec, m.path)
+    check_tokenizer_vocab(cfg, tokenizer)
+    train_data = PromptDataset(d.train_files, tokenizer, d.max_prompt_length, d.apply_chat_template)
+    if train_data.num_dropped:
+        log.warning("dropped %d training prompts longer than data.max_prompt_length = %d",
+                    train_data.num_dropped, d.max_prompt_length)
+    val_data = (PromptDataset(d.val_files, tokenizer, d.max_prompt_length, d.apply_chat_template)
+                if d.val_files else None)
+    sources = [r.data_source for r in train_data.records]
+    if val_data is not None:
+        sources += [r.data_source for r in val_data.records]
+    reward_fn.check_data_sources(sources)  # an unscorable data source fails before models load
+    sampler = ShardedSampler(len(train_data), d.train_batch_size, env.rank, env.world_size,
+                             cfg.trainer.seed, d.shuffle)
+    log.info("data: %d training prompts (%d steps per epoch), %d validation prompts",
+             len(train_data), sampler.steps_per_epoch, len(val_data) if val_data else 0)
+    return Data(tokenizer, train_data, val_data, sampler)
+
+
+def check_tokenizer_vocab(cfg: Config, tokenizer) -> None:
+    """The tokenizer's ids fit every model's embedding (else a device-side assert mid-run)."""
+    m, c = cfg.model, cfg.critic
+    if m.init == "random" and not m.path:
+        models = {f"model.arch = {m.arch!r}": ARCH_PRESETS[m.arch]["vocab_size"]}
+    else:
+        models = {f"model.path = {m.path!r}": model_vocab_size(m.path, "model.path")}
+    if cfg.use_critic and c.path:
+        models[f"critic.path = {c.path!r}"] = model_vocab_size(c.path, "critic.path")
+    source = f"model.tokenizer = {m.tokenizer!r}" if m.tokenizer else f"model.path = {m.path!r}"
+    for model, vocab_size in models.items():
+        check_vocab(len(tokenizer), source, vocab_size, model)
+
+
+def policy_model_dir(cfg: Config, tokenizer) -> str:
+    """model.path, or with random weights the directory rank 0 writes them to (<run_dir>/init_model)."""
+    m = cfg.model
+    if m.init == "pretrained":
+        return m.path
+    config = random_model_config(m.arch, m.path, tokenizer)
+    return materialize_random_model(os.path.join(cfg.run_dir, "init_model"), config, m.seed,
+                                    DTYPES[m.dtype], tokenizer)
+
+
+def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: StartupClock) -> Models:
+    """Actor (+ optimizer, schedule), reference and critic, sharded. `resume`: the checkpoint fills
+    the actor's and critic's weights, none are read here. Start-up phases model_build, reference_critic."""
+    m, a, c = cfg.model, cfg.actor, cfg.critic
+    clock.begin("model_build")
+    model_dir = policy_model_dir(cfg, tokenizer)
+    model_key = "model.path" if m.init == "pretrained" else ""  # "": <run_dir>/init_model, ours
+    master, compute = DTYPES[m.dtype], DTYPES[m.compute_dtype]
+
+    def sharded(load, from_checkpoint: bool, gradient_checkpointing: bool = m.gradient_checkpointing):
+        model = build_sharded(load, env.mesh, compute, from_checkpoint, gradient_checkpointing, m.fsdp_forward_prefetch)
+        return sequence_parallel.apply(model, env.sp)  # trainer.ulysses_size: each rank takes a slice of a row
+
+    def policy_model(dtype):
+        return functools.partial(load_causal_lm, model_dir, dtype, m.attn_implementation, m.remove_padding,
+                                 m.chunked_logprobs, model_key, fused_kernels=m.fused_kernels,
+                                 fused_logprob_head=m.fused_logprob_head)
+
+    actor = sharded(policy_model(master), resume)
+    n_params = count_parameters(actor)
+    actor_opt = make_optimizer(actor, a.lr, a.weight_decay, a.betas)
+    actor_sched = make_scheduler(actor_opt, a.warmup_steps, cfg.trainer.total_steps, a.lr_schedule, a.min_lr_ratio)
+    clock.begin("reference_critic")
+    ref = None
+    if cfg.use_reference:
+        # frozen, never checkpointed: always from the model directory. Stored in the compute dtype
+        # (forward numerics are the same as fp32 masters cast to it for every forward, at half or a
+        # quarter of the memory)
+        ref = sharded(policy_model(compute), False, gradient_checkpointing=False)
+        ref.requires_grad_(False)
+    critic = critic_opt = critic_sched = None
+    if cfg.use_critic:
+        critic_dir, critic_key = (c.path, "critic.path") if c.path else (model_dir, model_key)
+        critic = sharded(functools.partial(load_value_model, critic_dir, master, m.attn_implementation,
+                                           m.remove_padding, critic_key, fused_kernels=m.fused_kernels), resume)
+        critic_opt = make_optimizer(critic, c.lr, c.weight_decay)
+        critic_sched = make_scheduler(critic_opt, c.warmup_steps, cfg.trainer.total_steps)
+    clock.end()
+    log.info("models ready: actor %.1fM parameters%s%s, %s", n_params / 1e6,
+             ", reference" if ref is not None else "", ", critic" if critic is not None else "",
+             "weights left for the checkpoint" if resume else f"from {model_dir}")
+    return Models(model_dir, model_key, actor, actor_opt, actor_sched, n_params, ref, critic, critic_opt, critic_sched)
+
+
+def build_engine(cfg: Config, env: DistEnv, model_dir: str, model_key: str, tokenizer) -> Rollout:
+    """The rollout engine `rollout.engine` names, built without weights (every generate first syncs
+    the actor's in)."""
+    r = cfg.rollout
+    device = env.device
+    eos = tokenizer.eos_token_id
+    dtype = torch.float32 if (r.engine == "hf" and device.type == "cpu") else DTYPES[r.dtype]
+    if r.engine == "vllm":
+        from spmd_rl.rollout.vllm_engine import VLLMEngine, use_cache_root
+
+        use_cache_root(r.compile_cache_dir or os.path.join(cfg.run_dir, "compile_cache"))
+        engine = VLLMEngine(cfg, model_dir, env.rank, env.world_size, env.local_rank, env.local_world_size)
+        return Rollout(engine, dtype, env.rank // r.tensor_parallel_size)  # (built asleep)
+    from spmd_rl.rollout.hf_engine import HFEngine
+
+    # no weights read, as vLLM's dummy load: every generate first syncs the actor's weights in
+    model = allocate_meta_model(load_causal_lm(model_dir, dtype, cfg.model.attn_implementation,
+                                               key=model_key, weights=False), device)
+    return Rollout(HFEngine(model, tokenizer.pad_token_id, [eos], device), dtype, env.rank)
