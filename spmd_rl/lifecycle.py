@@ -39,7 +39,6 @@ import os
 import signal
 import sys
 import threading
-import warnings
 
 log = logging.getLogger("spmd_rl")
 
@@ -156,9 +155,9 @@ def _release_meshes() -> None:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
         _clear_sharding_prop_cache()
-    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated aliases warns
-        warnings.simplefilter("ignore", FutureWarning)
-        meshes = [obj for obj in gc.get_objects() if isinstance(obj, mesh_module.DeviceMesh)]
+    # the type, not isinstance: isinstance asks a weakref.proxy for its __class__, and a dead one
+    # (torch.compile leaves some among gc's objects) raises ReferenceError
+    meshes = [obj for obj in gc.get_objects() if issubclass(type(obj), mesh_module.DeviceMesh)]
     for obj in meshes:
         if isinstance(getattr(obj, "_pg_registry", None), dict):
             obj._pg_registry.clear()  # the names stay; the groups are destroyed anyway

@@ -164,3 +164,25 @@ def test_startup_clock_phases_metrics_and_heartbeat(caplog):
     assert clock.take_metrics() == {}, "only the first step gets them"
     for line in ("start-up: data took", "start-up: model_build took", "start-up: fsdp_wrap took", "since the process started"):
         assert line in caplog.text
+
+
+def test_release_meshes_passes_over_dead_weak_proxies():
+    """torch.compile leaves weakref.proxy objects among gc's objects; isinstance on a dead one raises
+    ReferenceError, which ended a compiled run's teardown."""
+    import gc
+    import weakref
+
+    import torch.distributed.device_mesh  # noqa: F401  (what _release_meshes looks for)
+
+    from spmd_rl import lifecycle
+
+    class Referent:
+        pass
+
+    target = Referent()
+    dead = [weakref.proxy(target)]
+    del target
+    gc.collect()
+    with pytest.raises(ReferenceError):
+        isinstance(dead[0], str)
+    lifecycle._release_meshes()  # must not raise
