@@ -13,8 +13,6 @@ from spmd_rl import algorithms as algos
 from spmd_rl import sequence_parallel
 from spmd_rl.batch import Batch, iter_micro_batches
 from spmd_rl.config import ActorConfig
-from spmd_rl.models import uses_packing
-from spmd_rl.packing import make_layout
 
 
 def forward_logprobs(model: torch.nn.Module, mb: Batch, temperature: float, with_entropy: bool = False,
@@ -27,7 +25,7 @@ def forward_logprobs(model: torch.nn.Module, mb: Batch, temperature: float, with
     gets the whole micro-batch's columns."""
     if not hasattr(model, "spmd_chunked_logprobs"):
         raise TypeError("forward_logprobs needs a model from models.load_causal_lm or models.prepare_policy")
-    layout = make_layout(mb["input_ids"], mb["attention_mask"], uses_packing(model), sequence_parallel.of_model(model))
+    layout = sequence_parallel.make_layout(mb["input_ids"], mb["attention_mask"], model)
     logp, entropy = model(**layout.inputs, use_cache=False, logprob_targets=layout.targets, temperature=temperature,
                           with_entropy=with_entropy, entropy_grad=entropy_grad)
     return layout.to_columns(logp), None if entropy is None else layout.to_columns(entropy)

@@ -686,7 +686,7 @@ class TrainerConfig:
             raise ConfigError(f"trainer.ulysses_size = {sp} splits packed rows across ranks: set "
                               "model.remove_padding = true")
         from spmd_rl.model_files import model_attention_heads
-        from spmd_rl.sequence_parallel import head_problem
+        from spmd_rl.sp_groups import head_problem
 
         models = {}
         if m.init == "random" and not m.path:

@@ -13,12 +13,10 @@ from spmd_rl import sequence_parallel
 from spmd_rl.actor import per_token_outputs
 from spmd_rl.batch import Batch
 from spmd_rl.config import CriticConfig
-from spmd_rl.models import uses_packing
-from spmd_rl.packing import make_layout
 
 
 def forward_values(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
-    layout = make_layout(mb["input_ids"], mb["attention_mask"], uses_packing(model), sequence_parallel.of_model(model))
+    layout = sequence_parallel.make_layout(mb["input_ids"], mb["attention_mask"], model)
     out = model(**layout.inputs, use_cache=False).logits
     return layout.to_columns(out[..., 0].float())
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from spmd_rl.errors import UserError
-from spmd_rl.sequence_parallel import SPGroups, make_groups
+from spmd_rl.sp_groups import SPGroups, make_groups
 
 
 @dataclass
@@ -52,7 +52,7 @@ def free_port() -> int:
 def init_distributed(device: str = "auto", fsdp_size: int = 0, ulysses_size: int = 1) -> DistEnv:
     """Join the process group torchrun (or the SLURM launcher) described in the environment, and
     build the FSDP mesh for `fsdp_size` ranks per shard group (fsdp_mesh; 0 = all ranks) and the
-    sequence-parallel groups of `ulysses_size` ranks (sequence_parallel.make_groups).
+    sequence-parallel groups of `ulysses_size` ranks (sp_groups.make_groups).
 
     A plain `python -m spmd_rl.ppo` run becomes a world of one, so FSDP2 and vLLM's
     external_launcher, which both need a process group, work the same way there."""

@@ -10,8 +10,8 @@ token t, the value before t; column 0 gets 0) -- the batch's convention.
   position ids restarting at 0 per sequence (a left-aligned row's column *is* the position) and
   the boundaries as `cu_seq_lens_*` for a variable-length attention backend
   (spmd_rl.varlen_attention). No compute or memory is spent on padding.
-- `sequence_parallel.SlicedLayout` (trainer.ulysses_size > 1): a packed row of which each rank of
-  a sequence-parallel group feeds one slice of the tokens to the model.
+- `sequence_parallel.SlicedLayout` (trainer.ulysses_size > 1, built by sequence_parallel.make_layout):
+  a packed row of which each rank of a sequence-parallel group feeds one slice of the tokens to the model.
 
 `targets` is the next token of every position (what its log-prob is of). Positions whose next
 token belongs to another sequence or is padding get some token too; their outputs never reach a
@@ -54,15 +54,9 @@ class PackedLayout:
         return shifted.new_zeros(self.shape).index_put((self.rows, self.cols), shifted)
 
 
-def make_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool, sp=None):
-    """The layout of a micro-batch for a model loaded `packed` (model.remove_padding) or not; `sp`:
-    the model's sequence-parallel groups (spmd_rl.sequence_parallel.of_model), whose ranks each
-    take a slice of the packed row (SlicedLayout)."""
+def make_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool):
+    """The layout of a micro-batch for a model loaded `packed` (model.remove_padding) or not
+    (spmd_rl.sequence_parallel.make_layout slices it for sequence parallelism)."""
     if not packed:
         return PaddedLayout(input_ids, attention_mask)
-    layout = PackedLayout(input_ids, attention_mask)
-    if sp is not None and sp.enabled:
-        from spmd_rl.sequence_parallel import SlicedLayout
-
-        return SlicedLayout(layout, sp)
-    return layout
+    return PackedLayout(input_ids, attention_mask)

@@ -39,66 +39,18 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from spmd_rl import packing
 from spmd_rl.packing import PackedLayout
+from spmd_rl.sp_groups import SPGroups, head_problem, kv_replication, make_groups, sp_group_ranks  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
 NAME = "spmd_ulysses"
-
-
-# --------------------------------------------------------------------------- groups
-
-
-@dataclass(frozen=True)
-class SPGroups:
-    """This rank's place in the sequence-parallel layout (make_groups)."""
-
-    size: int = 1
-    """Ranks per SP group (trainer.ulysses_size)."""
-    rank: int = 0
-    """This rank's place in its SP group: which slice of a packed row it holds."""
-    group: Any = None
-    """The SP group (None when size is 1)."""
-    dp_group: Any = None
-    """This rank's data-parallel group: one rank of every SP group (None: all ranks)."""
-    dp_size: int = 1
-    """Data-parallel ranks: world / size."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.size > 1
-
-    @property
-    def data_group(self):
-        """The group over which each row is held once (statistics of the whole batch)."""
-        return self.dp_group if self.enabled else dist.group.WORLD
-
-
-def sp_group_ranks(world: int, size: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(SP groups: `size` consecutive ranks each; data-parallel groups: one rank of each SP group)."""
-    if size < 1 or world % size:  # Config.validate names the fix for users
-        raise ValueError(f"ulysses_size = {size} does not divide the world size {world}")
-    return ([list(range(s, s + size)) for s in range(0, world, size)],
-            [list(range(j, world, size)) for j in range(size)])
-
-
-def make_groups(size: int) -> SPGroups:
-    """Collective (every rank calls it): the SP and data-parallel groups of `size` (1: none)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if size == 1:
-        return SPGroups(dp_size=world)
-    sp_ranks, dp_ranks = sp_group_ranks(world, size)
-    sp_group, _ = dist.new_subgroups_by_enumeration(sp_ranks)
-    dp_group, _ = dist.new_subgroups_by_enumeration(dp_ranks)
-    return SPGroups(size, rank % size, sp_group, dp_group, world // size)
 
 
 # --------------------------------------------------------------------------- rows
@@ -234,25 +186,17 @@ def of_model(model: torch.nn.Module) -> SPGroups | None:
     return getattr(model, "spmd_ulysses", None)
 
 
+def make_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, model: torch.nn.Module):
+    """The layout of a micro-batch for `model` (packing.make_layout), sliced for this rank when the
+    model is set up for sequence parallelism (apply)."""
+    from spmd_rl.models import uses_packing
+
+    layout = packing.make_layout(input_ids, attention_mask, uses_packing(model))
+    sp = of_model(model)
+    return SlicedLayout(layout, sp) if sp is not None and sp.enabled else layout
+
+
 # --------------------------------------------------------------------------- attention
-
-
-def kv_replication(num_kv_heads: int, size: int) -> int:
-    """How many copies of each KV head the attention makes so that `size` ranks get whole heads:
-    1 when `size` divides the KV heads; size / kv_heads when the KV heads divide `size`; 0 when
-    neither (no sequence parallelism of that size for the model)."""
-    if num_kv_heads % size == 0:
-        return 1
-    return size // num_kv_heads if size % num_kv_heads == 0 else 0
-
-
-def head_problem(num_heads: int, num_kv_heads: int, size: int) -> str | None:
-    """Why `size` ranks cannot split the attention heads of a model (None: they can)."""
-    if num_heads % size:
-        return f"its {num_heads} attention heads do not divide by {size}"
-    if not kv_replication(num_kv_heads, size):
-        return f"its {num_kv_heads} KV heads neither divide by {size} nor divide {size}"
-    return None
 
 
 @torch.compiler.disable  # collectives: eager under a compiled decoder layer (model.fused_kernels = "compile")
