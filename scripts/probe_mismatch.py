@@ -94,7 +94,8 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     llm = LLM(model=path, tensor_parallel_size=env.world_size, distributed_executor_backend="external_launcher",
               dtype="bfloat16", seed=0, skip_tokenizer_init=True, enforce_eager=True,
-              gpu_memory_utilization=args.gpu_mem, max_model_len=args.length + 8)
+              gpu_memory_utilization=args.gpu_mem, max_model_len=args.length + 8,
+              kv_cache_memory_bytes=2 << 30)  # no memory profiling: safe beside other processes on the GPU
     got = {f"vllm-tp{env.world_size}": torch.tensor(prompt_logprobs(llm, seqs.tolist()), dtype=torch.float64)}
     if env.rank == 0:
         got["hf-bf16"], std_bf16 = hf_logprobs(path, torch.bfloat16, seqs)
