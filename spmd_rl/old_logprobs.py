@@ -28,13 +28,13 @@ What the rest of the step reads from the old log-probs is the same with the shor
 - the mismatch metrics (rollout/logprob_diff_*, rollout/mismatch_kl) and rollout_corr/* are
   computed after the update from the log-probs the update recorded (`UpdateLogprobs.logprobs`).
 
-Numerically the two paths differ at rounding level, not in the formula. The pass cuts its
-micro-batches by actor.logprob_max_token_len_per_gpu (twice the update's budget by default), so
-rows are packed with other rows and the kernels see other shapes and summation orders (float32:
-about 1e-7 in a log-prob; bf16 compute: bf16 rounding of the logits); with the pass the ratio of
-the first forward is exp(logp - old) = 1 + that noise, with the shortcut exactly 1 (ppo_kl and
-clipfrac exactly 0). The mismatch metrics then compare the engine with the update's forward
-instead of the pass's.
+Numerically the two can differ at rounding level, never in the formula. The pass cuts its
+micro-batches by actor.logprob_max_token_len_per_gpu (twice the update's token budget by default),
+so a row is packed beside other rows than in the update; kernels whose summation order depends on
+the packed micro-batch's shape (GPU GEMMs, bf16 compute, attention) then round its log-probs
+differently (on CPU in float32 the tests find both bit for bit equal). With the pass the first
+forward's ratio exp(logp - old) is 1 + that rounding, with the shortcut exactly 1 (ppo_kl exactly
+0). The mismatch metrics then compare the engine with the update's forward instead of the pass's.
 """
 
 from __future__ import annotations
