@@ -6,6 +6,8 @@ ratio to the engine's log-probs is 1 when the weights agree (the mismatch metric
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.distributed.fsdp import FSDPModule
 
@@ -13,6 +15,9 @@ from spmd_rl import algorithms as algos
 from spmd_rl import sequence_parallel
 from spmd_rl.batch import Batch, iter_micro_batches
 from spmd_rl.config import ActorConfig
+
+if TYPE_CHECKING:
+    from spmd_rl.old_logprobs import UpdateLogprobs
 
 
 def forward_logprobs(model: torch.nn.Module, mb: Batch, temperature: float, with_entropy: bool = False,
@@ -63,15 +68,22 @@ def reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
-def actor_loss_fn(model: torch.nn.Module, cfg: ActorConfig, temperature: float):
-    """The per-micro-batch loss of the policy update (see update.LossFn)."""
+def actor_loss_fn(model: torch.nn.Module, cfg: ActorConfig, temperature: float,
+                  own_logprobs: UpdateLogprobs | None = None):
+    """The per-micro-batch loss of the policy update (see update.LossFn). `own_logprobs`
+    (old_logprobs.UpdateLogprobs, the on-policy shortcut): the old log-probs are this forward's,
+    detached, and so are the TIS weights; otherwise the batch's `old_logprobs` / `rollout_is_weights`."""
 
     def loss_fn(mb: Batch, denom: float):
         mask = mb["response_mask"]
         need_entropy_grad = cfg.entropy_coeff != 0  # entropy is always logged; only its bonus needs a gradient
         logp, entropy = forward_logprobs(model, mb, temperature, with_entropy=True, entropy_grad=need_entropy_grad)
-        old, adv = mb["old_logprobs"], mb["advantages"]
-        w = mb["rollout_is_weights"] if "rollout_is_weights" in mb else None  # rollout correction (TIS)
+        adv = mb["advantages"]
+        if own_logprobs is not None:
+            old, w = own_logprobs.take(mb, logp)
+        else:
+            old = mb["old_logprobs"]
+            w = mb["rollout_is_weights"] if "rollout_is_weights" in mb else None  # rollout correction (TIS)
         if cfg.policy_loss == "gspo":
             pg_loss, m = algos.gspo_loss(logp, old, adv, mask, cfg.gspo_clip_ratio_low, cfg.gspo_clip_ratio_high,
                                          cfg.loss_agg_mode, denom=denom, is_weights=w)

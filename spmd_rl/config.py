@@ -391,6 +391,12 @@ class ActorConfig(_TrainedModel):
     logprob_max_token_len_per_gpu: int = 0
     """Token budget of the no-grad log-prob passes (old log-probs, reference) per micro-batch;
     0 = twice `max_token_len_per_gpu` (no activations are kept for a backward)."""
+    force_old_logprob_pass: bool = False
+    """Always compute the old policy's log-probs in a separate no-grad pass before the update. By
+    default an on-policy step (ppo_epochs = 1, ppo_mini_batch_size = data.train_batch_size, no
+    algorithm.use_kl_in_reward, rollout_mask or rollout_reject_sequences) takes them from the
+    update's own forward, detached, and skips the pass (TRL's num_iterations = 1): the same update
+    up to rounding (spmd_rl/old_logprobs.py). The start-up line says which path a run takes."""
     offload_optimizer: bool = False
     """Keep the optimizer state (AdamW moments: 8 bytes per parameter, sharded) in CPU memory and
     bring it to the GPU only for each optimizer step: the forward/backward passes get that memory,
@@ -809,8 +815,8 @@ class Config:
                              sp * (c.forward_max_token_len_per_gpu or 2 * tokens))
 
     def describe_layout(self, world_size: int) -> str:
-        """The derived per-rank batch numbers and the micro-batching actually used, for the
-        start-up log."""
+        """The derived per-rank batch numbers, the micro-batching actually used and where the old
+        log-probs come from (old_logprobs.describe), for the start-up log."""
         n = self.rollout.n
         per_rank_prompts = self.data.train_batch_size // world_size
         roles = [("actor", self.actor)] + ([("critic", self.critic)] if self.use_critic else [])
@@ -832,6 +838,9 @@ class Config:
                 cut = f"= {mini_seqs // mb.rows} micro-batches of {mb.rows} sequences"
             parts.append(f"{role}: {self.data.train_batch_size // section.ppo_mini_batch_size} optimizer steps "
                          f"x {section.ppo_epochs} epochs, {mini_seqs} sequences per {where} per mini-batch {cut}")
+        from spmd_rl.old_logprobs import describe
+
+        parts.append(describe(self))
         return " | ".join(parts)
 
 

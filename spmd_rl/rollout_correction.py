@@ -72,6 +72,14 @@ def truncated_is_weights(level_lr: torch.Tensor, mask: torch.Tensor, threshold: 
     return torch.where(mask > 0, w, 0.0)
 
 
+def is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, level: str,
+               threshold: float) -> torch.Tensor:
+    """[B, L] TIS weights at `level` (what `correct` gives without masking), 0 outside the mask. Each
+    row's weights depend on that row alone: any split of the rows (micro-batches) gives the same."""
+    lr = log_ratio(old_logprobs, rollout_logprobs, mask)
+    return truncated_is_weights(level_log_ratio(lr, mask, level), mask, threshold)
+
+
 def in_bounds(level_lr: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """[B, L] bool: low <= ratio <= high, compared in log space (no overflow)."""
     return (level_lr >= math.log(low)) & (level_lr <= math.log(high))
@@ -124,10 +132,16 @@ def correct(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: to
     return Correction(weights=torch.where(keep, weights, 0.0), keep=keep_f), metrics
 
 
-def actor_update_batch(batch: Batch, alg, device: torch.device | None = None) -> tuple[Batch, dict[str, float]]:
+def actor_update_batch(batch: Batch, alg, device: torch.device | None = None,
+                       correct_rollout: bool = True) -> tuple[Batch, dict[str, float]]:
     """The batch the actor's update sees: response_mask without the tokens that must leave the
     loss (DAPO overlong filtering: responses cut at the length limit; rollout-correction masks),
     and `rollout_is_weights` when IS is on. The original batch (metrics, critic) is untouched.
+
+    `correct_rollout = False`: the batch has no old log-probs yet (they come from the update's
+    forward, spmd_rl/old_logprobs.py): no rollout correction here and no rollout_corr/* metrics;
+    the update computes the IS weights per micro-batch. Masks cannot wait for the update (they
+    change its denominator): asking for one then is an error.
 
     `alg` is the AlgorithmConfig. Metrics are `rollout_corr/*` averaged over ranks, with
     `rollout_corr/is_weight_max` the max over ranks, and `response/overlong_filtered_frac`.
@@ -140,7 +154,10 @@ def actor_update_batch(batch: Batch, alg, device: torch.device | None = None) ->
         truncated = ~batch["finished"]
         local["response/overlong_filtered_frac"] = truncated.float().mean()
         mask = mask * (~truncated).to(mask.dtype)[:, None]
-    if alg.rollout_is or alg.rollout_mask or alg.rollout_reject_sequences:
+    if not correct_rollout and (alg.rollout_mask or alg.rollout_reject_sequences):
+        raise ValueError("rollout_mask / rollout_reject_sequences change the update's denominator: they need the old "
+                         "log-probs before the update")
+    if correct_rollout and (alg.rollout_is or alg.rollout_mask or alg.rollout_reject_sequences):
         corr, m = correct(batch["old_logprobs"], batch["rollout_logprobs"], mask, is_level=alg.rollout_is,
                           is_threshold=alg.rollout_is_threshold, mask_level=alg.rollout_mask,
                           mask_low=alg.rollout_mask_low, mask_high=alg.rollout_mask_high,

@@ -5,7 +5,8 @@ One step:
   2. rollout generate n responses per prompt for this rank's prompts, then put the engine to sleep
   3. reward  score the responses (rule scorers by data source, or the user's function);
      balance  move rows between ranks so each holds about as many tokens (rank_balance.py)
-  4. score   old log-probs (actor), reference log-probs, values (critic)
+  4. score   old log-probs (actor; on-policy steps take them from the update's forward instead,
+             old_logprobs.py), reference log-probs, values (critic)
   5. adv     token rewards (+ KL penalty), advantages (GAE / GRPO / RLOO / REINFORCE++)
   6. update  critic, then actor: ppo_epochs x mini-batches x micro-batches
   7. log, validate, checkpoint, honour a stop signal
@@ -40,6 +41,7 @@ from spmd_rl.gpu_memory import PhaseMemory
 from spmd_rl.dynamic_sampling import collect_informative_groups
 from spmd_rl.metrics import MetricsLogger, summary_line
 from spmd_rl.offload import move_train_state
+from spmd_rl.old_logprobs import UpdateLogprobs, uses_update_logprobs
 from spmd_rl.preemption import StopFlag
 from spmd_rl.rank_balance import balance_ranks, mini_batch_block_rows
 from spmd_rl.rewards import RewardFunction, extract_answer
@@ -253,8 +255,11 @@ class Trainer:
         temp = cfg.rollout.temperature
         a, c = cfg.actor, cfg.critic
         amb, cmb = cfg.micro_batching("actor"), cfg.micro_batching("critic")
-        with timer("old_logprob"):
-            batch["old_logprobs"] = compute_logprobs(self.actor, batch, temp, amb.rows, self.device, amb.forward_tokens)
+        on_policy = uses_update_logprobs(cfg)  # the update's forward gives the old log-probs (old_logprobs.py)
+        if not on_policy:
+            with timer("old_logprob"):
+                batch["old_logprobs"] = compute_logprobs(self.actor, batch, temp, amb.rows, self.device,
+                                                         amb.forward_tokens)
         if self.ref is not None:
             with timer("ref_logprob"):
                 batch["ref_logprobs"] = compute_logprobs(self.ref, batch, temp, amb.rows, self.device, amb.forward_tokens)
@@ -272,14 +277,20 @@ class Trainer:
                                 grad_clip=c.grad_clip, loss_agg_mode=c.loss_agg_mode, device=self.device,
                                 max_tokens=cmb.update_tokens)
                 self.critic_sched.step()
-        actor_batch, corr_metrics = actor_update_batch(batch, cfg.algorithm, self.device)  # loss mask, IS weights
+        # loss mask, IS weights (on-policy: the IS weights come per micro-batch, from the update's forward)
+        actor_batch, corr_metrics = actor_update_batch(batch, cfg.algorithm, self.device, correct_rollout=not on_policy)
+        own = UpdateLogprobs(actor_batch, cfg.algorithm) if on_policy else None
         with timer("update_actor"):
-            am = ppo_update(self.actor, self.actor_opt, actor_batch, actor_loss_fn(self.actor, a, temp),
+            am = ppo_update(self.actor, self.actor_opt, actor_batch if own is None else own.batch,
+                            actor_loss_fn(self.actor, a, temp, own),
                             mini_batch_size=a.ppo_mini_batch_size * n // env.dp_size,
                             micro_batch_size=amb.rows, epochs=a.ppo_epochs,
                             grad_clip=a.grad_clip, loss_agg_mode=a.loss_agg_mode, device=self.device,
                             max_tokens=amb.update_tokens, offload_optimizer=a.offload_optimizer)
             self.actor_sched.step()
+        if own is not None:  # the mismatch and rollout_corr/* metrics, from the log-probs the update used
+            batch["old_logprobs"] = own.logprobs(batch["response_mask"])
+            corr_metrics = actor_update_batch(batch, cfg.algorithm, self.device)[1]
         self.step += 1
         timer.metrics["time/step"] = time.perf_counter() - t_step
         metrics = self.step_metrics(batch, timer.metrics, extra)

@@ -58,3 +58,18 @@ def test_run_without_steps_is_an_error(tmp_path):
     path = write_rows(tmp_path / "m.jsonl", [{"step": 0, "val/acc": 0.1}])
     with pytest.raises(SystemExit, match="no training steps"):
         summarize_run.read_steps(str(path))
+
+
+def test_runs_with_and_without_the_old_logprob_pass_share_a_table(tmp_path):
+    """An on-policy run logs no time/old_logprob (spmd_rl/old_logprobs.py): its cell is "–", the
+    other run's column stays."""
+    with_pass = write_rows(tmp_path / "a.jsonl", [{"step": s, "time/step": 5.0, "time/old_logprob": 1.0}
+                                                  for s in (1, 2)])
+    shortcut = write_rows(tmp_path / "b.jsonl", [{"step": s, "time/step": 4.0} for s in (1, 2)])
+    named = [(n, summarize_run.summarize(summarize_run.read_steps(str(p)))) for n, p in
+             (("pass", with_pass), ("shortcut", shortcut))]
+    header, _, row_pass, row_short = summarize_run.table(named).splitlines()
+    col = header.split(" | ").index("old_logprob s")
+    assert row_pass.split(" | ")[col] == "1.000" and row_short.split(" | ")[col] == "–"
+    only_shortcut = summarize_run.table(named[1:])
+    assert "old_logprob" not in only_shortcut and "| 4.000 |" in only_shortcut
