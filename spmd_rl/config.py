@@ -816,7 +816,7 @@ class Config:
 
     def describe_layout(self, world_size: int) -> str:
         """The derived per-rank batch numbers, the micro-batching actually used and where the old
-        log-probs come from (old_logprobs.describe), for the start-up log."""
+        log-probs come from (old_logprob_pass_reason), for the start-up log."""
         n = self.rollout.n
         per_rank_prompts = self.data.train_batch_size // world_size
         roles = [("actor", self.actor)] + ([("critic", self.critic)] if self.use_critic else [])
@@ -838,10 +838,29 @@ class Config:
                 cut = f"= {mini_seqs // mb.rows} micro-batches of {mb.rows} sequences"
             parts.append(f"{role}: {self.data.train_batch_size // section.ppo_mini_batch_size} optimizer steps "
                          f"x {section.ppo_epochs} epochs, {mini_seqs} sequences per {where} per mini-batch {cut}")
-        from spmd_rl.old_logprobs import describe
-
-        parts.append(describe(self))
+        reason = self.old_logprob_pass_reason()
+        parts.append(f"old log-probs: separate pass ({reason})" if reason else
+                     "old log-probs: from the update's forward (on-policy: 1 mini-batch, 1 epoch)")
         return " | ".join(parts)
+
+    def old_logprob_pass_reason(self) -> str:
+        """Why this run needs a separate no-grad pass for the old log-probs (the config keys in
+        words); "" when it does not: they come from the update's own forward, detached
+        (spmd_rl/old_logprobs.py says when that gives the same update)."""
+        a, alg = self.actor, self.algorithm
+        if a.force_old_logprob_pass:
+            return "actor.force_old_logprob_pass = true"
+        if a.ppo_epochs > 1:
+            return f"actor.ppo_epochs = {a.ppo_epochs}: later epochs follow an optimizer step"
+        mini_batches = self.data.train_batch_size // a.ppo_mini_batch_size
+        if mini_batches > 1:
+            return f"{mini_batches} mini-batches per step: later ones follow an optimizer step"
+        if alg.use_kl_in_reward:
+            return "algorithm.use_kl_in_reward: the reward's KL penalty needs them before the update"
+        if alg.rollout_mask or alg.rollout_reject_sequences:
+            key = "algorithm.rollout_mask" if alg.rollout_mask else "algorithm.rollout_reject_sequences"
+            return f"{key}: masked tokens leave the loss's denominator, counted before the update's forward"
+        return ""
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}

@@ -7,7 +7,7 @@ step comes after every micro-batch's forward -- the update's forward runs on exa
 and gives the same log-probs; the pass is then pure cost (one forward over all the step's tokens).
 This is TRL's num_iterations = 1 (old = the forward's log-probs, detached) and verl's on-policy mode.
 
-The shortcut is taken (`separate_pass_reason` is "") unless something needs the log-probs before
+The shortcut is taken (`Config.old_logprob_pass_reason()` is "") unless something needs the log-probs before
 the update's forward, or the update's first forward is not the policy that sampled:
 
 - actor.ppo_epochs > 1, or more than one mini-batch per step: later mini-batches / epochs run after
@@ -47,42 +47,10 @@ from spmd_rl.batch import Batch
 from spmd_rl.rollout_correction import is_weights
 
 if TYPE_CHECKING:
-    from spmd_rl.config import AlgorithmConfig, Config
+    from spmd_rl.config import AlgorithmConfig
 
 ROW = "update_row"
 """Tensor key of a row's index in the step's batch, carried through the update's micro-batches."""
-
-
-def separate_pass_reason(cfg: Config) -> str:
-    """Why this run needs a separate no-grad pass for the old log-probs (the config keys in words);
-    "" when it does not: they come from the update's own forward (the module's docstring)."""
-    a, alg = cfg.actor, cfg.algorithm
-    if a.force_old_logprob_pass:
-        return "actor.force_old_logprob_pass = true"
-    if a.ppo_epochs > 1:
-        return f"actor.ppo_epochs = {a.ppo_epochs}: later epochs follow an optimizer step"
-    mini_batches = cfg.data.train_batch_size // a.ppo_mini_batch_size
-    if mini_batches > 1:
-        return f"{mini_batches} mini-batches per step: later ones follow an optimizer step"
-    if alg.use_kl_in_reward:
-        return "algorithm.use_kl_in_reward: the reward's KL penalty needs them before the update"
-    if alg.rollout_mask or alg.rollout_reject_sequences:
-        key = "algorithm.rollout_mask" if alg.rollout_mask else "algorithm.rollout_reject_sequences"
-        return f"{key}: masked tokens leave the loss's denominator, counted before the update's forward"
-    return ""
-
-
-def uses_update_logprobs(cfg: Config) -> bool:
-    """The old log-probs come from the update's forward (detached); no separate pass."""
-    return not separate_pass_reason(cfg)
-
-
-def describe(cfg: Config) -> str:
-    """The start-up line's part on the old log-probs (Config.describe_layout)."""
-    reason = separate_pass_reason(cfg)
-    if reason:
-        return f"old log-probs: separate pass ({reason})"
-    return "old log-probs: from the update's forward (on-policy: 1 mini-batch, 1 epoch)"
 
 
 class UpdateLogprobs:

@@ -41,7 +41,7 @@ from spmd_rl.gpu_memory import PhaseMemory
 from spmd_rl.dynamic_sampling import collect_informative_groups
 from spmd_rl.metrics import MetricsLogger, summary_line
 from spmd_rl.offload import move_train_state
-from spmd_rl.old_logprobs import UpdateLogprobs, uses_update_logprobs
+from spmd_rl.old_logprobs import UpdateLogprobs
 from spmd_rl.preemption import StopFlag
 from spmd_rl.rank_balance import balance_ranks, mini_batch_block_rows
 from spmd_rl.rewards import RewardFunction, extract_answer
@@ -255,7 +255,7 @@ class Trainer:
         temp = cfg.rollout.temperature
         a, c = cfg.actor, cfg.critic
         amb, cmb = cfg.micro_batching("actor"), cfg.micro_batching("critic")
-        on_policy = uses_update_logprobs(cfg)  # the update's forward gives the old log-probs (old_logprobs.py)
+        on_policy = not cfg.old_logprob_pass_reason()  # the update's forward gives the old log-probs (old_logprobs.py)
         if not on_policy:
             with timer("old_logprob"):
                 batch["old_logprobs"] = compute_logprobs(self.actor, batch, temp, amb.rows, self.device,

@@ -18,7 +18,7 @@ import torch
 from dist_utils import run_distributed
 from spmd_rl.batch import Batch
 from spmd_rl.config import Config
-from spmd_rl.old_logprobs import UpdateLogprobs, describe, separate_pass_reason, uses_update_logprobs
+from spmd_rl.old_logprobs import UpdateLogprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
@@ -68,15 +68,15 @@ TAKES_SHORTCUT = {
 def test_configs_the_shortcut_would_change_run_the_pass(name):
     changes, words = NEEDS_PASS[name]
     cfg = on_policy_config(**changes)
-    assert not uses_update_logprobs(cfg)
-    assert words in separate_pass_reason(cfg)
-    assert describe(cfg) == f"old log-probs: separate pass ({separate_pass_reason(cfg)})"
+    reason = cfg.old_logprob_pass_reason()
+    assert words in reason
+    assert cfg.describe_layout(2).endswith(f" | old log-probs: separate pass ({reason})")
 
 
 @pytest.mark.parametrize("name", sorted(TAKES_SHORTCUT))
 def test_on_policy_configs_take_the_shortcut(name):
     cfg = on_policy_config(**TAKES_SHORTCUT[name])
-    assert uses_update_logprobs(cfg) and separate_pass_reason(cfg) == ""
+    assert cfg.old_logprob_pass_reason() == ""
 
 
 def test_start_up_line_names_the_path():
