@@ -38,6 +38,11 @@ ARCH_PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                  max_position_embeddings=512),
+    # the GPU learning check's model (tests/gpu/test_learning_gpu.py): learns the successor task in a
+    # few dozen steps; head_dim 64, as FlashAttention 3 (vLLM on Hopper) takes
+    "small": dict(vocab_size=64, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                  max_position_embeddings=512),
     "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
                        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
@@ -63,22 +68,34 @@ def random_model_config(arch: str = "", config_dir: str = "", tokenizer=None):
     return config
 
 
-def materialize_random_model(out_dir: str, config, seed: int, dtype: torch.dtype, tokenizer=None) -> str:
+def materialize_random_model(out_dir: str, config, seed: int, dtype: torch.dtype, tokenizer=None,
+                             device: torch.device | str = "cpu") -> str:
     """Rank 0 writes a random-weight checkpoint to `out_dir` (kept if one with the same config and
-    seed is already there); all ranks wait for it. Returns `out_dir`."""
+    seed is already there); all ranks wait for it. Returns `out_dir`. `device`: where the weights
+    are drawn (a GPU draws a 7B model in seconds where the CPU took over a minute; the values
+    differ from the CPU's for the same seed: the stamp records it, and a directory drawn on another
+    device with the same config and seed is kept, as a run's reference model reads it)."""
     stamp = {"config": config.to_dict(), "seed": seed, "dtype": str(dtype)}
+    if torch.device(device).type != "cpu":
+        stamp["device"] = torch.device(device).type
     stamp_file = os.path.join(out_dir, "spmd_rl_init.json")
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         same = False
         if os.path.isfile(stamp_file):
             with open(stamp_file) as f:
-                same = json.load(f) == json.loads(json.dumps(stamp))
+                found = json.load(f)
+            found.pop("device", None)  # drawn elsewhere with the same seed: kept (a reference model reads it)
+            same = found == json.loads(json.dumps({k: v for k, v in stamp.items() if k != "device"}))
         if not same:
             log.info("building random-weight model (seed %d) in %s", seed, out_dir)
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
             model.save_pretrained(out_dir)
+            del model
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
             with open(stamp_file + ".tmp", "w") as f:

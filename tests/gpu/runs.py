@@ -1,0 +1,163 @@
+"""What the GPU tests that train through `torchrun -m spmd_rl.ppo` share (test_trainer_gpu,
+test_presets_gpu, test_learning_gpu): skip reasons, launching a run, its metrics, and random-weight
+model directories of real shapes built once per machine.
+
+    python tests/gpu/runs.py --prebuild qwen2-7b qwen2-1.5b     (scripts/gpu_check.py, in the background)
+
+builds the model directories the preset checks use (SPMD_RL_GPU_MODEL_ROOT, default
+/tmp/spmd_rl_models) on the CPU (CUDA_VISIBLE_DEVICES="") while the GPUs run other checks; a test
+that needs one that is still being built waits for it (a file lock per shape), and one that finds
+none builds it on its GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def skip_reason(nproc: int) -> str | None:
+    """Why a test of `nproc` GPUs cannot run here (None: it can). "needs N GPUs, M visible" is how
+    scripts/gpu_check.py tells a 2-GPU test on one GPU (n/a) from a broken one (FAIL)."""
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    if importlib.util.find_spec("vllm") is None:
+        return "needs vllm (pip install -e .[vllm])"
+    if torch.cuda.device_count() < nproc:
+        return f"needs {nproc} GPUs, {torch.cuda.device_count()} visible"
+    return None
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    """Step -> its metrics: a step's training row merged with the row of its checkpoint's stall."""
+    steps: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        steps[rec["step"]] = {**steps.get(rec["step"], {}), **rec}
+    return steps
+
+
+def command(nproc: int, overrides: list[str], run_dir: Path, total: int, resume: str) -> list[str]:
+    """`torchrun -m spmd_rl.ppo` of `overrides` (a --config among them, if any) for `total` steps;
+    RUN_DIR in an override stands for `run_dir`. Training data: <run_dir>/data/train.parquet."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "spmd_rl.ppo", *(o.replace("RUN_DIR", str(run_dir)) for o in overrides), f"trainer.run_dir={run_dir}",
+            f"trainer.total_steps={total}", f'data.train_files=["{run_dir}/data/train.parquet"]',
+            f'trainer.resume="{resume}"']
+
+
+def run_env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}", **extra)
+
+
+def train(name: str, nproc: int, overrides: list[str], run_dir: Path, total: int, resume: str,
+          timeout: float = 420) -> str:
+    """One run to `total` steps, waited for; its log (the run must exit 0)."""
+    log_path = run_dir / f"stdout-{total}.log"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        p = subprocess.run(command(nproc, overrides, run_dir, total, resume), cwd=REPO, env=run_env(), stdout=log,
+                           stderr=subprocess.STDOUT, timeout=timeout)
+    text = log_path.read_text()
+    assert p.returncode == 0, f"{name}: exit {p.returncode}\n{text[-4000:]}"
+    return text
+
+
+def keep_logs(name: str, logs: list[str], run_dir: Path) -> None:
+    """Logs and metrics to SPMD_RL_GPU_LOG_DIR (scripts/gpu_check.py prints their per-step table);
+    the run dir itself holds models and checkpoints and goes."""
+    keep = os.environ.get("SPMD_RL_GPU_LOG_DIR")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        (Path(keep) / f"{name}.stdout.log").write_text("\n".join(logs))
+        (Path(keep) / f"{name}.metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
+
+
+def model_root() -> Path:
+    return Path(os.environ.get("SPMD_RL_GPU_MODEL_ROOT", "/tmp/spmd_rl_models"))
+
+
+def random_model_dir(arch: str) -> str:
+    """A Hugging Face directory of a random-weight model of shape `arch` (spmd_rl.models.ARCH_PRESETS)
+    with the character tokenizer, bfloat16 files (the presets' fp32 masters load them exactly),
+    built once per machine under model_root(); concurrent callers wait for the first."""
+    from spmd_rl.models import materialize_random_model, random_model_config
+    from spmd_rl.tokenizer import build_char_tokenizer
+
+    root = model_root()
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / f"{arch}-char"
+    with open(root / f"{arch}-char.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        tokenizer = build_char_tokenizer()
+        torch.set_num_threads(max(os.cpu_count() or 1, 1))
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU draws a 7B model in seconds
+        materialize_random_model(str(out), random_model_config(arch, tokenizer=tokenizer), 0, torch.bfloat16, tokenizer,
+                                 device)
+    return str(out)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prebuild", nargs="+", required=True, metavar="ARCH")
+    for arch in ap.parse_args().prebuild:
+        print(arch, random_model_dir(arch), flush=True)
+
+
+def shares_gpus() -> bool:
+    """Whether other processes use this test's GPUs meanwhile (SPMD_RL_GPU_SHARED=1: scripts/gpu_check.py
+    runs small checks beside big ones): the device's free memory is then theirs to move too, and
+    the step-to-step leak check on it is off."""
+    return os.environ.get("SPMD_RL_GPU_SHARED") == "1"
+
+
+def check_run(name: str, run_dir: Path, totals: tuple[int, ...], logs: list[str], max_mismatch: float,
+              keep_last: int = 2, saves_every_step: bool = False) -> dict[int, dict]:
+    """What every training run of the GPU tests must show, from its metrics.jsonl: all steps, the
+    engine's log-probs at the actor's (bf16 level: a broken weight sync shows nats), no NaN, a
+    resume from the first process's last checkpoint, and free memory after sleep steady within a
+    process (nothing leaks step to step; not while other processes share the GPUs: shares_gpus).
+    Returns step -> metrics (step 0, validation, left out)."""
+    tail = logs[-1][-4000:]
+    steps = {s: m for s, m in read_metrics(run_dir).items() if s > 0}
+    assert sorted(steps) == list(range(1, totals[-1] + 1)), (name, sorted(steps), tail)
+    for s, m in steps.items():
+        assert m["rollout/logprob_diff_mean"] < max_mismatch, (name, s, m["rollout/logprob_diff_mean"])
+        for k, v in m.items():
+            assert v == v, (name, s, k)
+    if len(totals) > 1:  # the second process resumed from the first one's last checkpoint
+        first = totals[0]
+        assert f"resumed from {run_dir}/checkpoints/step_{first} at step {first}" in logs[1], logs[1][-4000:]
+        if saves_every_step:  # asynchronous saves in both processes; keep_last of them left
+            ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+            assert ckpts == [f"step_{s}" for s in range(totals[-1] - keep_last + 1, totals[-1] + 1)], ckpts
+            assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{totals[-1]}"
+            for s in range(1, totals[-1] + 1):
+                assert "time/checkpoint" in steps[s], (name, s, "no checkpoint stall logged")
+    free = [steps[s]["memory/free_after_sleep_gb"] for s in sorted(steps)]
+    bounds = [0, *totals]
+    for lo, hi in zip(bounds, bounds[1:]):  # within each process, after its first step
+        steady = free[lo + 1:hi] if lo == 0 else free[lo:hi]
+        if steady and not shares_gpus():
+            assert max(steady) - min(steady) < 0.5, f"{name}: free memory after sleep drifts within a process: {free}"
+    for s, m in steps.items():  # true memory figures: nothing above the card
+        for k, v in m.items():
+            if k.startswith("memory/") and k.endswith(("_peak_gb", "_device_gb")):
+                assert 0 <= v <= m["memory/device_total_gb"] + 0.01, (name, s, k, v)
+    return steps
+
+
+def summary(name: str, steps: dict[int, dict]) -> str:
+    last = steps[max(steps)]
+    return name + " " + json.dumps({k: [round(steps[s][k], 4) for s in sorted(steps) if k in steps[s]]
+                                    for k in sorted(last) if k.startswith(("time/", "memory/", "rollout/", "perf/"))})
