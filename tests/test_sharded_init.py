@@ -199,3 +199,26 @@ def _trainer_reads_weights_on_rank_0_only(rank, world, run_dir, data_dir):
 
 def test_trainer_reads_weights_on_rank_0_only_and_none_on_resume(tmp_path):
     run_distributed(_trainer_reads_weights_on_rank_0_only, 2, str(tmp_path / "run"), str(tmp_path / "data"))
+
+
+def test_random_model_dir_drawn_on_another_device_is_kept(tmp_path):
+    """materialize_random_model records where the weights were drawn (a GPU draws other values for
+    the seed than the CPU) but keeps a directory drawn elsewhere with the same config, seed and
+    dtype: a run's reference model reads it, and must not change when the run resumes elsewhere."""
+    import json
+
+    import torch
+
+    from spmd_rl.models import materialize_random_model, random_model_config
+
+    out = tmp_path / "m"
+    materialize_random_model(str(out), random_model_config("tiny"), 3, torch.float32)
+    stamp = out / "spmd_rl_init.json"
+    drawn = json.loads(stamp.read_text())
+    assert "device" not in drawn
+    stamp.write_text(json.dumps({**drawn, "device": "cuda"}))  # as a GPU-drawn one records it
+    weights = (out / "model.safetensors").stat().st_mtime_ns
+    materialize_random_model(str(out), random_model_config("tiny"), 3, torch.float32)
+    assert (out / "model.safetensors").stat().st_mtime_ns == weights, "redrawn though config, seed and dtype agree"
+    materialize_random_model(str(out), random_model_config("tiny"), 4, torch.float32)  # another seed: redrawn
+    assert json.loads(stamp.read_text())["seed"] == 4
