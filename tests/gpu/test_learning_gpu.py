@@ -6,7 +6,7 @@ A small random-weight Qwen2 (model.arch = "small": 4 layers, hidden 256, head_di
 character tokenizer's 64-token vocabulary) learns the synthetic successor task (prompt "384",
 answer "5") by GRPO alone, from reward about 0.02 to well above it in 40 steps, on the shipped
 GPU path: fp32 masters, bf16 compute, packed rows, vLLM (eager: the model is too small for CUDA
-graphs to matter, and eager starts in seconds) with a fixed 1 GiB KV cache, so that it can run
+graphs to matter, and eager starts in seconds) with a fixed 256 MiB KV cache (512 responses of 18 tokens need 20 MB), so that it can run
 beside another check on the same GPU. One optimizer step per step (one mini-batch): the step is
 on-policy, and the old log-probs come from the update's forward.
 
@@ -45,7 +45,7 @@ LEARN = [
     "--config", str(REPO / "configs" / "tiny-cpu.toml"), 'model.arch="small"', 'model.compute_dtype="bfloat16"',
     "model.remove_padding=true", "actor.max_token_len_per_gpu=8192", 'trainer.device="cuda"',
     'rollout.engine="vllm"', "rollout.enforce_eager=true", "rollout.gpu_memory_utilization=0.05",
-    "rollout.engine_kwargs.kv_cache_memory_bytes=1073741824",
+    "rollout.engine_kwargs.kv_cache_memory_bytes=268435456",
     "actor.lr=1e-3", "data.train_batch_size=32", "actor.ppo_mini_batch_size=32",
     'data.val_files=[]', "trainer.val_every=0", "trainer.save_every=-1", "trainer.tensorboard=false",
 ]
