@@ -318,7 +318,7 @@ def prebuild(checks: list[Check], out: Path) -> subprocess.Popen | None:
     if not archs:
         return None
     log = open(out / "prebuild.log", "w")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
     return subprocess.Popen([sys.executable, str(ROOT / "tests" / "gpu" / "runs.py"), "--prebuild", *archs], cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT, env=env)
 

