@@ -6,7 +6,7 @@
 #   device call, carrying .device-carry/vllm-1 (and .whl: liger-kernel, for test_fused_gpu's liger case):
 #   bash .device-carry/vllm-1/install-vllm-bundle.sh >/dev/null && . /tmp/site/vllm-env.sh && bash scripts/gpu_check.sh $OUT [--only ...] [--continue]
 #
-# On 2xH200 the whole plan takes ~21 minutes: scripts/gpu_check.py's docstring gives the calls.
+# On 2xH200 the whole plan takes ~27 minutes: scripts/gpu_check.py's docstring gives the four calls.
 # Exit status 0 only if every check that could run passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
