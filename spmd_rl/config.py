@@ -230,7 +230,9 @@ class RolloutConfig:
     enable_chunked_prefill: bool = True
     """vLLM: split long prefills into chunks."""
     disable_custom_all_reduce: bool = False
-    """vLLM: use NCCL instead of vLLM's custom all-reduce for TP."""
+    """vLLM: use NCCL instead of vLLM's custom all-reduce for TP. The custom one works with sleep
+    mode and CUDA graphs: the engine is built with PyTorch's expandable segments off, whose VMM
+    buffers it cannot share between ranks (spmd_rl/gpu_memory.py; configs/qwen7b.toml at TP=2)."""
     seed: int = 0
     """vLLM engine seed (offset by the replica index so replicas sample differently)."""
     dtype: str = "bfloat16"
