@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_train import matmul_peak_tflops, rollout_batch, timed  # noqa: E402
 
-from spmd_rl import sequence_parallel  # noqa: E402
+from spmd_rl import sequence_parallel, sp_groups  # noqa: E402
 from spmd_rl.actor import actor_loss_fn, compute_logprobs  # noqa: E402
 from spmd_rl.config import ActorConfig  # noqa: E402
 from spmd_rl.distributed import init_distributed  # noqa: E402
@@ -132,7 +132,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     if any(env.world_size % s for s in sizes):
         raise SystemExit(f"--sizes {args.sizes}: each must divide the world size {env.world_size}")
-    groups = {s: sequence_parallel.make_groups(s) for s in sizes}  # collective: every rank, every size
+    groups = {s: sp_groups.make_groups(s) for s in sizes}  # collective: every rank, every size
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_ulysses.json")
     peak = matmul_peak_tflops(env.device)

@@ -76,8 +76,6 @@ def materialize_random_model(out_dir: str, config, seed: int, dtype: torch.dtype
     differ from the CPU's for the same seed: the stamp records it, and a directory drawn on another
     device with the same config and seed is kept, as a run's reference model reads it)."""
     stamp = {"config": config.to_dict(), "seed": seed, "dtype": str(dtype)}
-    if torch.device(device).type != "cpu":
-        stamp["device"] = torch.device(device).type
     stamp_file = os.path.join(out_dir, "spmd_rl_init.json")
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
@@ -86,7 +84,7 @@ def materialize_random_model(out_dir: str, config, seed: int, dtype: torch.dtype
             with open(stamp_file) as f:
                 found = json.load(f)
             found.pop("device", None)  # drawn elsewhere with the same seed: kept (a reference model reads it)
-            same = found == json.loads(json.dumps({k: v for k, v in stamp.items() if k != "device"}))
+            same = found == json.loads(json.dumps(stamp))
         if not same:
             log.info("building random-weight model (seed %d) in %s", seed, out_dir)
             torch.manual_seed(seed)
@@ -98,8 +96,9 @@ def materialize_random_model(out_dir: str, config, seed: int, dtype: torch.dtype
                 torch.cuda.empty_cache()
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
+            drawn_on = torch.device(device).type
             with open(stamp_file + ".tmp", "w") as f:
-                json.dump(stamp, f)
+                json.dump(stamp if drawn_on == "cpu" else {**stamp, "device": drawn_on}, f)
             os.replace(stamp_file + ".tmp", stamp_file)
     if dist.is_initialized():
         dist.barrier()

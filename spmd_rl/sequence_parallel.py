@@ -4,7 +4,7 @@ slice of its tokens, so one sequence's activations no longer have to fit on one 
 
 What changes, and where:
 
-- groups (`make_groups`): the ranks form world / size SP groups of `size` consecutive ranks and,
+- groups (`sp_groups.make_groups`): the ranks form world / size SP groups of `size` consecutive ranks and,
   across them, `size` data-parallel groups (one rank of every SP group each). Data parallelism is
   over the SP groups: world / size of them (`SPGroups.dp_size`).
 - rows (`share_rows`): rollout stays per rank (every rank generates for its own prompts); then the
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from spmd_rl import packing
 from spmd_rl.packing import PackedLayout
-from spmd_rl.sp_groups import SPGroups, head_problem, kv_replication, make_groups, sp_group_ranks  # noqa: F401 (re-exported)
+from spmd_rl.sp_groups import SPGroups, head_problem, kv_replication, sp_group_ranks
 
 log = logging.getLogger(__name__)
 

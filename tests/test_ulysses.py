@@ -108,10 +108,10 @@ class Setup:
     and this rank's rows (shared within its SP group)."""
 
     def __init__(self, world: int, size: int, fsdp_size: int, checkpointing: bool, batch):
-        from spmd_rl import sequence_parallel
+        from spmd_rl import sequence_parallel, sp_groups
         from spmd_rl.distributed import fsdp_mesh
 
-        self.sp = sequence_parallel.make_groups(size)
+        self.sp = sp_groups.make_groups(size)
         self.mesh = fsdp_mesh("cpu", world, fsdp_size)
         self.checkpointing = checkpointing
         rank = torch.distributed.get_rank()
@@ -238,16 +238,16 @@ def test_critic_and_gae_equal_ulysses_1(model_dir, layout):
 def _replicated_kv_body(rank, world, model_dir):
     """One KV head, an SP group of 2: each rank gets a copy of it. Log-probs, entropy and the
     gradients of the sliced FSDP model against the same model unsliced on one rank."""
-    from spmd_rl import sequence_parallel
+    from spmd_rl import sequence_parallel, sp_groups
     from spmd_rl.actor import forward_logprobs
     from spmd_rl.distributed import fsdp_mesh
     from spmd_rl.models import apply_fsdp, load_causal_lm
 
-    sp = sequence_parallel.make_groups(2)
+    sp = sp_groups.make_groups(2)
     plain = load_causal_lm(model_dir, torch.float64, remove_padding=True)
     model = sequence_parallel.apply(apply_fsdp(load_causal_lm(model_dir, torch.float64, remove_padding=True),
                                                fsdp_mesh("cpu", world), torch.float64), sp)
-    assert sequence_parallel.kv_replication(1, 2) == 2
+    assert sp_groups.kv_replication(1, 2) == 2
     mb = odd_batch(1, seed=3).select([0, 1, 2])  # 3 odd rows: an odd packed row
     assert int(mb["attention_mask"].sum()) % 2 == 1
     results = []
@@ -275,7 +275,7 @@ def test_kv_heads_fewer_than_the_group_are_replicated(tmp_path):
 
 def test_sp_groups_are_consecutive_ranks_inside_shard_groups():
     from spmd_rl.distributed import fsdp_mesh_shape
-    from spmd_rl.sequence_parallel import sp_group_ranks
+    from spmd_rl.sp_groups import sp_group_ranks
 
     sp, dp = sp_group_ranks(8, 2)
     assert sp == [[0, 1], [2, 3], [4, 5], [6, 7]] and dp == [[0, 2, 4, 6], [1, 3, 5, 7]]

@@ -30,7 +30,6 @@ a wrong average shows tens of percent).
 
 from __future__ import annotations
 
-import os
 import subprocess
 
 import pytest
@@ -53,8 +52,8 @@ CASES = {"1gpu": [("1gpu", 1, [])], "2gpu": [("2gpu-fsdp0", 2, ["trainer.fsdp_si
                                              ("2gpu-fsdp1", 2, ["trainer.fsdp_size=1"])]}
 
 
-def learned(name: str, run_dir, log: str) -> dict[int, dict]:
-    steps = check_run(name, run_dir, (STEPS,), [log], max_mismatch=0.05)
+def learned(name: str, run_dir, log: str, shared: bool) -> dict[int, dict]:
+    steps = check_run(name, run_dir, (STEPS,), [log], max_mismatch=0.05, shared=shared)
     rewards = [steps[s]["reward/mean"] for s in sorted(steps)]
     last = sum(rewards[-5:]) / 5
     print(name, "reward per step", " ".join(f"{r:.2f}" for r in rewards))
@@ -69,7 +68,6 @@ def test_learns(case, tmp_path):
     if reason:
         pytest.skip(reason)
     procs = []
-    os.environ["SPMD_RL_GPU_SHARED"] = "1" if len(runs) > 1 else os.environ.get("SPMD_RL_GPU_SHARED", "0")
     for name, nproc, extra in runs:  # all at once: they share the GPUs (small model, fixed KV cache)
         run_dir = tmp_path / name
         run_dir.mkdir(parents=True)
@@ -83,7 +81,7 @@ def test_learns(case, tmp_path):
         log.close()
         text = (run_dir / "stdout.log").read_text()
         assert rc == 0, f"{name}: exit {rc}\n{text[-4000:]}"
-        results[name] = learned(name, run_dir, text)
+        results[name] = learned(name, run_dir, text, shared=len(runs) > 1)  # the 2-GPU pair shares its GPUs
         keep_logs(name, [text], run_dir)
         print(summary(name, results[name]))
     if case == "2gpu":

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from spmd_rl import sequence_parallel  # noqa: E402
+from spmd_rl import sequence_parallel, sp_groups  # noqa: E402
 from spmd_rl.actor import actor_loss_fn, compute_logprobs  # noqa: E402
 from spmd_rl.batch import Batch  # noqa: E402
 from spmd_rl.config import ActorConfig  # noqa: E402
@@ -121,8 +121,8 @@ def main() -> int:
     del init
 
     mine = odd_rows(config.vocab_size, env.rank, device)
-    single = sequence_parallel.make_groups(1)
-    pair = sequence_parallel.make_groups(world)
+    single = sp_groups.make_groups(1)
+    pair = sp_groups.make_groups(world)
     ref_logp, ref_grads = run(config, state, mine, False, torch.float32, single, env.mesh, args.budget, device)
     assert torch.equal(mine["old_logprobs"], ref_logp)  # ratio ~ 1: every response token carries gradient
     results = {}
