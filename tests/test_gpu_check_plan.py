@@ -180,3 +180,47 @@ def test_expected_schedule_puts_small_checks_after_an_alone_one():
 def test_a_check_longer_than_a_call_gets_a_call_of_its_own():
     checks = [C("a", ("x",), secs=100), C("huge", ("x",), secs=900), C("b", ("x",), secs=100)]
     assert [[c.name for c in g] for g in gpu_check.split_calls(checks, 1, 500)] == [["a", "b"], ["huge"]]
+
+
+def _fake_run(run_dir, saved, kept, steps=5):
+    """A finished preset run's files as tests/gpu/runs.check_run reads them: steps 1-3, a resume from
+    step_3, steps 4-5; `saved` steps logged a checkpoint stall, `kept` are on disk."""
+    import json
+
+    rows = [{"step": s, "rollout/logprob_diff_mean": 0.01, "memory/free_after_sleep_gb": 50.0} for s in range(1, steps + 1)]
+    rows += [{"step": s, "time/checkpoint": 1.0} for s in saved]
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for s in kept:
+        (run_dir / "checkpoints" / f"step_{s}").mkdir()
+    (run_dir / "checkpoints" / "latest").write_text(f"step_{kept[-1]}")
+    return ["", f"resumed from {run_dir}/checkpoints/step_3 at step 3"]
+
+
+@pytest.mark.parametrize("save_every, saved, kept, ok", [
+    ((1, 1), [1, 2, 3, 4, 5], [4, 5], True),
+    ((1, 1), [1, 2, 3, 5], [4, 5], False),  # step 4's save did not happen (skipped: the disk was full)
+    ((1, 1), [1, 2, 3, 4, 5], [5], False),  # keep_last = 2 but one left
+    ((0, -1), [3], [3], True),  # at the first process's end only
+    ((0, -1), [3], [2, 3], False),
+])
+def test_check_run_fails_a_save_asked_for_that_did_not_happen(tmp_path, save_every, saved, kept, ok):
+    from runs import check_run, expected_saves
+
+    logs = _fake_run(tmp_path, saved, kept)
+    try:
+        check_run("fake", tmp_path, (3, 5), logs, 0.05, saves=expected_saves((3, 5), save_every), keep_last=2,
+                  shared=True)
+    except AssertionError:
+        assert not ok, "a run that made every save asked for failed"
+    else:
+        assert ok, "a missing save passed"
+
+
+def test_expected_saves_follow_the_trainer():
+    from runs import expected_saves
+
+    assert expected_saves((3, 5), (1, 1)) == [1, 2, 3, 4, 5]
+    assert expected_saves((3, 5), (0, -1)) == [3]
+    assert expected_saves((4, 9), (2, 0)) == [2, 4, 9]
+    assert expected_saves((3,), (-1,)) == []
