@@ -43,8 +43,9 @@ Expected seconds (2xH200, 2026-11-23: preset-7b 405 s, preset-0.5b 312 s, preset
 learning-1gpu 70 s, the learning-2gpu pair 60 s; the rest from earlier runs and estimates; each
 preset starts vLLM with CUDA graphs twice (33-68 s each) and compiles its layers twice (22-36 s),
 and the 7B one writes and reads an 86 GB checkpoint (40 s each way)). The whole plan is about 25
-minutes on 2xH200 and 22 on one GPU (the 2-GPU checks n/a): with --max-call-s 570, 3 calls on two
-GPUs, 3 on one.
+minutes on 2xH200 and 22 on one GPU (the 2-GPU checks n/a): with --max-call-s 570 and a quick
+set-up, 3 calls on two GPUs, 3 on one (4 on two when each call spends 30 s or more setting up, as
+with the offline vLLM bundle).
 """
 
 from __future__ import annotations
@@ -111,11 +112,13 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
     Check("learning-2gpu", (f"{LEARNING_TEST}[2gpu]",), gpus=2, secs=70, small=True),
     Check("preset-long", (f"{PRESET_TEST}[qwen1.5b-long]",), gpus=2, secs=250, archs=("qwen2-1.5b",)),
     Check("ulysses", ("tests/gpu/test_ulysses_gpu.py",), gpus=2, secs=150),
-    Check("preset-0.5b", (f"{PRESET_TEST}[qwen0.5b-gsm8k]",), secs=320, archs=("qwen2-0.5b",)),
-    Check("preset-1.5b", (f"{PRESET_TEST}[qwen1.5b-gsm8k]",), secs=450, archs=("qwen2-1.5b",)),
+    # kernels before the presets: on one GPU the learning check runs beside it (whose tests read no
+    # free memory), and the presets have their GPU to themselves (their free-memory drift check runs)
     Check("kernels", ("tests/gpu/test_checkpoint_gpu.py", "tests/gpu/test_offload_gpu.py",
                       "tests/gpu/test_sharded_init_gpu.py", "tests/gpu/test_packing_gpu.py",
                       "tests/gpu/test_fused_gpu.py"), secs=90),
+    Check("preset-0.5b", (f"{PRESET_TEST}[qwen0.5b-gsm8k]",), secs=320, archs=("qwen2-0.5b",)),
+    Check("preset-1.5b", (f"{PRESET_TEST}[qwen1.5b-gsm8k]",), secs=450, archs=("qwen2-1.5b",)),
     Check("ppo", (f"{TRAINER_TEST}[ppo-1gpu-shipped]",), secs=150, archs=("qwen2-0.5b",)),
     Check("export", ("tests/gpu/test_export_gpu.py",), secs=90),
     Check("colocate", ("tests/gpu/test_colocate.py",), secs=90, alone=True,
