@@ -1,10 +1,10 @@
-"""The GPU path in one table: the shipped presets as shipped (3 steps, a checkpoint, a resume), the
-learning check, sequence parallelism, PPO with a critic, the kernels, the export and the
+"""The GPU path in one table: the shipped presets as shipped (3 steps, checkpoints, a resume for 2
+more), the learning check, sequence parallelism, PPO with a critic, the kernels, the export and the
 colocation checks, run over every GPU the machine has. Prints one PASS/FAIL table with the GPUs
 that ran each row, then the training runs' per-step seconds.
 
     bash scripts/gpu_check.sh OUT [options]      (the shell wrapper sets the environment)
-    python scripts/gpu_check.py --out OUT [--budget-s 560] [--only NAME,...] [--continue] [--plan]
+    python scripts/gpu_check.py --out OUT [--only NAME,...] [--max-call-s S] [--continue] [--budget-s S] [--plan]
 
 Scheduling (`schedule`). Each check of PLAN is a pytest subprocess with CUDA_VISIBLE_DEVICES set to
 its GPUs, its own work directory (--basetemp, logs under gpu_logs/<check>) and the vLLM compile
@@ -12,31 +12,52 @@ cache of its GPUs (VLLM_CACHE_ROOT per GPU set, reused by the next check there).
 PLAN order as soon as their GPUs are free: a 1-GPU check takes any free GPU (the 1-GPU checks run
 side by side, one per GPU); a check of more GPUs waits for all of them, and no check after it in
 PLAN starts before it. A `small` check (a tiny model with a fixed small KV cache) takes no GPU for
-itself: it runs beside the others on the GPU(s) least loaded with small checks. A check that needs
-more GPUs than the machine has is n/a; a check that cannot start with its expected seconds left in
-the budget is NOT RUN, which fails the whole check like a FAIL; a running check is stopped at the
-budget's end. Exit status 0 only if every check that could run passed.
+itself: it runs beside the others on the GPU(s) least loaded with small checks. A check started
+where a small check runs gets SPMD_RL_GPU_SHARED=1 (its runs then skip the step-to-step check of
+the device's free memory); a check started on GPUs of its own gets 0, and no small check joins it
+later (a small check waits for GPUs that are free or already shared), so the drift check runs
+wherever a check has its GPUs to itself. A small check itself is shared unless it is the last check
+left. An `alone` check never has a small one beside it. A check that needs more GPUs than the
+machine has is n/a; a check that cannot start with its expected seconds left in the budget is NOT
+RUN, which fails the whole check like a FAIL; a running check is stopped at the budget's end.
 
-On 2xH200 the whole PLAN takes about 27 minutes (the expected seconds below; measured on
-2026-11-23: preset-7b 405 s, preset-0.5b 312 s, preset-1.5b over 370 s, learning-1gpu 70 s, the
-learning-2gpu pair 60 s; the rest from earlier runs and estimates). Each preset starts vLLM with
-CUDA graphs twice (33-68 s each) and compiles its layers twice (22-36 s), and the 7B one writes and
-reads an 86 GB checkpoint (40 s each way). That is more than one device call (10 minutes): run it
-as calls on one warm machine, each with --budget-s inside the call's limit:
-`--only preset-7b` (~420 s), `--only learning-1gpu,learning-2gpu,preset-long,ulysses --continue`
-(~390 s), `--only preset-0.5b,preset-1.5b,kernels --continue` (~450 s), `--only
-ppo,export,colocate,offload --continue` (~280 s); each --continue call prints the table of all so
-far. On one GPU, the same calls: the 2-GPU checks show n/a.
+Results (`result_rows`). One row per test case of the check's JUnit report. A check whose pytest
+exits non-zero, writes no report, runs no test (a test id that matches nothing: exit 4; nothing
+collected: exit 5) or skips every test (no vLLM, say) is a FAIL row with that reason; a test
+skipped because it needs more GPUs than the check has is n/a. A check cut at the budget is a FAIL
+row naming the last step its newest run logged and its log's last line, and the logs of a check
+that did not pass (its pytest output, its runs' trainer.log, stdout and metrics.jsonl) are kept
+under gpu_logs/<check>, which OUT/gpu_logs.tgz holds. The table's total is PASS only if a test
+passed and none failed or was not run. Exit status: 0 all passed; 1 a check failed or was not run;
+3 all that ran passed, but checks are left for the next call (the command is printed).
+
+Budget and calls. By default the budget follows the plan: twice its expected seconds plus 5
+minutes (the expected seconds are an H200's). Where one command may only run so long (a batch
+job's time limit, a lent machine's per-call limit), --max-call-s S splits the plan into calls that
+each fit S (`split_calls`, first fit in PLAN order, the wrapper's set-up time already spent counted
+in): the call runs the first group and prints the next command (`--continue` adds its rows to the
+table of the calls before, kept in GPU_CHECK_WORK on the same machine). `--plan --max-call-s S
+--gpus N` prints the calls without running anything.
+
+Expected seconds (2xH200, 2026-11-23: preset-7b 405 s, preset-0.5b 312 s, preset-1.5b over 370 s,
+learning-1gpu 70 s, the learning-2gpu pair 60 s; the rest from earlier runs and estimates; each
+preset starts vLLM with CUDA graphs twice (33-68 s each) and compiles its layers twice (22-36 s),
+and the 7B one writes and reads an 86 GB checkpoint (40 s each way)). The whole plan is about 25
+minutes on 2xH200 and 22 on one GPU (the 2-GPU checks n/a): with --max-call-s 570 and a quick
+set-up, 3 calls on two GPUs, 3 on one (4 on two when each call spends 30 s or more setting up, as
+with the offline vLLM bundle).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -50,9 +71,16 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from summarize_run import read_steps  # noqa: E402
 
 WORK = Path(os.environ.get("GPU_CHECK_WORK", "/tmp/gpu_check"))
+MEMORY_RUNS = Path("/dev/shm/gpu_check/runs") if Path("/dev/shm").is_dir() else WORK / "memory_runs"
+"""Where a check's runs that keep their checkpoints in RAM go (SPMD_RL_GPU_MEMORY_DIR, one folder per
+check): their logs are kept and the folder removed however the check ends."""
 PRESET_TEST = "tests/gpu/test_presets_gpu.py::test_preset_trains_saves_and_resumes"
 TRAINER_TEST = "tests/gpu/test_trainer_gpu.py::test_training_steps_with_vllm"
 LEARNING_TEST = "tests/gpu/test_learning_gpu.py::test_learns"
+PYTEST: tuple[str, ...] = (sys.executable, "-m", "pytest")
+"""The command that runs a check's tests (a CPU test puts a fake pytest in its place)."""
+TAIL_S = 20.0
+"""Seconds a call needs after its checks: results, the logs tarball, the table."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +97,8 @@ class Check:
     small: bool = False
     """A tiny model with a fixed small KV cache: runs beside other checks on their GPUs."""
     alone: bool = False
-    """Needs its GPUs' whole memory: no small check runs beside it (qwen7b on two GPUs)."""
+    """No small check beside it: it needs its GPUs' whole memory (qwen7b on two GPUs), or its tests
+    read the device's free memory with no switch to turn that off (the colocation check)."""
     env: tuple[tuple[str, str], ...] = ()
     """Extra environment of its pytest."""
     archs: tuple[str, ...] = ()
@@ -78,19 +107,22 @@ class Check:
 
 
 PLAN: list[Check] = [  # order = priority (the docstring's rules)
-    Check("preset-7b", (f"{PRESET_TEST}[qwen7b]",), gpus=2, secs=420, alone=True),  # its model: drawn on its GPUs
+    Check("preset-7b", (f"{PRESET_TEST}[qwen7b]",), gpus=2, secs=430, alone=True),  # its model: drawn on its GPUs
     Check("learning-1gpu", (f"{LEARNING_TEST}[1gpu]",), secs=80, small=True),
     Check("learning-2gpu", (f"{LEARNING_TEST}[2gpu]",), gpus=2, secs=70, small=True),
-    Check("preset-long", (f"{PRESET_TEST}[qwen1.5b-long]",), gpus=2, secs=240, archs=("qwen2-1.5b",)),
+    Check("preset-long", (f"{PRESET_TEST}[qwen1.5b-long]",), gpus=2, secs=250, archs=("qwen2-1.5b",)),
     Check("ulysses", ("tests/gpu/test_ulysses_gpu.py",), gpus=2, secs=150),
-    Check("preset-0.5b", (f"{PRESET_TEST}[qwen0.5b-gsm8k]",), secs=320, archs=("qwen2-0.5b",)),
-    Check("preset-1.5b", (f"{PRESET_TEST}[qwen1.5b-gsm8k]",), secs=450, archs=("qwen2-1.5b",)),
+    # kernels before the presets: on one GPU the learning check runs beside it (whose tests read no
+    # free memory), and the presets have their GPU to themselves (their free-memory drift check runs)
     Check("kernels", ("tests/gpu/test_checkpoint_gpu.py", "tests/gpu/test_offload_gpu.py",
                       "tests/gpu/test_sharded_init_gpu.py", "tests/gpu/test_packing_gpu.py",
                       "tests/gpu/test_fused_gpu.py"), secs=90),
+    Check("preset-0.5b", (f"{PRESET_TEST}[qwen0.5b-gsm8k]",), secs=320, archs=("qwen2-0.5b",)),
+    Check("preset-1.5b", (f"{PRESET_TEST}[qwen1.5b-gsm8k]",), secs=450, archs=("qwen2-1.5b",)),
     Check("ppo", (f"{TRAINER_TEST}[ppo-1gpu-shipped]",), secs=150, archs=("qwen2-0.5b",)),
     Check("export", ("tests/gpu/test_export_gpu.py",), secs=90),
-    Check("colocate", ("tests/gpu/test_colocate.py",), secs=90, env=(("SPMD_RL_GPU_LAYOUTS", "0.5b-tp1"),)),
+    Check("colocate", ("tests/gpu/test_colocate.py",), secs=90, alone=True,
+          env=(("SPMD_RL_GPU_LAYOUTS", "0.5b-tp1"),)),
     Check("offload", (f"{TRAINER_TEST}[grpo-1gpu-tp1-offload]",), secs=100),
 ]
 
@@ -102,6 +134,8 @@ class Row:
     seconds: float
     gpus: str = "-"
     note: str = ""
+    check: str = ""
+    """The PLAN check it belongs to."""
 
 
 @dataclass
@@ -114,8 +148,8 @@ class Slot:
     thread: threading.Thread | None = None
 
 
-Runner = Callable[[Check, tuple[int, ...], float], list[Row]]
-"""runner(check, GPU indices, seconds it may take) -> its rows."""
+Runner = Callable[[Check, tuple[int, ...], float, bool], list[Row]]
+"""runner(check, GPU indices, seconds it may take, shared: other checks may use its GPUs) -> its rows."""
 
 
 def schedule(checks: list[Check], n_gpus: int, budget_s: float, runner: Runner, poll_s: float = 0.5,
@@ -128,27 +162,31 @@ def schedule(checks: list[Check], n_gpus: int, budget_s: float, runner: Runner, 
     pending = []
     for i, c in enumerate(checks):
         if c.gpus > n_gpus:
-            results[i] = [Row(c.name, "n/a", 0.0, "-", f"needs {c.gpus} GPUs, {n_gpus} visible")]
+            results[i] = [Row(c.name, "n/a", 0.0, "-", f"needs {c.gpus} GPUs, {n_gpus} visible", c.name)]
         else:
             pending.append(i)
     busy: dict[int, int] = {}  # GPU -> index of the big check on it
+    shared_big: set[int] = set()  # big checks started beside a small one: more small ones may join them
     small_load = [0] * max(n_gpus, 1)
     running: dict[int, Slot] = {}
 
-    def launch(i: int, gpus: tuple[int, ...]) -> None:
+    def launch(i: int, gpus: tuple[int, ...], shared: bool) -> None:
         slot = Slot(checks[i], gpus, clock())
         left = deadline - clock()
 
         def work() -> None:
             try:
-                slot.rows = runner(slot.check, gpus, left)
+                slot.rows = runner(slot.check, gpus, left, shared)
             except Exception as e:  # a broken check is a FAIL with its reason; the others go on
                 slot.rows = [Row(slot.check.name, "FAIL", clock() - slot.started, _label(gpus),
                                  f"{type(e).__name__}: {e}"[:120])]
+            for row in slot.rows:
+                row.check = row.check or slot.check.name
 
         slot.thread = threading.Thread(target=work, daemon=True)
         running[i] = slot
-        say(f"[gpu_check] {checks[i].name}: started on GPU {_label(gpus)} at {clock() - start:.0f}s")
+        say(f"[gpu_check] {checks[i].name}: started on GPU {_label(gpus)} at {clock() - start:.0f}s"
+            + (", beside other checks (its free-memory drift check is off)" if shared else ""))
         slot.thread.start()
 
     while pending or running:
@@ -167,15 +205,17 @@ def schedule(checks: list[Check], n_gpus: int, budget_s: float, runner: Runner, 
             c = checks[i]
             left = deadline - clock()
             if left < c.secs:
-                results[i] = [Row(c.name, "NOT RUN", 0.0, "-", f"{left:.0f}s of the budget left, it needs about {c.secs:.0f}s")]
+                results[i] = [Row(c.name, "NOT RUN", 0.0, "-", f"{left:.0f}s of the budget left, it needs about "
+                                  f"{c.secs:.0f}s", c.name)]
                 pending.remove(i)
                 continue
-            if c.small:
-                allowed = [g for g in range(n_gpus) if not (g in busy and checks[busy[g]].alone)]
+            if c.small:  # on GPUs with no big check, or whose big check was started as shared
+                allowed = [g for g in range(n_gpus) if g not in busy or busy[g] in shared_big]
                 if len(allowed) < c.gpus:
                     continue
                 order = sorted(allowed, key=lambda g: (small_load[g], g in busy, g))
                 gpus = tuple(sorted(order[:c.gpus]))
+                shared = any(g in busy or small_load[g] for g in gpus) or len(pending) > 1
                 for g in gpus:
                     small_load[g] += 1
             else:
@@ -185,36 +225,68 @@ def schedule(checks: list[Check], n_gpus: int, budget_s: float, runner: Runner, 
                         break  # it waits for all its GPUs, and nothing after it goes first
                     continue
                 gpus = tuple(free[:c.gpus])
+                shared = any(small_load[g] for g in gpus)
                 for g in gpus:
                     busy[g] = i
+                if shared:
+                    shared_big.add(i)
             pending.remove(i)
-            launch(i, gpus)
+            launch(i, gpus, shared)
         if pending or running:
             time.sleep(poll_s)
     return [row for i in sorted(results) for row in results[i]]
 
 
-def expected_schedule(checks: list[Check], n_gpus: int) -> list[str]:
-    """The schedule the expected seconds give (printed at start, before any GPU time is spent)."""
+def expected_schedule(checks: list[Check], n_gpus: int) -> tuple[list[str], float]:
+    """The schedule the expected seconds give (printed at start, before any GPU time is spent):
+    its lines and its expected total seconds."""
     t = [0.0] * n_gpus
+    alone_until = 0.0  # a small check starts after the alone checks placed before it
+    end = 0.0
     lines = []
     for c in checks:
         if c.gpus > n_gpus:
             lines.append(f"  {c.name:14s} n/a (needs {c.gpus} GPUs)")
             continue
         if c.small:
-            lines.append(f"  {c.name:14s} beside the others ({c.gpus} GPU{'s' if c.gpus > 1 else ''}), ~{c.secs:.0f}s")
+            lines.append(f"  {c.name:14s} beside the others ({c.gpus} GPU{'s' if c.gpus > 1 else ''}): "
+                         f"{alone_until:5.0f} -> {alone_until + c.secs:5.0f}s")
+            end = max(end, alone_until + c.secs)
             continue
         if c.gpus == 1:
             g = min(range(n_gpus), key=lambda k: t[k])
             lines.append(f"  {c.name:14s} GPU {g}: {t[g]:5.0f} -> {t[g] + c.secs:5.0f}s")
             t[g] += c.secs
+            finish = t[g]
         else:
             begin = max(t)
             lines.append(f"  {c.name:14s} GPU {_label(tuple(range(c.gpus)))}: {begin:5.0f} -> {begin + c.secs:5.0f}s")
             t = [begin + c.secs if g < c.gpus else max(t[g], begin) for g in range(n_gpus)]
-    lines.append(f"  expected total: {max(t):.0f}s")
-    return lines
+            finish = begin + c.secs
+        if c.alone:
+            alone_until = max(alone_until, finish)
+    total = max([end, *t])
+    lines.append(f"  expected total: {total:.0f}s")
+    return lines, total
+
+
+def split_calls(checks: list[Check], n_gpus: int, seconds: float) -> list[list[Check]]:
+    """`checks` in groups whose expected schedule fits `seconds` each, one group per call (first fit
+    in PLAN order; a check longer than `seconds` by itself gets a call of its own)."""
+    groups: list[list[Check]] = []
+    for c in checks:
+        for g in groups:
+            if expected_schedule(g + [c], n_gpus)[1] <= seconds:
+                g.append(c)
+                break
+        else:
+            groups.append([c])
+    return groups
+
+
+def default_budget(checks: list[Check], n_gpus: int) -> float:
+    """The budget that follows the plan: twice its expected seconds plus 5 minutes."""
+    return 2 * expected_schedule(checks, max(n_gpus, 1))[1] + 300
 
 
 def _label(gpus: tuple[int, ...]) -> str:
@@ -238,41 +310,78 @@ def run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> t
     return rc, time.time() - t0
 
 
-def pytest_runner(out: Path, shared: bool) -> Runner:
-    """The real runner: pytest -m gpu over a check's targets on its GPUs; one row per test (JUnit XML).
-    `shared`: small checks run beside the others (SPMD_RL_GPU_SHARED=1 for all but the `alone`
-    ones: the tests then skip their step-to-step check of the device's free memory)."""
+def pytest_runner(out: Path) -> Runner:
+    """The real runner: PYTEST -m gpu over a check's targets on its GPUs; its rows (`result_rows`).
+    SPMD_RL_GPU_SHARED tells its runs whether other checks may use their GPUs meanwhile."""
     lock = threading.Lock()
 
-    def runner(check: Check, gpus: tuple[int, ...], timeout: float) -> list[Row]:
+    def runner(check: Check, gpus: tuple[int, ...], timeout: float, shared: bool) -> list[Row]:
         label = _label(gpus)
         base = WORK / f"pytest-{check.name}"
-        shutil.rmtree(base, ignore_errors=True)
+        memory = MEMORY_RUNS / check.name
+        logs = WORK / "gpu_logs" / check.name
+        for d in (base, memory):
+            shutil.rmtree(d, ignore_errors=True)
+        logs.mkdir(parents=True, exist_ok=True)
         xml = WORK / f"{check.name}.xml"
         xml.unlink(missing_ok=True)
         part = WORK / f"{check.name}.log"
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(_physical(gpus)),
                    VLLM_CACHE_ROOT=str(WORK / "vllm_cache" / f"gpu{label.replace(',', '_')}"),
-                   SPMD_RL_GPU_LOG_DIR=str(WORK / "gpu_logs" / check.name),
-                   SPMD_RL_GPU_SHARED="1" if shared and not check.alone else "0", **dict(check.env))
+                   SPMD_RL_GPU_LOG_DIR=str(logs), SPMD_RL_GPU_MEMORY_DIR=str(memory),
+                   SPMD_RL_GPU_SHARED="1" if shared else "0", **dict(check.env))
         missing = [t for t in check.targets if not (ROOT / t.split("::")[0]).is_file()]
         if missing:
-            return [Row(check.name, "FAIL", 0.0, label, f"missing: {', '.join(missing)}")]
-        rc, secs = run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
+            return [Row(check.name, "FAIL", 0.0, label, f"missing: {', '.join(missing)}", check.name)]
+        rc, secs = run([*PYTEST, "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
                         f"--basetemp={base}", f"--junitxml={xml}", *check.targets], part, timeout, env)
+        shutil.copyfile(part, logs / "pytest.log")
         with lock, open(out / "pytest.log", "a") as f:
             f.write(f"===== {check.name} on GPU {label}: {' '.join(check.targets)} (exit {rc}, {secs:.0f}s)\n"
-                    f"{part.read_text()}\n")
-        shutil.rmtree(base, ignore_errors=True)  # run dirs hold multi-GB models and checkpoints
-        if not xml.is_file():
-            return [Row(check.name, "FAIL", secs, label, f"pytest exit {rc}, no report"
-                        + (" (time limit)" if rc == 124 else ""))]
-        rows = junit_rows(xml, label)
-        if rc == 124:
-            rows.append(Row(check.name, "FAIL", secs, label, "time limit reached (tests after it did not run)"))
+                    f"{part.read_text(errors='replace')}\n")
+        rows = result_rows(check, rc, xml, label, secs, where_cut([base, memory]) if rc == 124 else "")
+        if any(r.result != "PASS" for r in rows):
+            keep_run_files([base, memory], logs / "run_files")
+        for d in (base, memory):  # run dirs hold multi-GB models and checkpoints
+            shutil.rmtree(d, ignore_errors=True)
         return rows
 
     return runner
+
+
+EXIT_MEANING = {1: "tests failed", 2: "interrupted", 3: "internal error", 4: "usage error",
+                5: "no tests collected", 124: "time limit"}
+
+
+def result_rows(check: Check, rc: int, xml: Path, label: str, secs: float, cut: str = "") -> list[Row]:
+    """A check's rows from its pytest exit status and JUnit report (the module's docstring):
+    `cut` says how far a check stopped at its time limit (rc 124) got."""
+    def fail(note: str) -> Row:
+        return Row(check.name, "FAIL", secs, label, note, check.name)
+
+    exit_note = f"pytest exit {rc}" + (f": {EXIT_MEANING[rc]}" if rc in EXIT_MEANING else "")
+    try:
+        rows = junit_rows(xml, label) if xml.is_file() else None
+    except ET.ParseError as e:
+        return [fail(f"{exit_note}, unreadable report ({e})")]
+    for r in rows or []:
+        r.check = check.name
+    if rc == 124:
+        return [*(rows or []), fail(f"cut at the time limit after {secs:.0f}s; {cut}")]
+    if rows is None:
+        return [fail(f"{exit_note}, no report")]
+    if not rows:
+        return [fail(f"ran no test ({exit_note})")]
+    skips = [r.note.removeprefix(SKIPPED) for r in rows if r.result == "FAIL" and r.note.startswith(SKIPPED)]
+    if len(skips) == len(rows):
+        return [fail("all skipped: " + "; ".join(dict.fromkeys(skips)))]
+    failed = any(r.result == "FAIL" and not r.note.startswith(SKIPPED) for r in rows)
+    if rc != 0 and not (rc == 1 and failed):  # pytest's own failure beyond the tests' (a crash, a teardown)
+        rows.append(fail(exit_note))
+    return rows
+
+
+SKIPPED = "skipped: "
 
 
 def junit_rows(xml: Path, label: str) -> list[Row]:
@@ -292,10 +401,61 @@ def junit_rows(xml: Path, label: str) -> list[Row]:
             if "GPUs," in reason and "visible" in reason:  # a layout of more GPUs than this check has
                 rows.append(Row(name, "n/a", t, label, reason))
             else:
-                rows.append(Row(name, "FAIL", t, label, f"skipped: {reason[:90]}"))
+                rows.append(Row(name, "FAIL", t, label, f"{SKIPPED}{reason[:90]}"))
         else:
             rows.append(Row(name, "PASS", t, label))
     return rows
+
+
+def _run_files(dirs: list[Path]) -> list[tuple[Path, Path]]:
+    """(folder, file) of the runs' logs under `dirs`: *.log, *.txt, *.jsonl (no models, no checkpoints)."""
+    found = []
+    for d in dirs:
+        if d.is_dir():
+            found += [(d, f) for f in d.rglob("*") if f.is_file() and not f.is_symlink()
+                      and (f.suffix in (".log", ".txt") or f.name.endswith(".jsonl"))]
+    return found
+
+
+def where_cut(dirs: list[Path]) -> str:
+    """How far a check stopped at its time limit got: the last step in its newest metrics.jsonl and
+    the last line of its newest trainer.log (or of its newest other log)."""
+    files = sorted(_run_files(dirs), key=lambda df: df[1].stat().st_mtime)
+    said = []
+    metrics = [f for _, f in files if f.name.endswith("metrics.jsonl")]
+    if metrics:
+        steps = []
+        for line in metrics[-1].read_text(errors="replace").splitlines():
+            try:
+                steps.append(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                pass  # a line cut in the middle of its write
+        said.append(f"last step {max(steps) if steps else 'none'} in {metrics[-1].parent.name}/metrics.jsonl")
+    logs = [f for _, f in files if f.name == "trainer.log"] or [f for _, f in files if f.suffix in (".log", ".txt")]
+    if logs:
+        lines = [s.strip() for s in logs[-1].read_text(errors="replace").splitlines() if s.strip()]
+        if lines:
+            said.append(f"{logs[-1].name}'s last line: {lines[-1][-110:]}")
+    return "; ".join(said) or "no run had logged a step or a line"
+
+
+def keep_run_files(dirs: list[Path], dest: Path, max_bytes: int = 20 << 20) -> None:
+    """Copy the runs' logs under `dirs` to `dest` (the end of a file over `max_bytes`)."""
+    for d, f in _run_files(dirs):
+        target = dest / d.name / f.relative_to(d)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(f, "rb") as src, open(target, "wb") as dst:
+            src.seek(max(f.stat().st_size - max_bytes, 0))
+            shutil.copyfileobj(src, dst)
+
+
+def logs_tarball(out: Path) -> Path:
+    """OUT/gpu_logs.tgz: every check's logs so far (gpu_logs/<check>)."""
+    path = out / "gpu_logs.tgz"
+    with tarfile.open(path, "w:gz") as tar:
+        if (WORK / "gpu_logs").is_dir():
+            tar.add(WORK / "gpu_logs", arcname="gpu_logs")
+    return path
 
 
 def _physical(gpus: tuple[int, ...]) -> list[str]:
@@ -358,24 +518,43 @@ def step_table() -> str:
     return "\n".join(lines)
 
 
-def table(rows: list[Row], seconds: float) -> str:
-    failed = [r for r in rows if r.result in ("FAIL", "NOT RUN")]
+def failed(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.result in ("FAIL", "NOT RUN")]
+
+
+def table(rows: list[Row], seconds: float, still_to_run: int = 0) -> str:
+    """The PASS/FAIL table; its total is PASS only if a test passed and none failed or was not run
+    (PARTIAL: so far, with `still_to_run` checks left for later calls)."""
+    bad, passed = failed(rows), sum(r.result == "PASS" for r in rows)
+    total = "FAIL" if bad or not passed else ("PARTIAL" if still_to_run else "PASS")
     width = max([len(r.item) for r in rows] + [10])
     out = [f"{'check':<{width}} | GPUs | result  | seconds | note", f"{'-' * width}-|------|---------|---------|-----"]
     out += [f"{r.item:<{width}} | {r.gpus:<4} | {r.result:<7} | {r.seconds:7.1f} | {r.note}" for r in rows]
-    out.append(f"{'TOTAL':<{width}} |      | {'FAIL' if failed else 'PASS':<7} | {seconds:7.1f} | "
-               f"{sum(r.result == 'PASS' for r in rows)} passed, {len(failed)} failed or not run")
+    out.append(f"{'TOTAL':<{width}} |      | {total:<7} | {seconds:7.1f} | {passed} passed, {len(bad)} failed or not run"
+               + (f", {still_to_run} checks still to run" if still_to_run else ""))
     return "\n".join(out)
+
+
+def next_command(args: argparse.Namespace, later: list[Check]) -> str:
+    """The command of the next call: the checks left, added to this call's table."""
+    gpus = f" --gpus {args.gpus}" if args.gpus else ""
+    budget = f" --budget-s {args.budget_s:.0f}" if args.budget_s else ""
+    return (f"bash scripts/gpu_check.sh {args.out} --continue --max-call-s {args.max_call_s:.0f}{gpus}{budget} "
+            f"--only {','.join(c.name for c in later)}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--budget-s", type=float, default=560, help="wall-clock seconds for all checks")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="wall-clock seconds for the checks (default: twice the plan's expected seconds + 300)")
+    ap.add_argument("--max-call-s", type=float, default=0,
+                    help="the longest one command may run: run the checks that fit, then print the next command")
     ap.add_argument("--only", default="", help="comma-separated check names (default: all), in PLAN's order")
     ap.add_argument("--continue", dest="cont", action="store_true",
-                    help="add to the results of an earlier call on the same machine (a plan split over two calls)")
-    ap.add_argument("--plan", action="store_true", help="print the expected schedule and exit")
+                    help="add to the table of earlier calls on this machine; without --only, run the checks "
+                         "they have not run")
+    ap.add_argument("--plan", action="store_true", help="print the expected schedule (and the calls) and exit")
     ap.add_argument("--gpus", type=int, default=0, help="GPUs to plan for (default: the visible ones)")
     args = ap.parse_args()
     only = [n for n in args.only.split(",") if n]
@@ -384,28 +563,68 @@ def main() -> int:
         ap.error(f"unknown checks {sorted(unknown)}: choose from {', '.join(c.name for c in PLAN)}")
     checks = [c for c in PLAN if not only or c.name in only]
     n_gpus = args.gpus or visible_gpus()
-    print(f"[gpu_check] {n_gpus} GPU(s); expected schedule:\n" + "\n".join(expected_schedule(checks, max(n_gpus, 1))),
-          flush=True)
+    saved = WORK / "results.json"
+    earlier = json.loads(saved.read_text()) if args.cont and saved.is_file() else {"rows": [], "seconds": 0.0}
+    if args.cont and not saved.is_file():
+        print(f"[gpu_check] --continue: no earlier results in {saved} (a fresh machine?): this call's table "
+              "holds only its own checks", flush=True)
+    earlier_rows = [Row(**r) for r in earlier["rows"]]
+    if args.cont and not only:  # the checks the earlier calls have not run
+        ran = {r.check for r in earlier_rows if r.result != "NOT RUN"}
+        checks = [c for c in checks if c.name not in ran]
+    later: list[Check] = []
+    budget = args.budget_s or default_budget(checks, n_gpus)
+    if args.max_call_s:
+        spent = time.time() - float(os.environ.get("GPU_CHECK_T0") or time.time())  # by the wrapper's set-up
+        call_s = args.max_call_s - spent - TAIL_S
+        if call_s < 60:
+            ap.error(f"--max-call-s {args.max_call_s:.0f} leaves {call_s:.0f}s for the checks after {spent:.0f}s of "
+                     f"set-up and {TAIL_S:.0f}s for the results: give more")
+        calls = split_calls(checks, max(n_gpus, 1), call_s)
+        print(f"[gpu_check] {len(calls)} call(s) of <= {args.max_call_s:.0f}s ({max(spent, 0):.0f}s of this one spent "
+              f"setting up): " + " | ".join(",".join(c.name for c in g) for g in calls), flush=True)
+        checks, later = (calls[0], [c for g in calls[1:] for c in g]) if calls else ([], [])
+        if len(checks) == 1 and checks[0].secs > call_s:  # longer than a call by itself: it runs to the call's end
+            print(f"[gpu_check] {checks[0].name} expects {checks[0].secs:.0f}s, more than a call leaves it "
+                  f"({call_s:.0f}s): it runs until the call's end", flush=True)
+            checks = [dataclasses.replace(checks[0], secs=0.0)]
+        budget = min(budget, call_s)
+    lines = expected_schedule(checks, max(n_gpus, 1))[0]
+    print(f"[gpu_check] {n_gpus} GPU(s), budget {budget:.0f}s; expected schedule:\n" + "\n".join(lines), flush=True)
     if args.plan:
+        if later:
+            print(f"[gpu_check] then: {next_command(args, later)}")
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if not args.cont:  # a fresh table: the logs and results of an earlier gpu_check go
+        shutil.rmtree(WORK / "gpu_logs", ignore_errors=True)
+        saved.unlink(missing_ok=True)
     WORK.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    builder = prebuild(checks, out)
-    rows = schedule(checks, n_gpus, args.budget_s, pytest_runner(out, shared=any(c.small for c in checks)))
+    builder = prebuild([c for c in checks if c.gpus <= n_gpus], out)
+    rows = schedule(checks, n_gpus, budget, pytest_runner(out))
     if builder is not None and builder.poll() is None:
         builder.kill()
-    saved = WORK / "results.json"
-    if args.cont and saved.is_file():
-        earlier = json.loads(saved.read_text())
-        rows = [Row(**r) for r in earlier["rows"]] + rows
-        t_start -= earlier["seconds"]
-    saved.write_text(json.dumps({"rows": [r.__dict__ for r in rows], "seconds": time.time() - t_start}))
-    text = table(rows, time.time() - t_start) + "\n\nPer-step seconds:\n" + step_table() + "\n"
+    if args.max_call_s:  # a check this call had no time to start goes to the next call
+        moved = {r.check for r in rows if r.result == "NOT RUN"}
+        if moved:
+            print(f"[gpu_check] not started in this call, left for the next: {', '.join(sorted(moved))}")
+        rows = [r for r in rows if r.check not in moved]
+        later = [c for c in PLAN if c.name in moved] + later
+    names = {c.name for c in checks}
+    rows = [r for r in earlier_rows if r.check not in names] + rows  # a check run again replaces its rows
+    seconds = time.time() - t_start + earlier["seconds"]
+    saved.write_text(json.dumps({"rows": [r.__dict__ for r in rows], "seconds": seconds}))
+    logs_tarball(out)
+    text = (table(rows, seconds, len(later)) + "\n\nPer-step seconds:\n" + step_table() + "\n"
+            + (f"\nNext call ({len(later)} checks left, about {expected_schedule(later, max(n_gpus, 1))[1]:.0f}s):\n"
+               f"{next_command(args, later)}\n" if later else ""))
     (out / "gpu_check.txt").write_text(text)
     print(text)
-    return 1 if any(r.result in ("FAIL", "NOT RUN") for r in rows) else 0
+    if failed(rows) or not any(r.result == "PASS" for r in rows):
+        return 1
+    return 3 if later else 0
 
 
 if __name__ == "__main__":

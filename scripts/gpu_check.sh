@@ -1,27 +1,38 @@
 #!/usr/bin/env bash
-# The GPU path in one or more device calls (scripts/gpu_check.py says what it checks and how it
-# spreads the checks over the GPUs); prints a PASS/FAIL table with the GPUs of every row and the
-# runs' per-step seconds, and writes it to OUT/gpu_check.txt plus OUT/gpu_logs.tgz.
+# The GPU check: the project's GPU tests over every GPU this machine has (scripts/gpu_check.py says
+# what it checks and how it spreads the checks over the GPUs). Prints a PASS/FAIL table with the
+# GPUs of every row and the training runs' per-step seconds, and writes OUT/gpu_check.txt (the
+# table), OUT/pytest.log (the tests' output) and OUT/gpu_logs.tgz (the runs' logs).
 #
-#   device call, carrying .device-carry/vllm-1 (and .whl: liger-kernel, for test_fused_gpu's liger case):
-#   bash .device-carry/vllm-1/install-vllm-bundle.sh >/dev/null && . /tmp/site/vllm-env.sh && bash scripts/gpu_check.sh $OUT [--only ...] [--continue]
+#   bash scripts/gpu_check.sh OUT                    everything (about 22 minutes on one H200, 25 on two)
+#   bash scripts/gpu_check.sh OUT --max-call-s 570   where one command may only run so long (570 s here):
+#                                                    runs what fits, then prints the next command to run
+#                                                    on the same machine (it has --continue)
+#   bash scripts/gpu_check.sh OUT --only preset-0.5b,kernels    some checks (--plan lists them all)
 #
-# On 2xH200 the whole plan takes ~27 minutes: scripts/gpu_check.py's docstring gives the four calls.
-# Exit status 0 only if every check that could run passed.
+# Needs vLLM (pip install -e '.[vllm]') and liger-kernel (the kernels check). On a machine without
+# internet: wheels put in .whl/ are installed first, and a missing vLLM comes from the project's
+# offline vLLM bundle when a copy of it is in the checkout.
+# Exit status: 0 every check passed; 1 a check failed or did not run; 3 all passed so far and the
+# next command is printed.
 set -uo pipefail
+export GPU_CHECK_T0=${GPU_CHECK_T0:-$(date +%s)}  # the set-up below counts against --max-call-s
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: scripts/gpu_check.sh OUT [gpu_check.py options]}; shift
-if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels (liger-kernel): beside the vLLM bundle's site
+OUT=${1:?usage: bash scripts/gpu_check.sh OUT [options of scripts/gpu_check.py]}; shift
+if compgen -G ".whl/*.whl" >/dev/null; then  # offline wheels (liger-kernel)
   python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-whl .whl/*.whl \
     && export PYTHONPATH=/tmp/site-whl${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)'; then
+  for bundle in .device-carry/vllm-*/install-vllm-bundle.sh; do  # where the offline vLLM bundle is copied
+    [ -f "$bundle" ] && bash "$bundle" >/dev/null && . "${VLLM_SITE:-/tmp/site}/vllm-env.sh" && break
+  done
 fi
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 # random-weight models of the presets' shapes, built once per machine (in RAM: read by every run)
 [ -d /dev/shm ] && export SPMD_RL_GPU_MODEL_ROOT=${SPMD_RL_GPU_MODEL_ROOT:-/dev/shm/gpu_check/models}
 df -h /tmp /dev/shm | tail -2
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
-python -c 'import torch, vllm, transformers; print("torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__)'
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi: no GPU here"
+python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+python -c 'import vllm; print("vllm", vllm.__version__)' 2>/dev/null || echo "vLLM is not installed: pip install -e '.[vllm]'"
 python scripts/gpu_check.py --out "$OUT" "$@"
-rc=$?
-tar czf "$OUT/gpu_logs.tgz" -C /tmp/gpu_check gpu_logs 2>/dev/null
-exit $rc

@@ -58,25 +58,36 @@ def test_preset_check_overrides_validate_on_its_gpus(name, monkeypatch, tmp_path
 
 def fake_run(checks, n_gpus, budget, durations, poll=0.01):
     """schedule() with a runner that sleeps each check's duration (seconds / 100) and records when
-    and where it ran."""
+    and where it ran, and whether it was told its GPUs are shared."""
     import threading
     import time
 
     log, lock = [], threading.Lock()
     t0 = time.monotonic()
 
-    def runner(check, gpus, timeout):
+    def runner(check, gpus, timeout, shared):
         start = time.monotonic() - t0
         time.sleep(durations[check.name] / 100)
         with lock:
-            log.append((check.name, gpus, start, time.monotonic() - t0))
+            log.append((check.name, gpus, start, time.monotonic() - t0, shared))
         return [gpu_check.Row(check.name, "PASS", durations[check.name], gpu_check._label(gpus))]
 
     import dataclasses
 
     scaled = [dataclasses.replace(c, secs=c.secs / 100) for c in checks]  # expected seconds on the same clock
     rows = gpu_check.schedule(scaled, n_gpus, budget / 100, runner, poll_s=poll, say=lambda s: None)
-    return rows, {name: (gpus, start, end) for name, gpus, start, end in log}
+    return rows, {name: (gpus, start, end, shared) for name, gpus, start, end, shared in log}
+
+
+def assert_unshared_checks_had_their_gpus_to_themselves(ran):
+    """A check told its GPUs are not shared (SPMD_RL_GPU_SHARED=0: its free-memory drift check on)
+    overlapped no other check on any of its GPUs."""
+    for name, (gpus, start, end, shared) in ran.items():
+        if shared:
+            continue
+        for other, (g2, s2, e2, _) in ran.items():
+            overlap = min(end, e2) - max(start, s2)
+            assert other == name or not set(gpus) & set(g2) or overlap <= 0.005, (name, other, ran)
 
 
 C = gpu_check.Check
@@ -102,6 +113,31 @@ def test_small_checks_run_beside_others_but_never_beside_an_alone_one():
         assert ran[small][1] >= ran["big7b"][2] - 0.02, (small, ran)  # after the alone check
         assert ran[small][1] < ran["long"][2], (small, ran)  # beside the next big one
     assert ran["pair"][0] == (0, 1)
+    assert not ran["big7b"][3] and ran["long"][3], ran  # only the check with small ones beside it is shared
+    assert_unshared_checks_had_their_gpus_to_themselves(ran)
+
+
+def test_a_check_is_shared_only_where_a_small_check_runs_on_its_gpus():
+    """One GPU, the plan's order (a small check first, then big ones): the first big check runs
+    beside the small one (shared); the next starts after it, alone (its drift check runs). A small
+    check never joins a big check started alone: it waits for it."""
+    checks = [C("learn", ("x",), secs=8, small=True), C("preset", ("x",), secs=20), C("other", ("x",), secs=10)]
+    rows, ran = fake_run(checks, 1, 1000, {"learn": 8, "preset": 20, "other": 10})
+    assert all(r.result == "PASS" for r in rows)
+    assert ran["learn"][3] and ran["preset"][3] and not ran["other"][3], ran
+    assert_unshared_checks_had_their_gpus_to_themselves(ran)
+
+    checks = [C("first", ("x",), secs=20), C("learn", ("x",), secs=8, small=True)]
+    rows, ran = fake_run(checks, 1, 1000, {"first": 20, "learn": 8})
+    assert not ran["first"][3] and ran["learn"][1] >= ran["first"][2] - 0.02, ran
+    assert not ran["learn"][3], "the last check left, on a GPU of its own: not shared"
+    assert_unshared_checks_had_their_gpus_to_themselves(ran)
+
+    checks = [C("a", ("x",), secs=30), C("learn", ("x",), secs=5, small=True), C("b", ("x",), secs=20)]
+    rows, ran = fake_run(checks, 2, 1000, {"a": 30, "learn": 5, "b": 20})
+    assert ran["learn"][0] != ran["a"][0] and ran["learn"][1] < ran["a"][2], ran  # beside b, on the other GPU
+    assert not ran["a"][3] and ran["b"][3], ran
+    assert_unshared_checks_had_their_gpus_to_themselves(ran)
 
 
 def test_more_gpus_than_visible_is_na_and_the_budget_leaves_checks_not_run():
@@ -119,14 +155,72 @@ def test_table_names_the_gpus_of_every_row_and_fails_on_not_run():
     assert "| 0,1  | PASS" in text and "TOTAL" in text.splitlines()[-1] and "FAIL" in text.splitlines()[-1]
 
 
-def test_expected_schedule_of_the_plan_fits_its_documented_calls():
-    """The calls gpu_check.py's docstring gives for 2 GPUs each fit a device call (<= 570 s expected)."""
-    doc = gpu_check.__doc__
-    groups = ("preset-7b", "learning-1gpu,learning-2gpu,preset-long,ulysses", "preset-0.5b,preset-1.5b,kernels",
-              "ppo,export,colocate,offload")
-    for group in groups:
-        assert group in doc
-        checks = [c for c in gpu_check.PLAN if c.name in group.split(",")]
-        total = float(gpu_check.expected_schedule(checks, 2)[-1].split(":")[1].strip().rstrip("s"))
-        assert total <= 570, (group, total)
-    assert {c.name for c in gpu_check.PLAN} == {n for g in groups for n in g.split(",")}
+@pytest.mark.parametrize("n_gpus, n_calls", [(1, 3), (2, 3)])
+def test_the_plan_splits_into_calls_that_each_fit(n_gpus, n_calls):
+    """--max-call-s 570 (a 10-minute device call): every check in one call, in PLAN order, each
+    call's expected schedule within what the call leaves for checks; the docstring's call counts."""
+    limit = 570 - gpu_check.TAIL_S
+    calls = gpu_check.split_calls(gpu_check.PLAN, n_gpus, limit)
+    assert sorted(c.name for g in calls for c in g) == sorted(c.name for c in gpu_check.PLAN)
+    order = [c.name for c in gpu_check.PLAN]
+    for group in calls:
+        assert [c.name for c in group] == sorted((c.name for c in group), key=order.index)
+        assert gpu_check.expected_schedule(group, n_gpus)[1] <= limit, [c.name for c in group]
+    assert len(calls) == n_calls
+    said = {1: f"{n_calls} on one", 2: f"{n_calls} calls on two GPUs"}[n_gpus]
+    assert said in " ".join(gpu_check.__doc__.split()), f"gpu_check's docstring should say '{said}'"
+
+
+def test_expected_schedule_puts_small_checks_after_an_alone_one():
+    checks = [C("big", ("x",), gpus=2, secs=100, alone=True), C("tiny", ("x",), secs=30, small=True)]
+    assert gpu_check.expected_schedule(checks, 2)[1] == 130
+    assert gpu_check.expected_schedule([C("tiny", ("x",), secs=30, small=True)], 1)[1] == 30
+
+
+def test_a_check_longer_than_a_call_gets_a_call_of_its_own():
+    checks = [C("a", ("x",), secs=100), C("huge", ("x",), secs=900), C("b", ("x",), secs=100)]
+    assert [[c.name for c in g] for g in gpu_check.split_calls(checks, 1, 500)] == [["a", "b"], ["huge"]]
+
+
+def _fake_run(run_dir, saved, kept, steps=5):
+    """A finished preset run's files as tests/gpu/runs.check_run reads them: steps 1-3, a resume from
+    step_3, steps 4-5; `saved` steps logged a checkpoint stall, `kept` are on disk."""
+    import json
+
+    rows = [{"step": s, "rollout/logprob_diff_mean": 0.01, "memory/free_after_sleep_gb": 50.0} for s in range(1, steps + 1)]
+    rows += [{"step": s, "time/checkpoint": 1.0} for s in saved]
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for s in kept:
+        (run_dir / "checkpoints" / f"step_{s}").mkdir()
+    (run_dir / "checkpoints" / "latest").write_text(f"step_{kept[-1]}")
+    return ["", f"resumed from {run_dir}/checkpoints/step_3 at step 3"]
+
+
+@pytest.mark.parametrize("save_every, saved, kept, ok", [
+    ((1, 1), [1, 2, 3, 4, 5], [4, 5], True),
+    ((1, 1), [1, 2, 3, 5], [4, 5], False),  # step 4's save did not happen (skipped: the disk was full)
+    ((1, 1), [1, 2, 3, 4, 5], [5], False),  # keep_last = 2 but one left
+    ((0, -1), [3], [3], True),  # at the first process's end only
+    ((0, -1), [3], [2, 3], False),
+])
+def test_check_run_fails_a_save_asked_for_that_did_not_happen(tmp_path, save_every, saved, kept, ok):
+    from runs import check_run, expected_saves
+
+    logs = _fake_run(tmp_path, saved, kept)
+    try:
+        check_run("fake", tmp_path, (3, 5), logs, 0.05, saves=expected_saves((3, 5), save_every), keep_last=2,
+                  shared=True)
+    except AssertionError:
+        assert not ok, "a run that made every save asked for failed"
+    else:
+        assert ok, "a missing save passed"
+
+
+def test_expected_saves_follow_the_trainer():
+    from runs import expected_saves
+
+    assert expected_saves((3, 5), (1, 1)) == [1, 2, 3, 4, 5]
+    assert expected_saves((3, 5), (0, -1)) == [3]
+    assert expected_saves((4, 9), (2, 0)) == [2, 4, 9]
+    assert expected_saves((3,), (-1,)) == []

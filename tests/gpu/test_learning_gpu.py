@@ -20,12 +20,31 @@ times step 1's.
 
 Cases: `1gpu`; `2gpu` runs trainer.fsdp_size = 0 (FSDP over both ranks) and 1 (each rank a
 replica: the gradients all-reduced) at once, on the same two GPUs, rollout TP=1 x 2 replicas. Both
-must learn, and their step 1 must agree: the same seeds and data give the same rollouts (the
-metrics that depend only on them are compared exactly), and then the loss is the same computation
-on the same weights (pg_loss within 1e-4 relative: the forward is identical) and the gradient the
-same sum of two ranks' fp32 gradients, averaged through a reduce-scatter or an all-reduce (grad
-norm within 1e-3 relative: only fp32 summation order differs, 1e-6 or so; a missed gradient sync or
-a wrong average shows tens of percent).
+must learn, and their first two steps must agree on what depends on the weights and the gradient
+(`same_update`):
+- step 1's rollouts (the same seeds and data): reward, its spread, lengths, exactly equal. They
+  are what the comparison stands on, not a check of the layouts: step 1's pg_loss, for one, is
+  minus the token-mean advantage these rollouts fix (the update is on-policy: ratio exactly 1), so
+  it is not compared.
+- step 1's grad norm within 1e-3 relative: the same bf16 forward and backward on the same rows,
+  the fp32 gradients of two ranks summed through a reduce-scatter or an all-reduce; a missed sync
+  or a wrong average shows tens of percent (a sum instead of a mean: 2x).
+- after the update, step 2: its rollouts exactly equal again (the engine samples from the synced
+  weights: an optimizer step or a weight sync that differs between the layouts changes them),
+  the actor's entropy on them within 5e-4 relative and the grad norm within 1e-3. Not the norm of
+  the parameter change: AdamW's first step moves every weight by about lr whatever the gradient's
+  scale, so that norm would not see a wrong average.
+Measured noise (CPU, 2 gloo ranks, the HF engine, this LEARN setting with trainer.device="cpu",
+rollout.engine="hf", 3 steps): fsdp_size 0 against 1, bf16 compute: grad norm 7.7e-7 relative
+at step 1 (1.0e-6 at 2, 9.6e-7 at 3), entropy and rollouts identical at every step; fp32:
+2.9e-7. The same layout in bf16 against fp32 (every rounding different, the bound of bf16 noise):
+grad norm 3.2e-4 at step 1, entropy 5.4e-6, 3.8e-5 at step 2. The tolerances sit above that bound;
+what they must catch sits far above them: an update 10% smaller (lr 9e-4 against 1e-3) moves step
+2's entropy by 2.4e-3, its grad norm by 6% and its reward (0.0430 against 0.0449). On the GPU
+(2xH200) step 1's grad norm agreed to 5 digits (0.78667). With two ranks the summed gradients are
+the same bits in both layouts (a + b = b + a), hence the same weights after step 1 and the same
+step-2 rollouts; if the GPU ever samples step 2 differently with step 1's grad norm equal, that
+assumption broke, not the update.
 """
 
 from __future__ import annotations
@@ -85,11 +104,21 @@ def test_learns(case, tmp_path):
         keep_logs(name, [text], run_dir)
         print(summary(name, results[name]))
     if case == "2gpu":
-        a, b = read_metrics(tmp_path / "2gpu-fsdp0")[1], read_metrics(tmp_path / "2gpu-fsdp1")[1]
-        for key in ("reward/mean", "reward/std", "response/length_mean", "prompt/length_mean"):
-            assert a[key] == b[key], (key, a[key], b[key], "step 1's rollouts differ between the two layouts")
-        assert a["actor/pg_loss"] == pytest.approx(b["actor/pg_loss"], rel=1e-4, abs=2e-4), (a["actor/pg_loss"],
-                                                                                              b["actor/pg_loss"])
-        assert a["actor/grad_norm"] > 1e-4, "no real gradient at step 1: the comparison would prove nothing"
-        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-2), (a["actor/grad_norm"],
-                                                                                        b["actor/grad_norm"])
+        same_update(read_metrics(tmp_path / "2gpu-fsdp0"), read_metrics(tmp_path / "2gpu-fsdp1"))
+
+
+ROLLOUT_ONLY = ("reward/mean", "reward/std", "response/length_mean", "prompt/length_mean")
+
+
+def same_update(a: dict[int, dict], b: dict[int, dict]) -> None:
+    """The two layouts' steps 1 and 2 agree (the module's docstring gives the tolerances and why)."""
+    for step in (1, 2):
+        for key in ROLLOUT_ONLY:
+            assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key],
+                                                  f"step {step}'s rollouts differ between the two layouts"
+                                                  + (": the update or the weight sync differs" if step == 2 else ""))
+        assert a[step]["actor/grad_norm"] > 1e-4, (step, "no real gradient: the comparison would prove nothing")
+        assert a[step]["actor/grad_norm"] == pytest.approx(b[step]["actor/grad_norm"], rel=1e-3), (
+            step, a[step]["actor/grad_norm"], b[step]["actor/grad_norm"])
+    assert a[2]["actor/entropy"] == pytest.approx(b[2]["actor/entropy"], rel=5e-4), (a[2]["actor/entropy"],
+                                                                                  b[2]["actor/entropy"])

@@ -16,13 +16,15 @@ packing and token budgets, torch.compile'd layers and log-prob head, asynchronou
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from runs import REPO, check_run, keep_logs, random_model_dir, skip_reason, summary, train
+from spmd_rl.config import load_config
+from runs import REPO, check_run, expected_saves, keep_logs, random_model_dir, skip_reason, summary, train
 
 pytestmark = pytest.mark.gpu
 
@@ -36,12 +38,15 @@ class Preset:
     changes: tuple[str, ...] = ()
     """Overrides beyond the model, the data and the steps, each for a stated reason (see PRESETS)."""
     steps: tuple[int, int] = (3, 5)
-    """Steps of the first process, then the total after the resume."""
+    """Steps of the first process, then the total after the resume: 2 or more each, so that the
+    count of compiled graphs has two values to compare in each process (from the end of its first
+    step on it must not grow), and so has free memory after sleep."""
     save_every: tuple[int, int] = (1, 1)
     """trainer.save_every of each process (-1: none; 0: at its end only)."""
     in_memory: bool = False
-    """Run dir (and checkpoints) in /dev/shm: a 7B checkpoint (86 GB) takes a minute each way on the
-    device's disk, and two do not fit it."""
+    """Run dir (and checkpoints) in /dev/shm (SPMD_RL_GPU_MEMORY_DIR: scripts/gpu_check.py gives each
+    check its own and removes it however the check ends): a 7B checkpoint (86 GB) takes a minute each
+    way on the device's disk, and two do not fit it."""
     max_mismatch: float = 0.05
     """Bound of rollout/logprob_diff_mean (bf16 level at this shape; a broken sync shows nats)."""
     timeout: tuple[float, float] = (420, 300)
@@ -54,10 +59,9 @@ PRESETS: dict[str, Preset] = {  # configs/<name>.toml
     # mini-batches of 8 keep the preset's 2 optimizer steps per step. The random 7B shape's mismatch
     # is 0.052 (bf16 at this shape, with NCCL or custom all-reduce alike: scripts/probe_mismatch.py).
     "qwen7b": Preset(gpus=2, arch="qwen2-7b", changes=("data.train_batch_size=16", "actor.ppo_mini_batch_size=8"),
-                     steps=(3, 4), save_every=(0, -1), in_memory=True, max_mismatch=0.1, timeout=(540, 360)),
+                     save_every=(0, -1), in_memory=True, max_mismatch=0.1, timeout=(540, 360)),
     # its overlong buffer (4096 tokens) must be shorter than the responses: 32 of the 128
-    "qwen1.5b-long": Preset(gpus=2, arch="qwen2-1.5b", changes=("reward.overlong_buffer=32",), steps=(3, 4),
-                            save_every=(0, -1)),
+    "qwen1.5b-long": Preset(gpus=2, arch="qwen2-1.5b", changes=("reward.overlong_buffer=32",), save_every=(0, -1)),
 }
 
 CPU_PRESETS: dict[str, str] = {  # configs/<name>.toml that run on CPU, and where they are tested
@@ -83,18 +87,22 @@ def test_preset_trains_saves_and_resumes(name, tmp_path):
     if reason:
         pytest.skip(reason)
     model_dir = random_model_dir(p.arch)
-    run_dir = (Path("/dev/shm/spmd_rl_presets") if p.in_memory and Path("/dev/shm").is_dir() else tmp_path) / name
+    memory = os.environ.get("SPMD_RL_GPU_MEMORY_DIR") or ("/dev/shm/spmd_rl_presets" if Path("/dev/shm").is_dir() else "")
+    run_dir = (Path(memory) if p.in_memory and memory else tmp_path) / name
     shutil.rmtree(run_dir, ignore_errors=True)
     try:
         logs = [train(name, p.gpus, preset_overrides(name, model_dir, p.save_every[i]), run_dir, total,
                       "none" if i == 0 else "auto", timeout=p.timeout[i])
                 for i, total in enumerate(p.steps)]
-        steps = check_run(name, run_dir, p.steps, logs, p.max_mismatch, saves_every_step=p.save_every == (1, 1))
+        keep_last = load_config(str(REPO / "configs" / f"{name}.toml"), []).trainer.keep_last
+        steps = check_run(name, run_dir, p.steps, logs, p.max_mismatch, saves=expected_saves(p.steps, p.save_every),
+                          keep_last=keep_last)
         graphs = [steps[s]["perf/compiled_graphs"] for s in range(1, p.steps[-1] + 1)]  # the preset compiles
-        first = p.steps[0]
-        assert len(set(graphs[1:first])) <= 1 and len(set(graphs[first + 1:])) <= 1, (
-            name, graphs, "graphs compiled after a process's first step: torch.compile recompiles per micro-batch")
+        for lo, hi in zip((0, *p.steps), p.steps):  # each process: its count after its first step, then no more
+            assert hi - lo >= 2 and len(set(graphs[lo:hi])) == 1, (
+                name, f"steps {lo + 1}-{hi}", graphs, "graphs compiled after a process's first step: torch.compile "
+                "recompiles per micro-batch")
         keep_logs(name, logs, run_dir)
         print(summary(name, steps))
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    finally:  # the checkpoints go (GBs); the logs stay for scripts/gpu_check.py to keep if the check fails
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
