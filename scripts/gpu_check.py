@@ -25,8 +25,9 @@ reads an 86 GB checkpoint (40 s each way). That is more than one device call (10
 as calls on one warm machine, each with --budget-s inside the call's limit:
 `--only preset-7b` (~420 s), `--only learning-1gpu,learning-2gpu,preset-long,ulysses --continue`
 (~390 s), `--only preset-0.5b,preset-1.5b,kernels --continue` (~450 s), `--only
-ppo,export,colocate,offload --continue` (~280 s); each --continue call prints the table of all so
-far. On one GPU, the same calls: the 2-GPU checks show n/a.
+ppo,export,colocate,offload --continue` (~280 s), `--only multiturn-learning,preset-0.5b-tool --continue`
+(~340 s: multi-turn rollouts, the learning check beside the calculator preset); each --continue call
+prints the table of all so far. On one GPU, the same calls: the 2-GPU checks show n/a.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ WORK = Path(os.environ.get("GPU_CHECK_WORK", "/tmp/gpu_check"))
 PRESET_TEST = "tests/gpu/test_presets_gpu.py::test_preset_trains_saves_and_resumes"
 TRAINER_TEST = "tests/gpu/test_trainer_gpu.py::test_training_steps_with_vllm"
 LEARNING_TEST = "tests/gpu/test_learning_gpu.py::test_learns"
+MULTITURN_TEST = "tests/gpu/test_multiturn_learning_gpu.py::test_learns_a_task_that_needs_the_environment"
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
     Check("ulysses", ("tests/gpu/test_ulysses_gpu.py",), gpus=2, secs=150),
     Check("preset-0.5b", (f"{PRESET_TEST}[qwen0.5b-gsm8k]",), secs=320, archs=("qwen2-0.5b",)),
     Check("preset-1.5b", (f"{PRESET_TEST}[qwen1.5b-gsm8k]",), secs=450, archs=("qwen2-1.5b",)),
+    Check("multiturn-learning", (MULTITURN_TEST,), secs=150, small=True),
+    Check("preset-0.5b-tool", (f"{PRESET_TEST}[qwen0.5b-gsm8k-tool]",), secs=330, archs=("qwen2-0.5b",)),
     Check("kernels", ("tests/gpu/test_checkpoint_gpu.py", "tests/gpu/test_offload_gpu.py",
                       "tests/gpu/test_sharded_init_gpu.py", "tests/gpu/test_packing_gpu.py",
                       "tests/gpu/test_fused_gpu.py"), secs=90),

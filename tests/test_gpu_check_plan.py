@@ -123,7 +123,7 @@ def test_expected_schedule_of_the_plan_fits_its_documented_calls():
     """The calls gpu_check.py's docstring gives for 2 GPUs each fit a device call (<= 570 s expected)."""
     doc = gpu_check.__doc__
     groups = ("preset-7b", "learning-1gpu,learning-2gpu,preset-long,ulysses", "preset-0.5b,preset-1.5b,kernels",
-              "ppo,export,colocate,offload")
+              "ppo,export,colocate,offload", "multiturn-learning,preset-0.5b-tool")
     for group in groups:
         assert group in doc
         checks = [c for c in gpu_check.PLAN if c.name in group.split(",")]

@@ -320,3 +320,67 @@ def test_config_refuses_bad_multi_turn_settings_in_one_line(rollout, message):
     with pytest.raises(ConfigError, match=message) as e:
         cfg.rollout.check_multi_turn()
     assert "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- training on gaps
+
+
+def test_masked_loss_packed_equals_padded_and_bridge_tokens_do_not_count(tmp_path):
+    """Rows with gaps in the mask (multi-turn): the token-mean loss and its gradients are the same
+    packed and padded, and equal the reference computed from the model tokens alone."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from spmd_rl.actor import forward_logprobs
+    from spmd_rl.algorithms import agg_loss
+    from spmd_rl.models import load_causal_lm
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=48,
+                                                 num_hidden_layers=2, num_attention_heads=4,
+                                                 num_key_value_heads=2)).save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(1)
+    tok = lambda n: torch.randint(3, 50, (n,), generator=g).tolist()  # noqa: E731
+    comps = [[Completion(tok(9), [0.0] * 9, "stop", [1, 1, 0, 0, 0, 1, 1, 0, 1])],
+             [Completion(tok(4), [0.0] * 4, "stop")],
+             [Completion(tok(12), [0.0] * 12, "length", [1] * 3 + [0] * 6 + [1] * 3)]]
+    batch = build_rollout_batch([tok(3), tok(5), tok(2)], comps, 0)
+    mask = batch["response_mask"]
+    adv = torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    out = {}
+    for packed in (False, True):
+        model = load_causal_lm(str(tmp_path), torch.float64, remove_padding=packed)
+        logp, _ = forward_logprobs(model, batch, 1.0)
+        loss = agg_loss(-logp * adv, mask, "token-mean")
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out[packed] = (loss.detach(), logp.detach(), grads)
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=0, atol=1e-12)
+    for n in out[False][2]:
+        torch.testing.assert_close(out[True][2][n], out[False][2][n], rtol=0, atol=1e-10, msg=n)
+    # reference: the mean over the model's tokens, listed from the completions' own masks
+    logp = out[False][1]
+    terms = []
+    for i, (p, (c,)) in enumerate(zip([3, 5, 2], comps)):
+        for j, m in enumerate(c.mask or [1] * len(c.token_ids)):
+            if m:
+                terms.append(-logp[i, p + j] * adv[i, p + j])
+    assert len(terms) == int(mask.sum()) == 5 + 4 + 6
+    torch.testing.assert_close(out[False][0], torch.stack(terms).mean(), rtol=0, atol=1e-12)
+
+
+def test_hf_engine_cuts_each_prompt_at_its_own_limit():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from spmd_rl.rollout.hf_engine import HFEngine
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    engine = HFEngine(model, 0, [1], torch.device("cpu"))
+    prompts = [[5, 6, 7], [8, 9], [10]]
+    sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
+    full = engine.generate(prompts, sp)
+    cut = engine.generate(prompts, sp, max_new_tokens=[2, 6, 4])
+    for f, c, k in zip(full, cut, [2, 6, 4]):  # greedy: a cut row is the uncut row's first k tokens
+        assert c[0].token_ids == f[0].token_ids[:k] and c[0].logprobs == pytest.approx(f[0].logprobs[:k])
+        assert c[0].finish_reason == ("length" if len(f[0].token_ids) > k or f[0].finish_reason == "length" else "stop")
