@@ -341,6 +341,7 @@ class RolloutConfig:
              "0 or >= data.max_prompt_length + data.max_response_length"),
             ("cudagraph_capture_sizes", all(s > 0 for s in self.cudagraph_capture_sizes), "sizes > 0"),
             ("seed", self.seed >= 0, ">= 0"),
+            ("max_turns", self.max_turns >= 1, ">= 1"),
             ("tool_timeout", self.tool_timeout > 0, "> 0"),
             ("max_tool_response_tokens", self.max_tool_response_tokens >= 0, ">= 0 (0 = no limit)"),
             ("tool_pool_size", self.tool_pool_size >= 1, ">= 1"),
