@@ -42,10 +42,9 @@ table of the calls before, kept in GPU_CHECK_WORK on the same machine). `--plan 
 Expected seconds (2xH200, 2026-11-23: preset-7b 405 s, preset-0.5b 312 s, preset-1.5b over 370 s,
 learning-1gpu 70 s, the learning-2gpu pair 60 s; the rest from earlier runs and estimates; each
 preset starts vLLM with CUDA graphs twice (33-68 s each) and compiles its layers twice (22-36 s),
-and the 7B one writes and reads an 86 GB checkpoint (40 s each way)). The whole plan is about 25
-minutes on 2xH200 and 22 on one GPU (the 2-GPU checks n/a): with --max-call-s 570 and a quick
-set-up, 3 calls on two GPUs, 3 on one (4 on two when each call spends 30 s or more setting up, as
-with the offline vLLM bundle).
+and the 7B one writes and reads an 86 GB checkpoint (40 s each way)). The whole plan is about 30
+minutes on 2xH200 and 27 on one GPU (the 2-GPU checks n/a): with --max-call-s 570 and a quick
+set-up, 4 calls on two GPUs, 4 on one.
 """
 
 from __future__ import annotations
@@ -81,6 +80,7 @@ PYTEST: tuple[str, ...] = (sys.executable, "-m", "pytest")
 """The command that runs a check's tests (a CPU test puts a fake pytest in its place)."""
 TAIL_S = 20.0
 """Seconds a call needs after its checks: results, the logs tarball, the table."""
+MULTITURN_TEST = "tests/gpu/test_multiturn_learning_gpu.py::test_learns_a_task_that_needs_the_environment"
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,8 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
                       "tests/gpu/test_fused_gpu.py"), secs=90),
     Check("preset-0.5b", (f"{PRESET_TEST}[qwen0.5b-gsm8k]",), secs=320, archs=("qwen2-0.5b",)),
     Check("preset-1.5b", (f"{PRESET_TEST}[qwen1.5b-gsm8k]",), secs=450, archs=("qwen2-1.5b",)),
+    Check("multiturn-learning", (MULTITURN_TEST,), secs=150, small=True),
+    Check("preset-0.5b-tool", (f"{PRESET_TEST}[qwen0.5b-gsm8k-tool]",), secs=330, archs=("qwen2-0.5b",)),
     Check("ppo", (f"{TRAINER_TEST}[ppo-1gpu-shipped]",), secs=150, archs=("qwen2-0.5b",)),
     Check("export", ("tests/gpu/test_export_gpu.py",), secs=90),
     Check("colocate", ("tests/gpu/test_colocate.py",), secs=90, alone=True,

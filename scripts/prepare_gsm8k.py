@@ -8,6 +8,7 @@ answer ending in "#### N". Output rows:
     extra_info    {split, index, answer, question}
 
     python scripts/prepare_gsm8k.py --input gsm8k/train.jsonl --out data/gsm8k_train.parquet
+    python scripts/prepare_gsm8k.py --tools ...   # the calculator preset's rows (configs/qwen0.5b-gsm8k-tool.toml)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 DEFAULT_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+TOOL_INSTRUCTION = ('Use the calculate tool for arithmetic, then output the final answer after "####".')
 DATA_SOURCE = "openai/gsm8k"
 _ANSWER_RE = re.compile(r"####\s*(.+?)\s*$")
 
@@ -101,11 +103,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input", action="extend", nargs="+", required=True,
                         help="GSM8K .jsonl or .parquet files (repeatable)")
     parser.add_argument("--out", required=True, help="output .parquet file")
-    parser.add_argument("--instruction", default=DEFAULT_INSTRUCTION,
-                        help="text appended to every question (empty = none)")
+    parser.add_argument("--instruction", default=None,
+                        help="text appended to every question (empty = none; default: think step by step, or "
+                             "with --tools: use the calculator)")
+    parser.add_argument("--tools", action="store_true",
+                        help="rows for configs/qwen0.5b-gsm8k-tool.toml: the instruction mentions the calculate tool")
     args = parser.parse_args(argv)
+    instruction = args.instruction if args.instruction is not None else (
+        TOOL_INSTRUCTION if args.tools else DEFAULT_INSTRUCTION)
     try:
-        n = convert(args.input, args.out, args.instruction)
+        n = convert(args.input, args.out, instruction)
     except GSM8KFormatError as e:
         sys.exit(f"prepare_gsm8k: {e}")  # the message says what is wrong; a traceback would bury it
     print(f"wrote {n} rows to {args.out}")

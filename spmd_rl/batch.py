@@ -77,12 +77,20 @@ def build_rollout_batch(prompts: list[list[int]], completions: list[list[Complet
                         meta: dict[str, list] | None = None) -> Batch:
     """Rows for every (prompt, completion) pair: the n completions of a prompt are consecutive
     and share `group_id` (the prompt's position here). `meta` lists are per prompt and get
-    repeated per completion."""
-    rows, logps, groups, finished = [], [], [], []
+    repeated per completion.
+
+    `response_lens` counts the whole response region (prompt_lens + response_lens = the row's
+    tokens); `response_mask` marks the model's sampled tokens in it: all of them for a single-turn
+    response, only the model's turns of a multi-turn trajectory (`Completion.mask`: the tool and
+    environment tokens between turns are attended to, with mask 0 and rollout log-prob 0). A
+    trajectory always ends on a model token, so the last masked column is the response's end.
+    Environment rewards (`Completion.reward`) go to meta["env_reward"] (None where none was given)."""
+    rows, logps, masks, groups, finished = [], [], [], [], []
     for g, (p, comps) in enumerate(zip(prompts, completions)):
         for c in comps:
             rows.append((p, c.token_ids))
             logps.append(c.logprobs)
+            masks.append(c.mask)
             groups.append(g)
             finished.append(c.finish_reason == "stop")
     length = max(len(p) + len(r) for p, r in rows)
@@ -92,25 +100,29 @@ def build_rollout_batch(prompts: list[list[int]], completions: list[list[Complet
     response_mask = torch.zeros(b, length, dtype=torch.float32)
     rollout_logprobs = torch.zeros(b, length, dtype=torch.float32)
     prompt_lens = torch.zeros(b, dtype=torch.long)
-    for i, ((p, r), lp) in enumerate(zip(rows, logps)):
+    for i, ((p, r), lp, m) in enumerate(zip(rows, logps, masks)):
         n = len(p) + len(r)
         input_ids[i, :n] = torch.tensor(p + r, dtype=torch.long)
         attention_mask[i, :n] = 1
-        response_mask[i, len(p):n] = 1.0
+        response_mask[i, len(p):n] = 1.0 if m is None else torch.tensor(m, dtype=torch.float32)
         rollout_logprobs[i, len(p):n] = torch.tensor(lp, dtype=torch.float32)
         prompt_lens[i] = len(p)
     counts = [len(c) for c in completions]
     row_meta = {k: [v for v, c in zip(vals, counts) for _ in range(c)] for k, vals in (meta or {}).items()}
+    if any(c.reward is not None for comps in completions for c in comps):
+        row_meta["env_reward"] = [c.reward for comps in completions for c in comps]
     return Batch(
         dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
              rollout_logprobs=rollout_logprobs, prompt_lens=prompt_lens,
-             response_lens=response_mask.sum(-1).long(), group_ids=torch.tensor(groups, dtype=torch.long),
+             response_lens=torch.tensor([len(r) for _, r in rows], dtype=torch.long), group_ids=torch.tensor(groups, dtype=torch.long),
              finished=torch.tensor(finished, dtype=torch.bool)),
         row_meta,
     )
 
 
 def response_token_ids(batch: Batch, i: int) -> list[int]:
+    """The response region of row i: every token after the prompt (a multi-turn trajectory's tool
+    and environment messages included), without padding."""
     start = int(batch["prompt_lens"][i])
     return batch["input_ids"][i, start:start + int(batch["response_lens"][i])].tolist()
 

@@ -91,11 +91,12 @@ def build_data(cfg: Config, env: DistEnv, reward_fn: RewardFunction) -> Data:
     tok_spec = m.tokenizer if m.tokenizer else ""
     tokenizer = load_tokenizer(tok_spec, m.path)
     check_tokenizer_vocab(cfg, tokenizer)
-    train_data = PromptDataset(d.train_files, tokenizer, d.max_prompt_length, d.apply_chat_template)
+    tools = tool_schemas(cfg.rollout.tools)  # multi-turn: the prompts' chat template lists the tools
+    train_data = PromptDataset(d.train_files, tokenizer, d.max_prompt_length, d.apply_chat_template, tools)
     if train_data.num_dropped:
         log.warning("dropped %d training prompts longer than data.max_prompt_length = %d",
                     train_data.num_dropped, d.max_prompt_length)
-    val_data = (PromptDataset(d.val_files, tokenizer, d.max_prompt_length, d.apply_chat_template)
+    val_data = (PromptDataset(d.val_files, tokenizer, d.max_prompt_length, d.apply_chat_template, tools)
                 if d.val_files else None)
     sources = [r.data_source for r in train_data.records]
     if val_data is not None:
@@ -106,6 +107,15 @@ def build_data(cfg: Config, env: DistEnv, reward_fn: RewardFunction) -> Data:
     log.info("data: %d training prompts (%d steps per epoch), %d validation prompts",
              len(train_data), sampler.steps_per_epoch, len(val_data) if val_data else 0)
     return Data(tokenizer, train_data, val_data, sampler)
+
+
+def tool_schemas(entries: list[dict]) -> list[dict] | None:
+    """The JSON schemas of `rollout.tools` (None without tools)."""
+    if not entries:
+        return None
+    from spmd_rl.rollout.multiturn.tools import load_tools
+
+    return [t.schema for t in load_tools(entries)]
 
 
 def check_tokenizer_vocab(cfg: Config, tokenizer) -> None:

@@ -143,7 +143,8 @@ class DataConfig:
     synthetic_task: str = ""
     """If set and `train_files` do not exist yet, rank 0 writes them (and `val_files`) with this
     offline synthetic task before anything else runs: "successor" (learnable by a tiny random model)
-    or "arithmetic" (word problems with exact answers). See scripts/make_synthetic.py."""
+    or "arithmetic" (word problems with exact answers), or "hidden" (a random digit only an environment
+    reveals: spmd_rl/envs/hidden_digit.py). See scripts/make_synthetic.py."""
     synthetic_size: int = 2048
     """Number of training rows written for `synthetic_task` (validation gets a quarter)."""
     train_batch_size: int = 8
@@ -262,6 +263,49 @@ class RolloutConfig:
     distributed_executor_backend, enable_sleep_mode, logprobs_mode, skip_tokenizer_init, parallel
     layout...) and what a `rollout.*` key sets (dtype, seed, max_num_seqs, ...: set that key)."""
 
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    """Multi-turn rollouts with tools: `[[rollout.tools]]` entries, each `function =
+    "package.module:function"`, a plain function with type hints and a Google-style docstring (its
+    JSON schema, from transformers' get_json_schema, goes to the chat template's `tools=`). A turn
+    that calls tools (rollout.tool_parser's format) gets their answers as tool messages and the
+    model goes on, until it answers without a call, rollout.max_turns, or the token budget
+    (data.max_response_length counts the model's tokens and the tool messages). A tool that
+    raises, passes rollout.tool_timeout or returns a non-string answers with an error message
+    (counted in multiturn/tool_errors_mean). Not together with rollout.environment."""
+    environment: str = ""
+    """Multi-turn rollouts with an environment: "package.module:Class" with `reset(row)` and
+    `step(message) -> StepResult(messages, done, reward=None)` (spmd_rl/rollout/multiturn/
+    environment.py; one instance per trajectory, keeping its state across turns). Its reward, where
+    it gives one, replaces the reward function's score. Empty = single-turn (or tools)."""
+    max_turns: int = 5
+    """Multi-turn: most model turns per trajectory (1 = the model answers once; tools never run)."""
+    tool_parser: str = "hermes"
+    """Multi-turn: how tool calls are read from a turn: "hermes" (Qwen2.5's
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, several per turn, none inside
+    `<think>`), or "package.module:Class" with `parse(text) -> list[ToolCall | CallError]`."""
+    tool_timeout: float = 10.0
+    """Multi-turn: seconds a tool call (or an environment step) may take; past it the model is told
+    the call timed out (an environment's trajectory ends)."""
+    max_tool_response_tokens: int = 256
+    """Multi-turn: each tool or environment message is cut to this many tokens (0 = no limit)."""
+    tool_pool_size: int = 32
+    """Multi-turn: threads that run tool calls and environment steps in parallel, per rank."""
+
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.tools or self.environment)
+
+    def check_multi_turn(self) -> None:
+        """Tools and environment import and have what the loop needs (spmd_rl.rollout.multiturn)."""
+        if not self.multi_turn:
+            return
+        _need(not (self.tools and self.environment), "rollout.tools and rollout.environment cannot be used "
+              "together: put the tools' work into the environment's step, or drop one of them")
+        _need(self.max_turns >= 1, f"rollout.max_turns = {self.max_turns} must be >= 1")
+        from spmd_rl.rollout.multiturn import check_config
+
+        check_config(self)
+
     def check_sampling(self) -> None:
         _need(self.n >= 1, "rollout.n must be >= 1")
         _need(self.temperature > 0, "rollout.temperature must be > 0 for training rollouts")
@@ -297,6 +341,10 @@ class RolloutConfig:
              "0 or >= data.max_prompt_length + data.max_response_length"),
             ("cudagraph_capture_sizes", all(s > 0 for s in self.cudagraph_capture_sizes), "sizes > 0"),
             ("seed", self.seed >= 0, ">= 0"),
+            ("max_turns", self.max_turns >= 1, ">= 1"),
+            ("tool_timeout", self.tool_timeout > 0, "> 0"),
+            ("max_tool_response_tokens", self.max_tool_response_tokens >= 0, ">= 0 (0 = no limit)"),
+            ("tool_pool_size", self.tool_pool_size >= 1, ">= 1"),
         ]
 
 class _TrainedModel:
@@ -874,7 +922,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.attn_implementation": ("sdpa", "eager"),
     "model.fused_kernels": ("none", "liger", "compile"),
     "model.fused_logprob_head": ("none", "compile"),
-    "data.synthetic_task": ("", "successor", "arithmetic"),
+    "data.synthetic_task": ("", "successor", "arithmetic", "hidden"),
     "rollout.engine": ("hf", "vllm"),
     "rollout.dtype": ("bfloat16", "float16", "float32"),
     "rollout.sleep_level": ("1", "2"),
@@ -930,6 +978,7 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     cfg.algorithm.check(cfg.rollout.n)
     cfg.reward.check(cfg.data.max_response_length)
     cfg.rollout.check_engine(world_size, gpus_per_node)
+    cfg.rollout.check_multi_turn()
     cfg.trainer.check(cfg.run_dir)
     cfg.check_ranges()
     from spmd_rl.vllm_kwargs import check_engine_kwargs

@@ -157,9 +157,11 @@ def _clean_messages(messages: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
 
-def tokenize_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bool) -> list[int]:
+def tokenize_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bool,
+                    tools: list[dict] | None = None) -> list[int]:
     """Token ids of one prompt: chat messages through the chat template (with the generation
-    prompt) when `apply_chat_template`, else their contents joined by newlines; text as it is."""
+    prompt, and the `tools` schemas of a multi-turn run) when `apply_chat_template`, else their
+    contents joined by newlines; text as it is."""
     if isinstance(prompt, str):
         return list(tokenizer(prompt)["input_ids"])
     messages = _clean_messages(prompt)
@@ -168,7 +170,8 @@ def tokenize_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bo
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("the data has chat-message prompts but the tokenizer has no chat template: set "
                         "data.apply_chat_template = false, or use a tokenizer with a chat template")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
     return list(ids)
 
 
@@ -179,7 +182,8 @@ class PromptDataset:
     row's position in the concatenated files.
     """
 
-    def __init__(self, files: list[str], tokenizer, max_prompt_length: int, apply_chat_template: bool):
+    def __init__(self, files: list[str], tokenizer, max_prompt_length: int, apply_chat_template: bool,
+                 tools: list[dict] | None = None):
         if not files:
             raise DataError("no data files given: list at least one Parquet file in data.train_files")
         self.files = list(files)
@@ -190,7 +194,7 @@ class PromptDataset:
         index = 0
         for path in self.files:
             for row, r in enumerate(read_rows(path)):
-                ids = tokenize_prompt(tokenizer, r["prompt"], apply_chat_template)
+                ids = tokenize_prompt(tokenizer, r["prompt"], apply_chat_template, tools)
                 if not ids:
                     raise DataError(f"data file {path!r}: the prompt of row {row} is empty; remove that row")
                 if len(ids) > max_prompt_length:

@@ -11,17 +11,14 @@ With `reward.custom_function` set, that function scores every row instead.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
-import os
 import re
-import sys
 from fractions import Fraction
 from typing import Any, Callable
 
 from spmd_rl.config import RewardConfig
+from spmd_rl.user_import import import_object
 from spmd_rl.errors import UserError
 
 
@@ -133,49 +130,7 @@ def builtin_scorer(data_source: str, cfg: RewardConfig) -> Callable[[str, str], 
 
 def load_custom_reward(spec: str) -> Callable:
     """The function named by "package.module:function" (or "path/to/file.py:function")."""
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise RewardError(f"reward.custom_function = {spec!r} must look like 'package.module:function'")
-    module = _import_path(module_name, spec) if module_name.endswith(".py") else _import_module(module_name, spec)
-    if not hasattr(module, attr):
-        raise RewardError(f"reward.custom_function = {spec!r}: module {module_name!r} has no attribute "
-                          f"{attr!r}; check the function name")
-    fn = getattr(module, attr)
-    if not callable(fn):
-        raise RewardError(f"reward.custom_function = {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
-    return fn
-
-
-def _import_module(name: str, spec: str):
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name and (name == e.name or name.startswith(e.name + ".")):
-            raise RewardError(f"reward.custom_function = {spec!r}: module {name!r} not found; make it "
-                              "importable (install it or add its directory to PYTHONPATH)") from None
-        raise _import_failed(spec, name, e) from None
-    except Exception as e:  # the user's module raised while importing (syntax error, missing file...)
-        raise _import_failed(spec, name, e) from None
-
-
-def _import_failed(spec: str, name: str, e: Exception) -> RewardError:
-    where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
-    return RewardError(f"reward.custom_function = {spec!r}: importing {name!r} failed with {type(e).__name__}: "
-                       f"{e}{where}; run python -c 'import {name}' to see the traceback")
-
-
-def _import_path(path: str, spec: str):
-    if not os.path.isfile(path):
-        raise RewardError(f"reward.custom_function = {spec!r}: file {path!r} does not exist")
-    name = "spmd_rl_custom_reward_" + re.sub(r"\W", "_", os.path.abspath(path))
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        raise _import_failed(spec, path, e) from None
-    return module
+    return import_object(spec, "reward.custom_function", RewardError, "function")
 
 
 class RewardFunction:

@@ -2,6 +2,7 @@
 
 "successor": prompt = 1-3 random digits ("384"), answer = (last digit + 1) mod 10.
     One digit of context decides the answer, so a tiny random model learns it by RL alone.
+"hidden": a random digit that only an environment reveals (multi-turn rollouts).
 "arithmetic": short word problems with exact small-integer answers ("Tom has 3 apples and buys
     4 more. How many apples does Tom have?" -> "7"), written only with characters of the built-in
     character tokenizer so no prompt contains <unk>.
@@ -19,7 +20,7 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-TASKS = ("successor", "arithmetic")
+TASKS = ("successor", "arithmetic", "hidden")
 
 # Capitals limited to those of the character tokenizer (spmd_rl/tokenizer.py UPPERCASE).
 NAMES = ("Tom", "Tim", "Sam", "Sue", "Ann", "Amy", "Hal", "Hana", "Will", "Wes")
@@ -78,7 +79,17 @@ def arithmetic_example(rng: random.Random) -> tuple[str, str]:
     return prompt, str(answer)
 
 
-EXAMPLES = {"successor": successor_example, "arithmetic": arithmetic_example}
+def hidden_example(rng: random.Random) -> tuple[str, str]:
+    """("kqd", "7"): the answer is a random digit the prompt (1-3 random letters) says nothing about.
+    Only an environment knows it: the multi-turn learning task of spmd_rl/envs/hidden_digit.py (the
+    model asks "?", the environment answers the digit, the model repeats it). Without it, a guess:
+    0.1. The prompt has no digit, so "ask" (after a letter) and "repeat" (after the digit) depend on
+    the current token alone."""
+    letters = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 3)))
+    return letters, rng.choice("0123456789")
+
+
+EXAMPLES = {"successor": successor_example, "arithmetic": arithmetic_example, "hidden": hidden_example}
 
 
 def synthetic_rows(task: str, size: int, seed: int, split: str) -> dict[str, list]:

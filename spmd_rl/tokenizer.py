@@ -28,14 +28,17 @@ CHARACTERS = DIGITS + LOWERCASE + UPPERCASE + PUNCTUATION
 MAX_VOCAB = 64
 
 # "=" marks where the assistant speaks: a successor prompt "384=" is the chat
-# [{"role": "user", "content": "384"}] rendered with add_generation_prompt.
+# [{"role": "user", "content": "384"}] rendered with add_generation_prompt. A tool message (multi-turn
+# rollouts) is its content, and the model goes on right after it, without "=": the tool's last
+# character is then the current token of the model's next prediction, which a tiny model can use
+# without learning attention first ("ab=?\n7" -> "7": the hidden-digit task, spmd_rl/envs/hidden_digit.py).
 CHAR_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'assistant' -%}{{ '=' + message['content'] + '\n' }}"
     "{%- elif message['role'] == 'system' -%}{{ message['content'] + '\n' }}"
     "{%- else -%}{{ message['content'] }}{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '=' }}{%- endif -%}"
+    "{%- if add_generation_prompt and messages[-1]['role'] != 'tool' -%}{{ '=' }}{%- endif -%}"
 )
 
 

@@ -46,6 +46,7 @@ from spmd_rl.preemption import StopFlag
 from spmd_rl.rank_balance import balance_ranks, mini_batch_block_rows
 from spmd_rl.rewards import RewardFunction, extract_answer
 from spmd_rl.rollout.base import SamplingParams
+from spmd_rl.rollout.multiturn import MultiTurnRollout
 from spmd_rl.startup import startup_clock
 from spmd_rl.rollout_correction import actor_update_batch
 from spmd_rl.tokenizer import decode_response
@@ -92,6 +93,8 @@ class Trainer:
         self.reward_fn = RewardFunction(cfg.reward, defer_errors=True)  # raised by sync_failures, on every rank
         with self.startup("data"):
             self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg, env, self.reward_fn)
+            # rollout.tools / rollout.environment: trajectories of several turns (spmd_rl/rollout/multiturn/)
+            self.multi_turn = MultiTurnRollout(cfg.rollout, self.tokenizer) if cfg.rollout.multi_turn else None
         models = build_models(cfg, env, self.tokenizer, self.resume_path is not None, self.startup)
         self.actor, self.actor_opt, self.actor_sched = models.actor, models.actor_opt, models.actor_sched
         self.ref, self.n_params = models.ref, models.n_params
@@ -198,7 +201,12 @@ class Trainer:
         with timer("generate"):
             prompts = [rec.prompt_ids for rec in records]
             # every rank calls generate, also with no prompts: a TP group gathers its prompts collectively
-            completions = self.engine.generate(prompts, self._sampling(train, round_))
+            if self.multi_turn is None:
+                completions = self.engine.generate(prompts, self._sampling(train, round_))
+            else:
+                completions, turn_metrics = self.multi_turn.generate(self.engine, records, self._sampling(train, round_),
+                                                                     self.cfg.data.max_response_length)
+                timer.metrics.update(turn_metrics)
         with timer("sleep"):
             self.engine.sleep()
         if self.device.type == "cuda":  # what sleep handed back (and, every step, whether anything leaks)
@@ -214,8 +222,16 @@ class Trainer:
 
     def score(self, batch: Batch, train: bool = True) -> list[str]:
         texts = [decode_response(self.tokenizer, response_token_ids(batch, i)) for i in range(len(batch))]
-        results = self.reward_fn(batch.meta["data_source"], texts, batch.meta["ground_truth"], batch.meta["extra_info"],
-                                 batch.meta["index"])
+        # multi-turn: the environment's reward where it gave one, the reward function for the rest
+        env_rewards = batch.meta.pop("env_reward", [None] * len(batch))
+        rows = [i for i, r in enumerate(env_rewards) if r is None]  # single-turn: every row
+
+        def pick(key: str) -> list:
+            return [batch.meta[key][i] for i in rows]
+
+        scored = iter(self.reward_fn(pick("data_source"), [texts[i] for i in rows], pick("ground_truth"),
+                                     pick("extra_info"), pick("index")))
+        results = [next(scored) if r is None else {"score": r} for r in env_rewards]
         batch["scores"] = torch.tensor([float(r["score"]) for r in results])
         batch["acc"] = torch.tensor([float(r.get("acc", r["score"] > 0)) for r in results])
         rc = self.cfg.reward
@@ -330,13 +346,15 @@ class Trainer:
     def step_metrics(self, batch: Batch, times: dict[str, float], extra: dict[str, float]) -> dict[str, float]:
         """Per-rank means (averaged over ranks by the caller)."""
         mask = batch["response_mask"]
-        lens = batch["response_lens"].float()
+        lens = batch["response_lens"].float()  # the response region: with multi-turn, tool messages too
+        model_tokens = mask.sum(-1)
         max_len = self.cfg.data.max_response_length
         diff = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs()
         m = {
             "reward/mean": batch["scores"].mean().item(),
             "reward/acc": batch["acc"].mean().item(),
-            "response/length_mean": lens.mean().item(),
+            "response/length_mean": model_tokens.mean().item(),
+            "response/model_token_share": (model_tokens.sum() / lens.sum().clamp(min=1)).item(),
             "response/clip_ratio": ((lens >= max_len) & ~batch["finished"]).float().mean().item(),
             "prompt/length_mean": batch["prompt_lens"].float().mean().item(),
             "adv/mean": algos.masked_mean(batch["advantages"], mask).item(),
@@ -355,7 +373,7 @@ class Trainer:
     def global_metrics(self, batch: Batch, times: dict[str, float]) -> dict[str, float]:
         """Metrics that need max/sum over ranks rather than a mean."""
         env = self.env
-        lens = batch["response_lens"].float()
+        lens = batch["response_mask"].sum(-1)  # the model's tokens
         diff = ((batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * batch["response_mask"]).max()
         t = torch.tensor([lens.max().item(), diff.item(), batch["scores"].max().item(), -batch["scores"].min().item(),
                           times["time/step"]], dtype=torch.float64, device=self.device)
@@ -480,7 +498,7 @@ class Trainer:
         gc.collect()
         if getattr(self, "device", None) is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
-        for part in ("engine", "metrics", "startup"):
+        for part in ("multi_turn", "engine", "metrics", "startup"):
             if hasattr(getattr(self, part, None), "close"):
                 getattr(self, part).close()
 

@@ -53,12 +53,21 @@ class Completion:
     """log p(token_t | prefix) under logits / temperature (greedy: temperature 1)."""
     finish_reason: str
     """"stop" (EOS or a stop token, which is included in token_ids) or "length"."""
+    mask: list[int] | None = None
+    """Multi-turn trajectories (spmd_rl/rollout/multiturn/): 1 on the tokens the model sampled, 0 on
+    the tool/environment tokens between its turns (their log-probs are 0). None: every token is
+    the model's (a single-turn response)."""
+    reward: float | None = None
+    """Multi-turn: the environment's reward for the trajectory, when it gave one (otherwise the
+    reward function scores the response)."""
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 max_new_tokens: list[int] | None = None) -> list[list[Completion]]:
         """For each prompt (token ids), `sampling.n` completions. Every rank calls this with its own
-        prompts; engines with tensor parallelism gather their group's prompts themselves."""
+        prompts; engines with tensor parallelism gather their group's prompts themselves.
+        `max_new_tokens`: a limit per prompt (<= sampling.max_new_tokens) instead of the call's."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full (unsharded) tensors, named as in the Hugging Face model, into the engine."""

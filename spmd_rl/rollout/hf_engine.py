@@ -38,16 +38,21 @@ class HFEngine:
             self.params[name].copy_(tensor)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 max_new_tokens: list[int] | None = None) -> list[list[Completion]]:
         out: list[list[Completion]] = []
         per_call = max(1, self.max_batch_size // sampling.n)
+        limits = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(sampling.seed)
             for i in range(0, len(prompts), per_call):
-                out += self._generate_chunk(prompts[i:i + per_call], sampling)
+                out += self._generate_chunk(prompts[i:i + per_call], sampling, limits[i:i + per_call])
         return out
 
-    def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams) -> list[list[Completion]]:
+    def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams,
+                        limits: list[int]) -> list[list[Completion]]:
+        """Generates up to the chunk's largest limit and cuts each row at its own: sampling is causal,
+        so a row cut at k tokens is what a call with max_new_tokens = k would have sampled."""
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -55,7 +60,7 @@ class HFEngine:
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         stop = self.eos_token_ids + list(sp.stop_token_ids)
-        kwargs = dict(do_sample=not sp.greedy, max_new_tokens=sp.max_new_tokens, eos_token_id=stop,
+        kwargs = dict(do_sample=not sp.greedy, max_new_tokens=max(limits), eos_token_id=stop,
                       pad_token_id=self.pad_token_id, num_return_sequences=sp.n, output_logits=True,
                       return_dict_in_generate=True)
         if not sp.greedy:
@@ -69,7 +74,7 @@ class HFEngine:
         stop_set = set(stop)
         completions = []
         for row in range(new.shape[0]):
-            tokens = new[row].tolist()
+            tokens = new[row].tolist()[:limits[row // sp.n]]
             end, reason = len(tokens), "length"
             for j, t in enumerate(tokens):
                 if t in stop_set:

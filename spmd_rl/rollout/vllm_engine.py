@@ -43,6 +43,7 @@ Facts this module relies on (vLLM 0.26; checked on H100/H200, see tests/gpu/):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import json
 import logging
@@ -365,17 +366,21 @@ class VLLMEngine:
         dist.all_gather_object(out, payload, group=self._group)
         return out
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 max_new_tokens: list[int] | None = None) -> list[list[Completion]]:
         """`sampling.n` completions per prompt. Collective within the TP group: every rank calls it
-        (with its own, possibly empty, prompt list) and the same sampling settings."""
+        (with its own, possibly empty, prompt list) and the same sampling settings.
+        `max_new_tokens`: a limit per prompt instead of sampling.max_new_tokens."""
         self._check_ready()
-        parts = self._gather(([list(map(int, p)) for p in prompts], _sampling_key(sampling)))
-        for i, (_, key) in enumerate(parts):
+        limits = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
+        parts = self._gather(([list(map(int, p)) for p in prompts], _sampling_key(sampling), list(limits)))
+        for i, (_, key, _) in enumerate(parts):
             if key[:-1] != parts[0][1][:-1]:
                 raise ValueError(f"ranks {self.replica * self.tp} and {self.replica * self.tp + i} of one "
                                  f"tensor-parallel group passed different sampling settings: {parts[0][1]} vs {key}")
         seed = parts[0][1][-1]  # the group's first rank decides the seed
-        all_prompts = [p for ps, _ in parts for p in ps]
+        all_prompts = [p for ps, _, _ in parts for p in ps]
+        all_limits = [k for _, _, ks in parts for k in ks]
         results: list[list[Completion]] = []
         if all_prompts:
             # An explicit seed per request, from (engine seed, call seed, position in the group's
@@ -384,8 +389,9 @@ class VLLMEngine:
             # differently. vLLM 0.26's V2 model runner (the default for dense models) turns it into
             # a counter-based Gumbel seed per (request, position): no per-request cost; n > 1
             # children get seed + index.
-            sps = [to_vllm_sampling(sampling, self.stop_ids, seed=_mix_seed(self.engine_seed, seed, j) % 2**62)
-                   for j in range(len(all_prompts))]
+            sps = [to_vllm_sampling(dataclasses.replace(sampling, max_new_tokens=limit), self.stop_ids,
+                                    seed=_mix_seed(self.engine_seed, seed, j) % 2**62)
+                   for j, limit in enumerate(all_limits)]
             outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps, use_tqdm=False)
             for o in outs:
                 comps = [_completion(c) for c in sorted(o.outputs, key=lambda c: c.index)]
@@ -393,7 +399,7 @@ class VLLMEngine:
                     comps = [Completion(list(comps[0].token_ids), list(comps[0].logprobs), comps[0].finish_reason)
                              for _ in range(sampling.n)]
                 results.append(comps)
-        start = sum(len(ps) for ps, _ in parts[: self.tp_rank])
+        start = sum(len(ps) for ps, _, _ in parts[: self.tp_rank])
         return results[start : start + len(prompts)]
 
     def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:

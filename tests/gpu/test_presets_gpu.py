@@ -55,6 +55,8 @@ class Preset:
 PRESETS: dict[str, Preset] = {  # configs/<name>.toml
     "qwen0.5b-gsm8k": Preset(gpus=1, arch="qwen2-0.5b"),
     "qwen1.5b-gsm8k": Preset(gpus=1, arch="qwen2-1.5b"),
+    # multi-turn with the calculator tool: the char tokenizer's template renders the tool messages
+    "qwen0.5b-gsm8k-tool": Preset(gpus=1, arch="qwen2-0.5b"),
     # 256 prompts would be 2048 responses on one TP=2 replica (8 GPUs make 4): 16 prompts in 2
     # mini-batches of 8 keep the preset's 2 optimizer steps per step. The random 7B shape's mismatch
     # is 0.052 (bf16 at this shape, with NCCL or custom all-reduce alike: scripts/probe_mismatch.py).

@@ -1,0 +1,91 @@
+"""Multi-turn rollouts: tools and environments between the model's turns.
+
+    rollout = MultiTurnRollout(cfg.rollout, tokenizer)        # None-free: only when cfg.rollout.multi_turn
+    completions, metrics = rollout.generate(engine, records, sampling, budget)
+
+One concept per module: tools.py (load tools, run calls with timeouts), parsers.py (tool calls in a
+turn's text), environment.py (the Environment protocol; tools as an environment), bridge.py (the
+tokens between turns, from the chat template), loop.py (the lockstep loop over a rank's
+trajectories). Each returned Completion is a whole trajectory: its tokens, a mask with 1 on the
+model's sampled tokens, rollout log-probs (0 on the bridges) and the environment's reward, if any.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from spmd_rl.errors import ConfigError
+from spmd_rl.rollout.base import Completion, RolloutEngine, SamplingParams
+from spmd_rl.rollout.multiturn.bridge import Bridge
+from spmd_rl.rollout.multiturn.environment import TOOL_METRICS, Environment, StepResult, ToolEnvironment
+from spmd_rl.rollout.multiturn.loop import new_trajectories, run_lockstep, trajectory_metrics
+from spmd_rl.rollout.multiturn.parsers import PARSERS, CallError, ToolCall
+from spmd_rl.rollout.multiturn.tools import ToolRunner, load_tools
+from spmd_rl.user_import import import_object
+
+__all__ = ["MultiTurnRollout", "StepResult", "Environment", "ToolCall", "CallError", "check_config"]
+
+
+def load_parser(spec: str):
+    if spec in PARSERS:
+        return PARSERS[spec]()
+    return import_object(spec, "rollout.tool_parser", ConfigError, "class")()
+
+
+def load_environment_class(spec: str) -> type:
+    cls = import_object(spec, "rollout.environment", ConfigError, "class")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ConfigError(f"rollout.environment = {spec!r}: {cls.__name__} has no {' or '.join(missing)} method; an "
+                          "environment needs reset(row) and step(message) -> StepResult")
+    return cls
+
+
+def check_config(r) -> None:
+    """Everything the run's multi-turn keys name can be loaded (RolloutConfig.check_multi_turn)."""
+    if r.tools:
+        load_tools(r.tools)
+        load_parser(r.tool_parser)
+    if r.environment:
+        load_environment_class(r.environment)
+
+
+class MultiTurnRollout:
+    """Trajectories of several turns from a rollout engine, per `rollout.*` (RolloutConfig)."""
+
+    def __init__(self, r, tokenizer):
+        self.max_turns, self.step_timeout = r.max_turns, r.tool_timeout
+        self.pool = ThreadPoolExecutor(max_workers=r.tool_pool_size, thread_name_prefix="spmd_rl-env")
+        self.runner = None
+        if r.tools:
+            tools = load_tools(r.tools)
+            self.runner = ToolRunner(tools, r.tool_timeout, r.tool_pool_size)
+            parser = load_parser(r.tool_parser)
+            self.make_env = lambda: ToolEnvironment(self.runner, parser)
+            self.schemas = [t.schema for t in tools]
+            self.count_keys = TOOL_METRICS
+            self.step_timeout = None  # each call has its own timeout inside the step
+        else:
+            self.make_env = load_environment_class(r.environment)
+            self.schemas = None
+            self.count_keys = ()
+        self.bridge = Bridge(tokenizer, self.schemas, r.max_tool_response_tokens)
+
+    def generate(self, engine: RolloutEngine, records: list, sampling: SamplingParams,
+                 budget: int) -> tuple[list[list[Completion]], dict[str, float]]:
+        """`sampling.n` trajectories per record (spmd_rl.data.PromptRecord), each within `budget`
+        response tokens; and their metrics (per-rank means). Collective: every rank calls it."""
+        rows = [dataclasses.asdict(rec) for rec in records]
+        trajectories = new_trajectories([rec.prompt_ids for rec in records], rows, sampling.n, self.make_env)
+        run_lockstep(engine, trajectories, sampling, budget, self.max_turns, self.bridge, self.pool, self.step_timeout)
+        completions = [t.completion() for t in trajectories]
+        n = sampling.n
+        return ([completions[i * n:(i + 1) * n] for i in range(len(records))],
+                trajectory_metrics(trajectories, self.count_keys))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.runner is not None:
+            self.runner.close()

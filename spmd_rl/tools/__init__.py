@@ -1,0 +1,1 @@
+"""Tools for multi-turn rollouts ([[rollout.tools]]): plain typed functions with docstrings."""
