@@ -7,10 +7,13 @@ returns the messages that follow it (any chat role the template renders: "user",
 the episode is over, and optionally its reward (the last reward given is the trajectory's; none:
 the reward function scores the whole response).
 
-The episode: a message that ends in "?" is answered with the row's digit (ground_truth) on a new
-line; any other message ends the episode, with reward 1 when its last character is that digit and 0
-otherwise. A model without the environment's answer (rollout.max_turns = 1) can only guess: 0.1.
-(The multi-turn learning check stops each turn at a digit or "?": rollout.stop_token_ids.)
+The episode: a message that is one digit is the answer, and ends the episode with reward 1 when it
+is the row's digit (ground_truth) and 0 otherwise. Any other message is a question: the first one is
+answered with the digit on a new line, a second one ends the episode with reward 0. So a model that
+has not learned anything yet mostly asks (few random turns are a lone digit), and what it must learn
+is to repeat what the environment said, then to ask rather than guess. A model without the
+environment's answer (rollout.max_turns = 1) can only guess: 0.1. (The multi-turn learning check
+stops each turn at a digit or "?": rollout.stop_token_ids.)
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ class HiddenDigitEnv:
 
     def step(self, message: dict[str, Any]) -> StepResult:
         text = message["content"].strip()
-        if text.endswith("?"):
-            self.questions += 1
-            return StepResult(messages=[{"role": "tool", "content": "\n" + self.digit}], done=False, reward=0.0)
-        return StepResult(messages=[], done=True, reward=float(text[-1:] == self.digit))
+        if len(text) == 1 and text.isdigit():  # the answer
+            return StepResult(messages=[], done=True, reward=float(text == self.digit))
+        self.questions += 1
+        if self.questions > 1:  # asked twice
+            return StepResult(messages=[], done=True, reward=0.0)
+        return StepResult(messages=[{"role": "tool", "content": "\n" + self.digit}], done=False, reward=0.0)
