@@ -82,7 +82,7 @@ def arithmetic_example(rng: random.Random) -> tuple[str, str]:
 def hidden_example(rng: random.Random) -> tuple[str, str]:
     """("kqd", "7"): the answer is a random digit the prompt (1-3 random letters) says nothing about.
     Only an environment knows it: the multi-turn learning task of spmd_rl/envs/hidden_digit.py (the
-    model asks "?", the environment answers the digit, the model repeats it). Without it, a guess:
+    model asks, the environment answers the digit, the model repeats it). Without it, a guess:
     0.1. The prompt has no digit, so "ask" (after a letter) and "repeat" (after the digit) depend on
     the current token alone."""
     letters = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 3)))
