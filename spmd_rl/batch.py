@@ -77,7 +77,8 @@ def build_rollout_batch(prompts: list[list[int]], completions: list[list[Complet
                         meta: dict[str, list] | None = None) -> Batch:
     """Rows for every (prompt, completion) pair: the n completions of a prompt are consecutive
     and share `group_id` (the prompt's position here). `meta` lists are per prompt and get
-    repeated per completion."""
+    repeated per completion. `has_rollout_logprobs` marks the rows whose completion came with the
+    engine's log-probs (SamplingParams.logprobs_every); `rollout_logprobs` is 0 on the others."""
     rows, logps, groups, finished = [], [], [], []
     for g, (p, comps) in enumerate(zip(prompts, completions)):
         for c in comps:
@@ -97,14 +98,16 @@ def build_rollout_batch(prompts: list[list[int]], completions: list[list[Complet
         input_ids[i, :n] = torch.tensor(p + r, dtype=torch.long)
         attention_mask[i, :n] = 1
         response_mask[i, len(p):n] = 1.0
-        rollout_logprobs[i, len(p):n] = torch.tensor(lp, dtype=torch.float32)
+        if lp is not None:
+            rollout_logprobs[i, len(p):n] = torch.tensor(lp, dtype=torch.float32)
         prompt_lens[i] = len(p)
     counts = [len(c) for c in completions]
     row_meta = {k: [v for v, c in zip(vals, counts) for _ in range(c)] for k, vals in (meta or {}).items()}
     return Batch(
         dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-             rollout_logprobs=rollout_logprobs, prompt_lens=prompt_lens,
-             response_lens=response_mask.sum(-1).long(), group_ids=torch.tensor(groups, dtype=torch.long),
+             rollout_logprobs=rollout_logprobs, has_rollout_logprobs=torch.tensor([lp is not None for lp in logps]),
+             prompt_lens=prompt_lens, response_lens=response_mask.sum(-1).long(),
+             group_ids=torch.tensor(groups, dtype=torch.long),
              finished=torch.tensor(finished, dtype=torch.bool)),
         row_meta,
     )

@@ -29,6 +29,9 @@ Facts this module relies on (vLLM 0.26; checked on H100/H200, see tests/gpu/):
   nothing is masked or padded in what we see: tokens past
   the tokenizer's length but inside vocab_size (Qwen2.5: 151665..151935) can be sampled by both
   engine and actor alike, as the config's vocab_size says.
+- Only the requests whose prompt asks for log-probs get them (SamplingParams.logprobs_every), in
+  flat lists and with the garbage collector paused during the call: their cost and the adapter
+  are in spmd_rl/rollout/vllm_outputs.py.
 - With `skip_tokenizer_init=True` vLLM does not know the EOS token, so the EOS ids of the model's
   config.json / generation_config.json are added to every request's stop_token_ids.
 - vLLM 0.26 runs dense models on its "V2" model runner, which samples with a counter-based Gumbel
@@ -55,6 +58,7 @@ import torch.distributed as dist
 
 from spmd_rl.gpu_memory import engine_build_allocator, expandable_segments_requested, set_expandable_segments
 from spmd_rl.rollout.base import Completion, SamplingParams
+from spmd_rl.rollout.vllm_outputs import completion, logprob_request, paused_gc, supports_flat_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +159,10 @@ def shutdown_llm(llm) -> None:
     torch.cuda.empty_cache()
 
 
-def to_vllm_sampling(sampling: SamplingParams, stop_token_ids: Iterable[int], **extra: Any):
-    """vLLM SamplingParams for our SamplingParams: token ids out, the sampled token's log-prob."""
+def to_vllm_sampling(sampling: SamplingParams, stop_token_ids: Iterable[int], asks_logprobs: bool = True,
+                     flat_logprobs: bool = False, **extra: Any):
+    """vLLM SamplingParams for our SamplingParams: token ids out, the sampled token's log-prob when
+    `asks_logprobs` (in flat lists when `flat_logprobs`: spmd_rl/rollout/vllm_outputs.py)."""
     from vllm import SamplingParams as VSP
 
     greedy = sampling.greedy
@@ -167,21 +173,10 @@ def to_vllm_sampling(sampling: SamplingParams, stop_token_ids: Iterable[int], **
         top_k=0 if (greedy or sampling.top_k <= 0) else sampling.top_k,
         max_tokens=sampling.max_new_tokens,
         stop_token_ids=sorted(set(stop_token_ids) | set(sampling.stop_token_ids)),
-        logprobs=0,
         detokenize=False,
+        **logprob_request(asks_logprobs, flat_logprobs),
         **extra,
     )
-
-
-def _completion(out) -> Completion:
-    ids = list(out.token_ids)
-    if out.logprobs is None or len(out.logprobs) != len(ids):
-        raise RuntimeError(f"vLLM returned {0 if out.logprobs is None else len(out.logprobs)} log-probs for "
-                           f"{len(ids)} tokens")
-    lps = [float(out.logprobs[i][t].logprob) for i, t in enumerate(ids)]
-    if out.finish_reason not in ("stop", "length"):
-        raise RuntimeError(f"vLLM finished a request with reason {out.finish_reason!r} (aborted?)")
-    return Completion(token_ids=ids, logprobs=lps, finish_reason=out.finish_reason)
 
 
 def prompt_logprobs(llm, seqs: list[list[int]]) -> list[list[float]]:
@@ -266,6 +261,12 @@ class VLLMEngine:
 
         self._expandable = expandable_segments_requested()
         from vllm import LLM
+        from vllm import SamplingParams as VSP
+
+        # How requests that ask for log-probs get them (vllm_outputs.py): in flat lists, with the
+        # garbage collector paused during generate. scripts/bench_generation.py measures each.
+        self.flat_logprobs = supports_flat_logprobs(VSP)
+        self.pause_gc = True
 
         t0 = time.perf_counter()
         with engine_build_allocator():  # CUDA graphs captured outside expandable segments (custom all-reduce)
@@ -384,15 +385,16 @@ class VLLMEngine:
             # differently. vLLM 0.26's V2 model runner (the default for dense models) turns it into
             # a counter-based Gumbel seed per (request, position): no per-request cost; n > 1
             # children get seed + index.
-            sps = [to_vllm_sampling(sampling, self.stop_ids, seed=_mix_seed(self.engine_seed, seed, j) % 2**62)
-                   for j in range(len(all_prompts))]
-            outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps, use_tqdm=False)
-            for o in outs:
-                comps = [_completion(c) for c in sorted(o.outputs, key=lambda c: c.index)]
-                if sampling.greedy and sampling.n > 1:
-                    comps = [Completion(list(comps[0].token_ids), list(comps[0].logprobs), comps[0].finish_reason)
-                             for _ in range(sampling.n)]
-                results.append(comps)
+            asks = [a for ps, _ in parts for a in sampling.asks_logprobs(len(ps))]  # each rank's own choice
+            sps = [to_vllm_sampling(sampling, self.stop_ids, ask, self.flat_logprobs,
+                                    seed=_mix_seed(self.engine_seed, seed, j) % 2**62) for j, ask in enumerate(asks)]
+            with paused_gc(self.pause_gc):
+                outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps, use_tqdm=False)
+                for o, ask in zip(outs, asks):
+                    comps = [completion(c, ask) for c in sorted(o.outputs, key=lambda c: c.index)]
+                    if sampling.greedy and sampling.n > 1:
+                        comps = [comps[0].copy() for _ in range(sampling.n)]
+                    results.append(comps)
         start = sum(len(ps) for ps, _ in parts[: self.tp_rank])
         return results[start : start + len(prompts)]
 
@@ -425,4 +427,4 @@ class VLLMEngine:
 
 
 def _sampling_key(s: SamplingParams) -> tuple:
-    return (s.n, s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(s.stop_token_ids), s.seed)
+    return (s.n, s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(s.stop_token_ids), s.logprobs_every, s.seed)
