@@ -229,8 +229,15 @@ class RolloutConfig:
     enforce_eager: bool = False
     """vLLM: disable CUDA graphs."""
     cudagraph_capture_sizes: list[int] = field(default_factory=list)
-    """vLLM: batch sizes to capture CUDA graphs for; empty = vLLM's default. Graph memory is not
-    freed by sleep, so fewer sizes leave more for training (ROCm users: [1,2,4,8,16,32,64])."""
+    """vLLM: batch sizes to capture CUDA graphs for; empty = vLLM's default (51 sizes up to 512 at
+    max_num_seqs >= 256) or, with cudagraph_step_sizes, this run's. Graph memory is not freed by
+    sleep, so fewer sizes leave more for training (ROCm users: [1,2,4,8,16,32,64])."""
+    cudagraph_step_sizes: bool = False
+    """vLLM: with cudagraph_capture_sizes empty, capture only the decode batch sizes this run's
+    generate calls can have: 1, 2, 3, 4, 6, 8, 12, ... (each at most 1.5x the one before; a batch
+    runs padded to the next) up to the sequences one engine replica gets per call (training and
+    validation), capped at max_num_seqs. Fewer graphs: a shorter start-up and less memory held
+    while asleep; a call with more sequences than that runs its largest batches without graphs."""
     enable_prefix_caching: bool = True
     """vLLM: reuse KV blocks of shared prompt prefixes (reset after every weight sync)."""
     enable_chunked_prefill: bool = True

@@ -83,12 +83,30 @@ def eos_token_ids(model_dir: str) -> list[int]:
     return sorted(ids)
 
 
+def step_capture_sizes(cfg, world_size: int) -> list[int]:
+    """The CUDA-graph batch sizes of rollout.cudagraph_step_sizes: 1, 2, 3, 4, 6, 8, 12, ... up to
+    the most sequences one engine replica (tensor_parallel_size ranks) gets in a generate call of
+    this run: training (data.train_batch_size / world_size prompts per rank, x rollout.n) or
+    validation (a rank's share of data.val_batch_size, x rollout.val_n), at most max_num_seqs."""
+    d, r = cfg.data, cfg.rollout
+    most = d.train_batch_size // world_size * r.tensor_parallel_size * r.n
+    if d.val_files:
+        most = max(most, -(-d.val_batch_size // world_size) * r.tensor_parallel_size * r.val_n)
+    cap = max(1, min(r.max_num_seqs, most))
+    sizes, k = {cap}, 1
+    while k < cap:
+        sizes.update((k, k + k // 2) if k > 1 else (k,))
+        k *= 2
+    return sorted(s for s in sizes if s <= cap)
+
+
 def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_mode: bool = True,
-                  **overrides: Any) -> dict[str, Any]:
+                  world_size: int = 1, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for this config: the project's own, then the user's
     `rollout.engine_kwargs` (config validation refused those that would replace one of ours), then
     `overrides`. `dummy=False, sleep_mode=False` gives a plain engine that reads the checkpoint from
-    disk with otherwise identical settings (tests, bench)."""
+    disk with otherwise identical settings (tests, bench). `world_size`: the run's ranks (the
+    batch sizes of rollout.cudagraph_step_sizes)."""
     r, d = cfg.rollout, cfg.data
     kw: dict[str, Any] = dict(
         model=model_dir,
@@ -111,6 +129,8 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
     )
     if r.cudagraph_capture_sizes:
         kw["cudagraph_capture_sizes"] = list(r.cudagraph_capture_sizes)
+    elif r.cudagraph_step_sizes and not r.enforce_eager:
+        kw["cudagraph_capture_sizes"] = step_capture_sizes(cfg, world_size)
     kw.update(copy.deepcopy(r.engine_kwargs))  # a copy: vLLM may change the tables it is given
     kw.update(overrides)
     return kw
@@ -271,7 +291,7 @@ class VLLMEngine:
         t0 = time.perf_counter()
         with engine_build_allocator():  # CUDA graphs captured outside expandable segments (custom all-reduce)
             torch.cuda.empty_cache()
-            self.llm = LLM(**engine_kwargs(cfg, model_dir, self.engine_seed))
+            self.llm = LLM(**engine_kwargs(cfg, model_dir, self.engine_seed, world_size=world_size))
         self.init_seconds = time.perf_counter() - t0
         self._awake = set(TAGS)
         self._weights_valid = False  # dummy weights until the first load_weights
