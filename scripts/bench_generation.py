@@ -94,7 +94,7 @@ VARIANTS = {
     "plain-all": Variant("plain-inproc", "all", False, False, "plain vLLM in this thread, every prompt's (dicts)"),
 }
 
-DEFAULT_VARIANTS = "ours,ours-none,ours-all,ours-all-flat,ours-all-dicts,sync,sync-none,stepgraphs,plain-mp-none"
+DEFAULT_VARIANTS = "ours,ours-none,ours-all,ours-all-flat,ours-all-dicts,sync,stepgraphs,plain-mp-none"
 
 CONFIGS = {"qwen2-0.5b": "configs/qwen0.5b-gsm8k.toml", "qwen2-1.5b": "configs/qwen1.5b-gsm8k.toml"}
 
