@@ -234,7 +234,7 @@ class RolloutConfig:
     sleep, so fewer sizes leave more for training (ROCm users: [1,2,4,8,16,32,64])."""
     cudagraph_step_sizes: bool = False
     """vLLM: with cudagraph_capture_sizes empty, capture only the decode batch sizes this run's
-    generate calls can have: 1, 2, 3, 4, 6, 8, 12, ... (each at most 1.5x the one before; a batch
+    generate calls can have: 1, 2, 3, 4, 6, 8, 12, ... (from 2 on at most 1.5x the one before; a batch
     runs padded to the next) up to the sequences one engine replica gets per call (training and
     validation), capped at max_num_seqs. Fewer graphs: a shorter start-up and less memory held
     while asleep; a call with more sequences than that runs its largest batches without graphs."""
