@@ -10,8 +10,9 @@ from vLLM's source:
   log-prob to the request's container (vllm/v1/engine/logprobs.py). By default the container is
   a list of one `{token_id: Logprob}` dict per token: two tracked objects per token, so the
   garbage collector runs often and scans them while the engine waits. `flat_logprobs=True`
-  (SamplingParams, vLLM >= 0.11) keeps plain lists of ints and floats instead (`FlatLogprobs`),
-  which the collector does not track; pausing the collector during the call removes the rest.
+  (SamplingParams; engines without the field get the dicts) keeps plain lists of ints and floats
+  instead (`FlatLogprobs`), which the collector does not track; pausing the collector during the
+  call removes the rest.
 
 `completion` reads both containers: a `FlatLogprobs` asked with `logprobs=0` holds exactly one
 entry per position (the sampled token first, vllm/logprobs.py `append_logprobs_for_next_position`),
