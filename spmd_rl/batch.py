@@ -84,7 +84,9 @@ def build_rollout_batch(prompts: list[list[int]], completions: list[list[Complet
     response, only the model's turns of a multi-turn trajectory (`Completion.mask`: the tool and
     environment tokens between turns are attended to, with mask 0 and rollout log-prob 0). A
     trajectory always ends on a model token, so the last masked column is the response's end.
-    Environment rewards (`Completion.reward`) go to meta["env_reward"] (None where none was given)."""
+    Environment rewards (`Completion.reward`) go to meta["env_reward"] (None where none was given).
+    `has_rollout_logprobs` marks the rows whose completion came with the engine's log-probs
+    (SamplingParams.logprobs_every); `rollout_logprobs` is 0 on the others."""
     rows, logps, masks, groups, finished = [], [], [], [], []
     for g, (p, comps) in enumerate(zip(prompts, completions)):
         for c in comps:
@@ -105,7 +107,8 @@ def build_rollout_batch(prompts: list[list[int]], completions: list[list[Complet
         input_ids[i, :n] = torch.tensor(p + r, dtype=torch.long)
         attention_mask[i, :n] = 1
         response_mask[i, len(p):n] = 1.0 if m is None else torch.tensor(m, dtype=torch.float32)
-        rollout_logprobs[i, len(p):n] = torch.tensor(lp, dtype=torch.float32)
+        if lp is not None:
+            rollout_logprobs[i, len(p):n] = torch.tensor(lp, dtype=torch.float32)
         prompt_lens[i] = len(p)
     counts = [len(c) for c in completions]
     row_meta = {k: [v for v, c in zip(vals, counts) for _ in range(c)] for k, vals in (meta or {}).items()}
@@ -113,8 +116,9 @@ def build_rollout_batch(prompts: list[list[int]], completions: list[list[Complet
         row_meta["env_reward"] = [c.reward for comps in completions for c in comps]
     return Batch(
         dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-             rollout_logprobs=rollout_logprobs, prompt_lens=prompt_lens,
-             response_lens=torch.tensor([len(r) for _, r in rows], dtype=torch.long), group_ids=torch.tensor(groups, dtype=torch.long),
+             rollout_logprobs=rollout_logprobs, has_rollout_logprobs=torch.tensor([lp is not None for lp in logps]),
+             prompt_lens=prompt_lens, response_lens=torch.tensor([len(r) for _, r in rows], dtype=torch.long),
+             group_ids=torch.tensor(groups, dtype=torch.long),
              finished=torch.tensor(finished, dtype=torch.bool)),
         row_meta,
     )

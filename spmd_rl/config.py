@@ -58,6 +58,12 @@ def _cannot_write(path: str) -> str | None:
     return None
 
 
+def _ordinal(k: int) -> str:
+    """2 -> "2nd", 8 -> "8th", 11 -> "11th", 21 -> "21st"."""
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"{k}{suffix}"
+
+
 # --------------------------------------------------------------------------- sections
 
 
@@ -224,8 +230,15 @@ class RolloutConfig:
     enforce_eager: bool = False
     """vLLM: disable CUDA graphs."""
     cudagraph_capture_sizes: list[int] = field(default_factory=list)
-    """vLLM: batch sizes to capture CUDA graphs for; empty = vLLM's default. Graph memory is not
-    freed by sleep, so fewer sizes leave more for training (ROCm users: [1,2,4,8,16,32,64])."""
+    """vLLM: batch sizes to capture CUDA graphs for; empty = vLLM's default (51 sizes up to 512 at
+    max_num_seqs >= 256) or, with cudagraph_step_sizes, this run's. Graph memory is not freed by
+    sleep, so fewer sizes leave more for training (ROCm users: [1,2,4,8,16,32,64])."""
+    cudagraph_step_sizes: bool = False
+    """vLLM: with cudagraph_capture_sizes empty, capture only the decode batch sizes this run's
+    generate calls can have: 1, 2, 3, 4, 6, 8, 12, ... (from 2 on at most 1.5x the one before; a batch
+    runs padded to the next) up to the sequences one engine replica gets per call (training and
+    validation), capped at max_num_seqs. Fewer graphs: a shorter start-up and less memory held
+    while asleep; a call with more sequences than that runs its largest batches without graphs."""
     enable_prefix_caching: bool = True
     """vLLM: reuse KV blocks of shared prompt prefixes (reset after every weight sync)."""
     enable_chunked_prefill: bool = True
@@ -253,6 +266,18 @@ class RolloutConfig:
     across restarts so a warm restart skips compilation; empty = <run_dir>/compile_cache. Point it
     at a shared path to reuse it across runs of the same model and settings. A VLLM_CACHE_ROOT
     already in the environment wins."""
+    calculate_log_probs: str = "auto"
+    """Ask the engine for every response's sampled-token log-probs (verl's
+    `rollout.calculate_log_probs`): "on", "off", or "auto" = on exactly when something reads every
+    row's (algorithm.rollout_is, rollout_mask, rollout_reject_sequences; "off" is refused with
+    them). Asking costs generation time (0.5B at batch 512 on an H200: about 2x the generate time
+    with vLLM's default log-prob lists; docs/performance.md). The start-up line says which applies
+    and why."""
+    logprob_sample_every: int = 8
+    """While rollout log-probs are off (calculate_log_probs), every k-th prompt of each rank's
+    generate call (its first, then every k-th; all n responses of it) asks for them anyway, so the
+    mismatch metrics (rollout/logprob_diff_*, rollout/mismatch_kl) are measured on those rows only;
+    1 = every prompt, 0 = none (the metrics are then not logged). Validation never asks."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """vLLM: more keyword arguments of `vllm.LLM`, passed after the project's own (verl's
     `actor_rollout_ref.rollout.engine_kwargs.vllm`): a TOML table, e.g. `[rollout.engine_kwargs]`
@@ -345,7 +370,15 @@ class RolloutConfig:
             ("tool_timeout", self.tool_timeout > 0, "> 0"),
             ("max_tool_response_tokens", self.max_tool_response_tokens >= 0, ">= 0 (0 = no limit)"),
             ("tool_pool_size", self.tool_pool_size >= 1, ">= 1"),
+            ("logprob_sample_every", self.logprob_sample_every >= 0, ">= 0 (0 = no mismatch metrics)"),
         ]
+
+    def check_logprobs(self, readers: list[str]) -> None:
+        """calculate_log_probs = "off" with a setting that reads every row's rollout log-probs."""
+        _need(self.calculate_log_probs != "off" or not readers,
+              f"rollout.calculate_log_probs = 'off' but {readers[0] if readers else ''} reads every response's rollout "
+              "log-probs: set rollout.calculate_log_probs = 'auto' (or 'on')")
+
 
 class _TrainedModel:
     """What the actor and critic sections share: the layout of a PPO update (Config.micro_batching)."""
@@ -888,10 +921,34 @@ class Config:
                 cut = f"= {mini_seqs // mb.rows} micro-batches of {mb.rows} sequences"
             parts.append(f"{role}: {self.data.train_batch_size // section.ppo_mini_batch_size} optimizer steps "
                          f"x {section.ppo_epochs} epochs, {mini_seqs} sequences per {where} per mini-batch {cut}")
+        parts.append(f"rollout log-probs: {self.rollout_logprobs_plan()[1]}")
         reason = self.old_logprob_pass_reason()
         parts.append(f"old log-probs: separate pass ({reason})" if reason else
                      "old log-probs: from the update's forward (on-policy: 1 mini-batch, 1 epoch)")
         return " | ".join(parts)
+
+    def rollout_logprob_readers(self) -> list[str]:
+        """The settings that read every response's rollout log-probs (the engine's log-prob of
+        each sampled token), as `key = value`; the mismatch metrics make do with a sample."""
+        alg = self.algorithm
+        return [f"algorithm.{k} = {getattr(alg, k)!r}" for k in ("rollout_is", "rollout_mask", "rollout_reject_sequences")
+                if getattr(alg, k)]
+
+    def rollout_logprobs_plan(self) -> tuple[int, str]:
+        """(SamplingParams.logprobs_every of the training rollouts: 1 = every prompt asks the engine
+        for its responses' log-probs, k = every k-th, 0 = none; the reason in words)."""
+        r, readers = self.rollout, self.rollout_logprob_readers()
+        if r.calculate_log_probs == "on" or (r.calculate_log_probs == "auto" and readers):
+            why = "rollout.calculate_log_probs = 'on'" if r.calculate_log_probs == "on" else f"{readers[0]} reads them"
+            return 1, f"every response ({why})"
+        why = ("rollout.calculate_log_probs = 'off'" if r.calculate_log_probs == "off" else
+               "rollout.calculate_log_probs = 'auto' and no algorithm.rollout_is / rollout_mask / "
+               "rollout_reject_sequences reads them")
+        k = r.logprob_sample_every
+        if k == 0:
+            return 0, f"none ({why}; rollout.logprob_sample_every = 0: no mismatch metrics)"
+        rows = "every prompt's responses" if k == 1 else f"the responses of every {_ordinal(k)} prompt"
+        return k, f"{rows}, for the mismatch metrics only ({why})"
 
     def old_logprob_pass_reason(self) -> str:
         """Why this run needs a separate no-grad pass for the old log-probs (the config keys in
@@ -926,6 +983,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.engine": ("hf", "vllm"),
     "rollout.dtype": ("bfloat16", "float16", "float32"),
     "rollout.sleep_level": ("1", "2"),
+    "rollout.calculate_log_probs": ("auto", "on", "off"),
     "actor.lr_schedule": ("constant", "cosine"),
     "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "actor.kl_loss_type": ("k1", "k2", "k3", "low_var_kl", "abs"),
@@ -979,6 +1037,7 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     cfg.reward.check(cfg.data.max_response_length)
     cfg.rollout.check_engine(world_size, gpus_per_node)
     cfg.rollout.check_multi_turn()
+    cfg.rollout.check_logprobs(cfg.rollout_logprob_readers())
     cfg.trainer.check(cfg.run_dir)
     cfg.check_ranges()
     from spmd_rl.vllm_kwargs import check_engine_kwargs

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from spmd_rl.algorithms import masked_mean, masked_sum
+from spmd_rl.algorithms import kl_penalty, masked_mean, masked_sum
 from spmd_rl.batch import Batch
+from spmd_rl.distributed import all_reduce_sum
 
 LEVELS = ("", "token", "sequence", "geometric")
 _MAX_LOG = 20.0  # exp(20) ~ 5e8: one absurd token cannot overflow a weight or a metric
@@ -157,7 +158,11 @@ def actor_update_batch(batch: Batch, alg, device: torch.device | None = None,
     if not correct_rollout and (alg.rollout_mask or alg.rollout_reject_sequences):
         raise ValueError("rollout_mask / rollout_reject_sequences change the update's denominator: they need the old "
                          "log-probs before the update")
-    if correct_rollout and (alg.rollout_is or alg.rollout_mask or alg.rollout_reject_sequences):
+    corrects = alg.rollout_is or alg.rollout_mask or alg.rollout_reject_sequences
+    if corrects and "has_rollout_logprobs" in batch and not bool(batch["has_rollout_logprobs"].all()):
+        raise RuntimeError("rollout correction needs every row's rollout log-probs, and some rows came without: the "
+                           "engine was not asked for them (Config.rollout_logprobs_plan)")
+    if correct_rollout and corrects:
         corr, m = correct(batch["old_logprobs"], batch["rollout_logprobs"], mask, is_level=alg.rollout_is,
                           is_threshold=alg.rollout_is_threshold, mask_level=alg.rollout_mask,
                           mask_low=alg.rollout_mask_low, mask_high=alg.rollout_mask_high,
@@ -168,6 +173,25 @@ def actor_update_batch(batch: Batch, alg, device: torch.device | None = None,
             tensors["rollout_is_weights"] = corr.weights.float()
     tensors["response_mask"] = mask
     return Batch(tensors, batch.meta), _reduce(local, device or torch.device("cpu"))
+
+
+def mismatch_metrics(batch: Batch, device: torch.device) -> dict[str, float]:
+    """Collective: the engine/actor mismatch of the step over every rank's response tokens of the
+    rows that carry the engine's log-probs (`has_rollout_logprobs`: the others have none, with
+    rollout.calculate_log_probs off, and are left out): rollout/logprob_diff_mean and
+    rollout/logprob_diff_max of |log p(engine) - log p(actor)|, rollout/mismatch_kl the token mean of
+    the k3 estimate of KL(engine || actor). {} on every rank when no rank holds such a row."""
+    mask = batch["response_mask"] * batch["has_rollout_logprobs"][:, None].to(batch["response_mask"].dtype)
+    engine, actor = batch["rollout_logprobs"], batch["old_logprobs"]
+    diff = (engine - actor).abs()
+    sums = torch.stack([masked_sum(diff, mask), masked_sum(kl_penalty(engine, actor, "k3"), mask), mask.sum()])
+    sums = all_reduce_sum(sums.to(device, torch.float64))
+    top = all_reduce_sum((diff * mask).amax().reshape(1).to(device, torch.float64), op=dist.ReduceOp.MAX)
+    diff_sum, kl_sum, tokens = sums.tolist()
+    if tokens == 0:
+        return {}
+    return {"rollout/logprob_diff_mean": diff_sum / tokens, "rollout/logprob_diff_max": top.item(),
+            "rollout/mismatch_kl": kl_sum / tokens}
 
 
 def _reduce(local: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:

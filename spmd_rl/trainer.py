@@ -48,7 +48,7 @@ from spmd_rl.rewards import RewardFunction, extract_answer
 from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.rollout.multiturn import MultiTurnRollout
 from spmd_rl.startup import startup_clock
-from spmd_rl.rollout_correction import actor_update_batch
+from spmd_rl.rollout_correction import actor_update_batch, mismatch_metrics
 from spmd_rl.tokenizer import decode_response
 from spmd_rl.update import ppo_update
 from spmd_rl.val_metrics import prompt_means, prompt_sums
@@ -191,10 +191,12 @@ class Trainer:
         stop = list(r.stop_token_ids)
         seed = sampling_seed(self.cfg.trainer.seed, self.step if train else -1 - self.step, self.engine_replica)
         seed = (seed + round_ * 7_919) % 2**31  # dynamic sampling's extra rounds sample afresh
-        if train:
-            return SamplingParams(r.n, r.temperature, r.top_p, r.top_k, d.max_response_length, stop, seed)
+        if train:  # rollout log-probs for every prompt, a sample of them or none (Config.rollout_logprobs_plan)
+            return SamplingParams(r.n, r.temperature, r.top_p, r.top_k, d.max_response_length, stop, seed,
+                                  logprobs_every=self.cfg.rollout_logprobs_plan()[0])
         return SamplingParams(r.val_n, r.val_temperature, 1.0 if r.val_temperature == 0 else r.top_p,
-                              -1 if r.val_temperature == 0 else r.top_k, d.max_response_length, stop, seed)
+                              -1 if r.val_temperature == 0 else r.top_k, d.max_response_length, stop, seed,
+                              logprobs_every=0)  # validation reads scores only
 
     def generate(self, records, train: bool, timer: PhaseTimer, round_: int = 0) -> Batch:
         self.sync_weights(timer)
@@ -315,6 +317,7 @@ class Trainer:
             metrics.update({f"critic/{k}": v for k, v in cm.items()})
         metrics = all_reduce_mean(metrics, self.device)
         metrics.update(self.global_metrics(batch, timer.metrics))
+        metrics.update(mismatch_metrics(batch, self.device))  # over the rows that carry the engine's log-probs
         metrics.update({**sample_metrics, **balance_metrics, **corr_metrics})  # already reduced over ranks
         metrics["reward/errors"] = float(reward_errors)
         return metrics
@@ -349,7 +352,6 @@ class Trainer:
         lens = batch["response_lens"].float()  # the response region: with multi-turn, tool messages too
         model_tokens = mask.sum(-1)
         max_len = self.cfg.data.max_response_length
-        diff = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs()
         m = {
             "reward/mean": batch["scores"].mean().item(),
             "reward/acc": batch["acc"].mean().item(),
@@ -359,9 +361,6 @@ class Trainer:
             "prompt/length_mean": batch["prompt_lens"].float().mean().item(),
             "adv/mean": algos.masked_mean(batch["advantages"], mask).item(),
             "returns/mean": algos.masked_mean(batch["returns"], mask).item(),
-            "rollout/logprob_diff_mean": algos.masked_mean(diff, mask).item(),
-            "rollout/mismatch_kl": algos.masked_mean(
-                algos.kl_penalty(batch["rollout_logprobs"], batch["old_logprobs"], "k3"), mask).item(),
             **times, **extra,
         }
         if "overlong_penalty" in batch:
@@ -374,8 +373,7 @@ class Trainer:
         """Metrics that need max/sum over ranks rather than a mean."""
         env = self.env
         lens = batch["response_mask"].sum(-1)  # the model's tokens
-        diff = ((batch["rollout_logprobs"] - batch["old_logprobs"]).abs() * batch["response_mask"]).max()
-        t = torch.tensor([lens.max().item(), diff.item(), batch["scores"].max().item(), -batch["scores"].min().item(),
+        t = torch.tensor([lens.max().item(), batch["scores"].max().item(), -batch["scores"].min().item(),
                           times["time/step"]], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         scores = batch["scores"].double()
@@ -384,10 +382,10 @@ class Trainer:
                                         dtype=torch.float64, device=self.device)) / env.sp.size  # rows held sp times
         mean = s[0] / s[2]
         var = (s[1] / s[2] - mean ** 2).clamp(min=0) * s[2] / max(s[2] - 1, 1)
-        step_time = t[4].item()
+        step_time = t[3].item()
         out = {
-            "response/length_max": t[0].item(), "rollout/logprob_diff_max": t[1].item(),
-            "reward/max": t[2].item(), "reward/min": -t[3].item(), "reward/std": var.sqrt().item(),
+            "response/length_max": t[0].item(),
+            "reward/max": t[1].item(), "reward/min": -t[2].item(), "reward/std": var.sqrt().item(),
             "perf/tokens_per_sec": s[3].item() / step_time,
             "perf/tokens_per_sec_per_gpu": s[3].item() / step_time / env.world_size,
             "data/epoch": float(self.sampler.epoch), "actor/lr_sched": self.actor_sched.get_last_lr()[0],

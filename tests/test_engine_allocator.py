@@ -73,6 +73,7 @@ _switches: list = []
 def test_vllm_engine_is_built_with_expandable_segments_hidden(monkeypatch, tmp_path):
     fake = types.ModuleType("vllm")
     fake.LLM = _RecordingLLM
+    fake.SamplingParams = type("SamplingParams", (), {})
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",

@@ -15,7 +15,7 @@ import pytest
 from spmd_rl import vllm_kwargs
 from spmd_rl.config import Config, ConfigError, config_from_dict, load_config, to_dict, to_toml
 from spmd_rl.resume_check import check_resume_config, config_changes
-from spmd_rl.rollout.vllm_engine import engine_kwargs
+from spmd_rl.rollout.vllm_engine import engine_kwargs, step_capture_sizes
 from spmd_rl.vllm_kwargs import FIXED, ROLLOUT_KEYS, check_engine_kwargs
 
 VLLM_0_26_NAMES = frozenset("""
@@ -279,3 +279,39 @@ def test_the_names_come_from_the_installed_vllm():
     assert {"async_scheduling", "compilation_config", "chat_template", "model", "seed"} <= names
     assert not {n.split(".")[0] for n in [*FIXED, *ROLLOUT_KEYS]} - names
     assert vllm_kwargs.vllm_import_problem() is None
+
+
+# --------------------------------------------------------------------------- CUDA-graph sizes
+
+
+@pytest.mark.parametrize("changes, world, cap", [
+    ({}, 1, 32),  # 8 prompts x n=4 on one replica; no validation data
+    ({"rollout.n": 8, "data.train_batch_size": 64, "rollout.max_num_seqs": 512}, 1, 512),
+    ({"rollout.n": 8, "data.train_batch_size": 64, "rollout.max_num_seqs": 512}, 8, 64),
+    ({"rollout.n": 8, "data.train_batch_size": 64, "rollout.max_num_seqs": 512, "rollout.tensor_parallel_size": 2}, 8,
+     128),  # a replica generates for its 2 ranks
+    ({"rollout.n": 8, "data.train_batch_size": 64}, 1, 256),  # rollout.max_num_seqs caps it
+    ({"data.val_files": ["v.parquet"], "data.val_batch_size": 100, "rollout.val_n": 3}, 4, 75),  # ceil(100/4) x 3
+])
+def test_step_capture_sizes_cover_every_batch_a_call_can_have(changes, world, cap):
+    cfg = Config()
+    for key, value in changes.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    sizes = step_capture_sizes(cfg, world)
+    assert sizes[0] == 1 and sizes[-1] == cap and sizes == sorted(set(sizes))
+    # every batch b <= cap runs padded to a captured size of at most 1.5 b (2 b for b = 1, 2)
+    for b in range(1, cap + 1):
+        assert min(s for s in sizes if s >= b) <= max(1.5 * b, 2), b
+    assert len(sizes) <= 2 * cap.bit_length()
+
+
+def test_step_sizes_reach_vllm_only_when_asked_and_not_over_explicit_sizes():
+    cfg = Config()
+    assert "cudagraph_capture_sizes" not in engine_kwargs(cfg, "/m", 0, world_size=2)  # vLLM's default
+    cfg.rollout.cudagraph_step_sizes = True
+    assert engine_kwargs(cfg, "/m", 0, world_size=2)["cudagraph_capture_sizes"] == [1, 2, 3, 4, 6, 8, 12, 16]
+    cfg.rollout.cudagraph_capture_sizes = [5, 7]
+    assert engine_kwargs(cfg, "/m", 0, world_size=2)["cudagraph_capture_sizes"] == [5, 7]
+    cfg.rollout.cudagraph_capture_sizes, cfg.rollout.enforce_eager = [], True
+    assert "cudagraph_capture_sizes" not in engine_kwargs(cfg, "/m", 0, world_size=2)

@@ -68,17 +68,17 @@ class ScriptedEngine:
         self.turn_start = chatml_tokenizer().encode(IM_START + "assistant\n", add_special_tokens=False)
         self.calls = []
 
-    def generate(self, prompts, sampling, max_new_tokens=None):
+    def generate(self, prompts, sampling, max_new_tokens=None, asks_logprobs=None):
         assert sampling.n == 1
-        self.calls.append((prompts, max_new_tokens, sampling.seed))
+        self.calls.append((prompts, max_new_tokens, sampling.seed, asks_logprobs))
         out = []
-        for p, limit in zip(prompts, max_new_tokens):
+        for p, limit, asks in zip(prompts, max_new_tokens, asks_logprobs):
             k = next(i for i, (sp, _) in enumerate(self.scripts) if p[:len(sp)] == sp)
             rest = p[len(self.scripts[k][0]):]  # turns so far: the generation prompts after the prompt
             done = sum(rest[i:i + len(self.turn_start)] == self.turn_start for i in range(len(rest)))
             turn = self.scripts[k][1][done][:limit]
             reason = "stop" if turn and turn[-1] == self.eos else "length"
-            out.append([Completion(turn, [-0.01 * (j + 1) for j in range(len(turn))], reason)])
+            out.append([Completion(turn, [-0.01 * (j + 1) for j in range(len(turn))] if asks else None, reason)])
         return out
 
 
@@ -127,10 +127,10 @@ def test_two_tool_calls_give_the_exact_row_and_mask():
     assert tok.decode(prompt + c.token_ids) + "\n" == rendered  # the template's glue after the last turn: none
     assert metrics["multiturn/turns_mean"] == 3 and metrics["multiturn/tool_calls_mean"] == 2
     assert metrics["multiturn/stop_answer"] == 1 and metrics["multiturn/tool_errors_mean"] == 0
-    seeds = [s for _, _, s in engine.calls]
+    seeds = [s for _, _, s, _ in engine.calls]
     assert len(set(seeds)) == 3 and seeds[0] == 5  # every turn its own seed
     # every turn may use what is left of the one budget
-    assert [lim for _, (lim,), _ in engine.calls] == [500, 500 - len(turns[0] + bridge[0]),
+    assert [lim for _, (lim,), _, _ in engine.calls] == [500, 500 - len(turns[0] + bridge[0]),
                                                      500 - len(turns[0] + bridge[0] + turns[1] + bridge[1])]
 
     batch = build_rollout_batch([prompt], [comps], tok.pad_token_id)
@@ -145,6 +145,31 @@ def test_two_tool_calls_give_the_exact_row_and_mask():
 
     rewards = scores_to_token_rewards(torch.tensor([1.5]), batch["response_mask"])
     assert rewards[0, -1] == 1.5 and rewards.sum() == 1.5
+
+
+def test_a_trajectory_asks_for_log_probs_on_every_turn_or_on_none():
+    """rollout.logprob_sample_every = 2: the trajectories of prompts 0 and 2 ask on each of their
+    turns and carry log-probs (0 on the bridges); those of prompt 1 ask on none and carry None, also
+    when the live trajectories' positions shift from one turn to the next."""
+    tok = chatml_tokenizer()
+    mt = MultiTurnRollout(tools_cfg("add", max_turns=5), tok)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    eos = tok.convert_tokens_to_ids(IM_END)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tools=mt.schemas, add_generation_prompt=True,
+                                       return_dict=False) for q in ("one?", "two?", "three?")]
+    answer, tool = enc("done") + [eos], enc(call("add", a=1, b=2)) + [eos]
+    scripts = [(prompts[0], [answer]), (prompts[1], [tool, answer]), (prompts[2], [tool, tool, answer])]
+    engine = ScriptedEngine(scripts, eos)
+    comps, _ = mt.generate(engine, [Record(p) for p in prompts], SamplingParams(n=2, seed=1, logprobs_every=2),
+                           budget=500)
+    assert [[c.logprobs is not None for c in cs] for cs in comps] == [[True, True], [False, False], [True, True]]
+    assert [asks for _, _, _, asks in engine.calls] == [[True, True, False, False, True, True],
+                                                        [False, False, True, True], [True, True]]
+    c = comps[2][0]
+    assert len(c.logprobs) == len(c.token_ids) and [lp for lp, m in zip(c.logprobs, c.mask) if not m] == \
+        [0.0] * (len(c.mask) - sum(c.mask))
+    batch = build_rollout_batch(prompts, comps, tok.pad_token_id)
+    assert batch["has_rollout_logprobs"].tolist() == [True, True, False, False, True, True]
 
 
 def test_bridge_leaves_the_sampled_end_of_turn_to_the_model_and_refuses_history_rewrites():
@@ -272,7 +297,7 @@ class CollectiveEngine:
     def __init__(self, rank, eos, tool_turn, answer):
         self.rank, self.eos, self.tool_turn, self.answer, self.calls = rank, eos, tool_turn, answer, 0
 
-    def generate(self, prompts, sampling, max_new_tokens=None):
+    def generate(self, prompts, sampling, max_new_tokens=None, asks_logprobs=None):
         import torch.distributed as dist
 
         sizes = [None, None]

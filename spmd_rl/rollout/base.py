@@ -1,9 +1,9 @@
 """The rollout-engine interface: what the trainer needs from an inference engine.
 
-Token ids in; token ids, per-token sampled log-probs and a finish reason out. The engine
-owns a copy of the policy weights that the trainer refreshes every step with
-`load_weights`, streamed from the FSDP shards (spmd_rl/weight_sync.py). Engines that share
-the GPU with training (vLLM) free their memory in `sleep()` and take it back in `wake_up()`.
+Token ids in; token ids, per-token sampled log-probs (of the prompts that ask for them) and a
+finish reason out. The engine owns a copy of the policy weights that the trainer refreshes every
+step with `load_weights`, streamed from the FSDP shards (spmd_rl/weight_sync.py). Engines that
+share the GPU with training (vLLM) free their memory in `sleep()` and take it back in `wake_up()`.
 
 The trainer's call order each step, for every engine:
 
@@ -38,10 +38,19 @@ class SamplingParams:
     seed: int = 0
     """Seed of this call's sampling; the trainer derives it from (trainer.seed, step, replica)
     so a resumed run samples exactly what an uninterrupted one would."""
+    logprobs_every: int = 1
+    """Which prompts' completions carry log-probs (`asks_logprobs`): 1 = every prompt, k = prompts
+    0, k, 2k, ... of the caller's list, 0 = none. The others' `Completion.logprobs` is None: asking
+    costs the engine time (Config.rollout_logprobs_plan says who needs them)."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def asks_logprobs(self, count: int) -> list[bool]:
+        """For each of `count` prompts of one caller (a rank), whether its completions get log-probs:
+        with any prompt at all, the first one always does when logprobs_every > 0."""
+        return [self.logprobs_every > 0 and i % self.logprobs_every == 0 for i in range(count)]
 
 
 @dataclass
@@ -49,8 +58,9 @@ class Completion:
     """One sampled response to one prompt."""
 
     token_ids: list[int]
-    logprobs: list[float]
-    """log p(token_t | prefix) under logits / temperature (greedy: temperature 1)."""
+    logprobs: list[float] | None
+    """log p(token_t | prefix) under logits / temperature (greedy: temperature 1); None when its
+    prompt did not ask for them (SamplingParams.logprobs_every)."""
     finish_reason: str
     """"stop" (EOS or a stop token, which is included in token_ids) or "length"."""
     mask: list[int] | None = None
@@ -61,13 +71,19 @@ class Completion:
     """Multi-turn: the environment's reward for the trajectory, when it gave one (otherwise the
     reward function scores the response)."""
 
+    def copy(self) -> "Completion":
+        return Completion(list(self.token_ids), None if self.logprobs is None else list(self.logprobs),
+                          self.finish_reason, None if self.mask is None else list(self.mask), self.reward)
+
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
-                 max_new_tokens: list[int] | None = None) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: list[int] | None = None,
+                 asks_logprobs: list[bool] | None = None) -> list[list[Completion]]:
         """For each prompt (token ids), `sampling.n` completions. Every rank calls this with its own
         prompts; engines with tensor parallelism gather their group's prompts themselves.
-        `max_new_tokens`: a limit per prompt (<= sampling.max_new_tokens) instead of the call's."""
+        `max_new_tokens`: a limit per prompt (<= sampling.max_new_tokens) instead of the call's;
+        `asks_logprobs`: per prompt, whether its completions get log-probs, instead of
+        `sampling.asks_logprobs` (a multi-turn trajectory keeps its choice over its turns)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full (unsharded) tensors, named as in the Hugging Face model, into the engine."""

@@ -38,21 +38,24 @@ class HFEngine:
             self.params[name].copy_(tensor)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
-                 max_new_tokens: list[int] | None = None) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: list[int] | None = None,
+                 asks_logprobs: list[bool] | None = None) -> list[list[Completion]]:
         out: list[list[Completion]] = []
         per_call = max(1, self.max_batch_size // sampling.n)
         limits = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
+        asks = asks_logprobs if asks_logprobs is not None else sampling.asks_logprobs(len(prompts))
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(sampling.seed)
             for i in range(0, len(prompts), per_call):
-                out += self._generate_chunk(prompts[i:i + per_call], sampling, limits[i:i + per_call])
+                out += self._generate_chunk(prompts[i:i + per_call], sampling, limits[i:i + per_call],
+                                            asks[i:i + per_call])
         return out
 
-    def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams,
-                        limits: list[int]) -> list[list[Completion]]:
-        """Generates up to the chunk's largest limit and cuts each row at its own: sampling is causal,
-        so a row cut at k tokens is what a call with max_new_tokens = k would have sampled."""
+    def _generate_chunk(self, prompts: list[list[int]], sp: SamplingParams, limits: list[int],
+                        asks: list[bool]) -> list[list[Completion]]:
+        """Completions of `prompts`, with log-probs for those whose `asks` is true (None for the
+        others). Generates up to the chunk's largest limit and cuts each row at its own: sampling is
+        causal, so a row cut at k tokens is what a call with max_new_tokens = k would have sampled."""
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -61,24 +64,26 @@ class HFEngine:
             mask[i, width - len(p):] = 1
         stop = self.eos_token_ids + list(sp.stop_token_ids)
         kwargs = dict(do_sample=not sp.greedy, max_new_tokens=max(limits), eos_token_id=stop,
-                      pad_token_id=self.pad_token_id, num_return_sequences=sp.n, output_logits=True,
+                      pad_token_id=self.pad_token_id, num_return_sequences=sp.n, output_logits=any(asks),
                       return_dict_in_generate=True)
         if not sp.greedy:
             kwargs.update(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0)
         res = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kwargs)
         new = res.sequences[:, width:].cpu()
-        # log p of the sampled token under logits / temperature: the same quantity the actor computes
-        temperature = sp.temperature if not sp.greedy else 1.0
-        logits = torch.stack(res.logits, dim=1).float().cpu() / temperature
-        logps = torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0]
+        logps = None
+        if any(asks):  # log p of the sampled token under logits / temperature: what the actor computes
+            temperature = sp.temperature if not sp.greedy else 1.0
+            logits = torch.stack(res.logits, dim=1).float().cpu() / temperature
+            logps = torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0]
         stop_set = set(stop)
         completions = []
-        for row in range(new.shape[0]):
+        for row in range(new.shape[0]):  # rows: the n completions of each prompt, consecutive
             tokens = new[row].tolist()[:limits[row // sp.n]]
             end, reason = len(tokens), "length"
             for j, t in enumerate(tokens):
                 if t in stop_set:
                     end, reason = j + 1, "stop"
                     break
-            completions.append(Completion(tokens[:end], logps[row, :end].tolist(), reason))
+            lp = logps[row, :end].tolist() if asks[row // sp.n] else None
+            completions.append(Completion(tokens[:end], lp, reason))
         return [completions[k * sp.n:(k + 1) * sp.n] for k in range(len(prompts))]

@@ -29,6 +29,9 @@ Facts this module relies on (vLLM 0.26; checked on H100/H200, see tests/gpu/):
   nothing is masked or padded in what we see: tokens past
   the tokenizer's length but inside vocab_size (Qwen2.5: 151665..151935) can be sampled by both
   engine and actor alike, as the config's vocab_size says.
+- Only the requests whose prompt asks for log-probs get them (SamplingParams.logprobs_every), in
+  flat lists and with the garbage collector paused during the call: their cost and the adapter
+  are in spmd_rl/rollout/vllm_outputs.py.
 - With `skip_tokenizer_init=True` vLLM does not know the EOS token, so the EOS ids of the model's
   config.json / generation_config.json are added to every request's stop_token_ids.
 - vLLM 0.26 runs dense models on its "V2" model runner, which samples with a counter-based Gumbel
@@ -56,6 +59,7 @@ import torch.distributed as dist
 
 from spmd_rl.gpu_memory import engine_build_allocator, expandable_segments_requested, set_expandable_segments
 from spmd_rl.rollout.base import Completion, SamplingParams
+from spmd_rl.rollout.vllm_outputs import completion, logprob_request, paused_gc, supports_flat_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +84,30 @@ def eos_token_ids(model_dir: str) -> list[int]:
     return sorted(ids)
 
 
+def step_capture_sizes(cfg, world_size: int) -> list[int]:
+    """The CUDA-graph batch sizes of rollout.cudagraph_step_sizes: 1, 2, 3, 4, 6, 8, 12, ... up to
+    the most sequences one engine replica (tensor_parallel_size ranks) gets in a generate call of
+    this run: training (data.train_batch_size / world_size prompts per rank, x rollout.n) or
+    validation (a rank's share of data.val_batch_size, x rollout.val_n), at most max_num_seqs."""
+    d, r = cfg.data, cfg.rollout
+    most = d.train_batch_size // world_size * r.tensor_parallel_size * r.n
+    if d.val_files:
+        most = max(most, -(-d.val_batch_size // world_size) * r.tensor_parallel_size * r.val_n)
+    cap = max(1, min(r.max_num_seqs, most))
+    sizes, k = {cap}, 1
+    while k < cap:
+        sizes.update((k, k + k // 2) if k > 1 else (k,))
+        k *= 2
+    return sorted(s for s in sizes if s <= cap)
+
+
 def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_mode: bool = True,
-                  **overrides: Any) -> dict[str, Any]:
+                  world_size: int = 1, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for this config: the project's own, then the user's
     `rollout.engine_kwargs` (config validation refused those that would replace one of ours), then
     `overrides`. `dummy=False, sleep_mode=False` gives a plain engine that reads the checkpoint from
-    disk with otherwise identical settings (tests, bench)."""
+    disk with otherwise identical settings (tests, bench). `world_size`: the run's ranks (the
+    batch sizes of rollout.cudagraph_step_sizes)."""
     r, d = cfg.rollout, cfg.data
     kw: dict[str, Any] = dict(
         model=model_dir,
@@ -108,6 +130,8 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
     )
     if r.cudagraph_capture_sizes:
         kw["cudagraph_capture_sizes"] = list(r.cudagraph_capture_sizes)
+    elif r.cudagraph_step_sizes and not r.enforce_eager:
+        kw["cudagraph_capture_sizes"] = step_capture_sizes(cfg, world_size)
     kw.update(copy.deepcopy(r.engine_kwargs))  # a copy: vLLM may change the tables it is given
     kw.update(overrides)
     return kw
@@ -156,8 +180,10 @@ def shutdown_llm(llm) -> None:
     torch.cuda.empty_cache()
 
 
-def to_vllm_sampling(sampling: SamplingParams, stop_token_ids: Iterable[int], **extra: Any):
-    """vLLM SamplingParams for our SamplingParams: token ids out, the sampled token's log-prob."""
+def to_vllm_sampling(sampling: SamplingParams, stop_token_ids: Iterable[int], asks_logprobs: bool = True,
+                     flat_logprobs: bool = False, **extra: Any):
+    """vLLM SamplingParams for our SamplingParams: token ids out, the sampled token's log-prob when
+    `asks_logprobs` (in flat lists when `flat_logprobs`: spmd_rl/rollout/vllm_outputs.py)."""
     from vllm import SamplingParams as VSP
 
     greedy = sampling.greedy
@@ -168,21 +194,10 @@ def to_vllm_sampling(sampling: SamplingParams, stop_token_ids: Iterable[int], **
         top_k=0 if (greedy or sampling.top_k <= 0) else sampling.top_k,
         max_tokens=sampling.max_new_tokens,
         stop_token_ids=sorted(set(stop_token_ids) | set(sampling.stop_token_ids)),
-        logprobs=0,
         detokenize=False,
+        **logprob_request(asks_logprobs, flat_logprobs),
         **extra,
     )
-
-
-def _completion(out) -> Completion:
-    ids = list(out.token_ids)
-    if out.logprobs is None or len(out.logprobs) != len(ids):
-        raise RuntimeError(f"vLLM returned {0 if out.logprobs is None else len(out.logprobs)} log-probs for "
-                           f"{len(ids)} tokens")
-    lps = [float(out.logprobs[i][t].logprob) for i, t in enumerate(ids)]
-    if out.finish_reason not in ("stop", "length"):
-        raise RuntimeError(f"vLLM finished a request with reason {out.finish_reason!r} (aborted?)")
-    return Completion(token_ids=ids, logprobs=lps, finish_reason=out.finish_reason)
 
 
 def prompt_logprobs(llm, seqs: list[list[int]]) -> list[list[float]]:
@@ -267,11 +282,21 @@ class VLLMEngine:
 
         self._expandable = expandable_segments_requested()
         from vllm import LLM
+        from vllm import SamplingParams as VSP
+
+        # How requests that ask for log-probs get them (vllm_outputs.py): in flat lists (measured on
+        # 1xH100, 0.5B, 512 requests x 512 tokens, every request asking: 14.2 ms per decode step
+        # against 17-20 with vLLM's dicts, 10-13 without log-probs), with the garbage collector paused
+        # during generate (shared/notes/generation-cost.md: frozen + off 6.3-7.0 s against 9-10 s a
+        # call on an H200; one H100 run of freeze + off here was no faster, 21.9 ms: within the
+        # machine's spread). scripts/bench_generation.py measures each.
+        self.flat_logprobs = supports_flat_logprobs(VSP)
+        self.pause_gc = True
 
         t0 = time.perf_counter()
         with engine_build_allocator():  # CUDA graphs captured outside expandable segments (custom all-reduce)
             torch.cuda.empty_cache()
-            self.llm = LLM(**engine_kwargs(cfg, model_dir, self.engine_seed))
+            self.llm = LLM(**engine_kwargs(cfg, model_dir, self.engine_seed, world_size=world_size))
         self.init_seconds = time.perf_counter() - t0
         self._awake = set(TAGS)
         self._weights_valid = False  # dummy weights until the first load_weights
@@ -366,21 +391,24 @@ class VLLMEngine:
         dist.all_gather_object(out, payload, group=self._group)
         return out
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
-                 max_new_tokens: list[int] | None = None) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: list[int] | None = None,
+                 asks_logprobs: list[bool] | None = None) -> list[list[Completion]]:
         """`sampling.n` completions per prompt. Collective within the TP group: every rank calls it
         (with its own, possibly empty, prompt list) and the same sampling settings.
-        `max_new_tokens`: a limit per prompt instead of sampling.max_new_tokens."""
+        `max_new_tokens`: a limit per prompt instead of sampling.max_new_tokens; `asks_logprobs`:
+        per prompt, whether it gets log-probs, instead of sampling.asks_logprobs (each rank's own)."""
         self._check_ready()
         limits = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
-        parts = self._gather(([list(map(int, p)) for p in prompts], _sampling_key(sampling), list(limits)))
-        for i, (_, key, _) in enumerate(parts):
+        asks = asks_logprobs if asks_logprobs is not None else sampling.asks_logprobs(len(prompts))
+        parts = self._gather(([list(map(int, p)) for p in prompts], _sampling_key(sampling), list(limits),
+                              list(asks)))
+        for i, (_, key, _, _) in enumerate(parts):
             if key[:-1] != parts[0][1][:-1]:
                 raise ValueError(f"ranks {self.replica * self.tp} and {self.replica * self.tp + i} of one "
                                  f"tensor-parallel group passed different sampling settings: {parts[0][1]} vs {key}")
         seed = parts[0][1][-1]  # the group's first rank decides the seed
-        all_prompts = [p for ps, _, _ in parts for p in ps]
-        all_limits = [k for _, _, ks in parts for k in ks]
+        all_prompts = [p for ps, _, _, _ in parts for p in ps]
+        all_limits = [k for _, _, ks, _ in parts for k in ks]
         results: list[list[Completion]] = []
         if all_prompts:
             # An explicit seed per request, from (engine seed, call seed, position in the group's
@@ -389,17 +417,18 @@ class VLLMEngine:
             # differently. vLLM 0.26's V2 model runner (the default for dense models) turns it into
             # a counter-based Gumbel seed per (request, position): no per-request cost; n > 1
             # children get seed + index.
-            sps = [to_vllm_sampling(dataclasses.replace(sampling, max_new_tokens=limit), self.stop_ids,
-                                    seed=_mix_seed(self.engine_seed, seed, j) % 2**62)
-                   for j, limit in enumerate(all_limits)]
-            outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps, use_tqdm=False)
-            for o in outs:
-                comps = [_completion(c) for c in sorted(o.outputs, key=lambda c: c.index)]
-                if sampling.greedy and sampling.n > 1:
-                    comps = [Completion(list(comps[0].token_ids), list(comps[0].logprobs), comps[0].finish_reason)
-                             for _ in range(sampling.n)]
-                results.append(comps)
-        start = sum(len(ps) for ps, _, _ in parts[: self.tp_rank])
+            asks = [a for _, _, _, ask in parts for a in ask]
+            sps = [to_vllm_sampling(dataclasses.replace(sampling, max_new_tokens=limit), self.stop_ids, ask,
+                                    self.flat_logprobs, seed=_mix_seed(self.engine_seed, seed, j) % 2**62)
+                   for j, (limit, ask) in enumerate(zip(all_limits, asks))]
+            with paused_gc(self.pause_gc):
+                outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps, use_tqdm=False)
+                for o, ask in zip(outs, asks):
+                    comps = [completion(c, ask) for c in sorted(o.outputs, key=lambda c: c.index)]
+                    if sampling.greedy and sampling.n > 1:
+                        comps = [comps[0].copy() for _ in range(sampling.n)]
+                    results.append(comps)
+        start = sum(len(ps) for ps, _, _, _ in parts[: self.tp_rank])
         return results[start : start + len(prompts)]
 
     def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
@@ -431,4 +460,4 @@ class VLLMEngine:
 
 
 def _sampling_key(s: SamplingParams) -> tuple:
-    return (s.n, s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(s.stop_token_ids), s.seed)
+    return (s.n, s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(s.stop_token_ids), s.logprobs_every, s.seed)

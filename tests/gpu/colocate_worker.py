@@ -20,6 +20,7 @@ Steps (random-weight model written once to --model-root, no hub):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -345,6 +346,16 @@ def check_generate(eng, actor, my_prompts, prompts, ref_greedy, tp, tp_rank, V, 
                            or (c.finish_reason == "stop" and c.token_ids[-1] == QWEN_EOS) for x in a for c in x)
     out["deterministic"] = all(c.token_ids == d.token_ids for x, y in zip(a, b) for c, d in zip(x, y))
     out["samples_differ_within_prompt"] = any(x[0].token_ids != x[1].token_ids for x in a)
+    # log-probs of every 2nd prompt only, in vLLM's dicts instead of the flat lists (vllm_outputs.py):
+    # the same tokens and numbers as b (also after a prefix-cache reset) where asked, none elsewhere
+    flat, eng.flat_logprobs = eng.flat_logprobs, False
+    eng.llm.reset_prefix_cache()
+    c = eng.generate(my_prompts, dataclasses.replace(sp, logprobs_every=2))
+    eng.flat_logprobs = flat
+    out["flat_logprobs_used"] = flat
+    out["dicts_equal_flat"] = all(k.token_ids == m.token_ids and (k.logprobs == m.logprobs if i % 2 == 0 else
+                                                                  k.logprobs is None)
+                                  for i, (x, y) in enumerate(zip(c, b)) for k, m in zip(x, y))
     seqs = [p + c.token_ids for p, x in zip(my_prompts, a) for c in x]
     eng_lp = [c.logprobs for x in a for c in x]
     padded = same_count(seqs)

@@ -78,7 +78,7 @@ class MultiTurnRollout:
         """`sampling.n` trajectories per record (spmd_rl.data.PromptRecord), each within `budget`
         response tokens; and their metrics (per-rank means). Collective: every rank calls it."""
         rows = [dataclasses.asdict(rec) for rec in records]
-        trajectories = new_trajectories([rec.prompt_ids for rec in records], rows, sampling.n, self.make_env)
+        trajectories = new_trajectories([rec.prompt_ids for rec in records], rows, sampling, self.make_env)
         run_lockstep(engine, trajectories, sampling, budget, self.max_turns, self.bridge, self.pool, self.step_timeout)
         completions = [t.completion() for t in trajectories]
         n = sampling.n

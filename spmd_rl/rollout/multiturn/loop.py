@@ -40,6 +40,9 @@ class Trajectory:
     tokens: list[int] = field(default_factory=list)
     """The response region: model turns and the bridges between them."""
     mask: list[int] = field(default_factory=list)
+    asks_logprobs: bool = True
+    """Whether the engine gives this trajectory's log-probs (SamplingParams.logprobs_every, decided
+    per prompt once: every turn of a trajectory asks, or none does)."""
     logprobs: list[float] = field(default_factory=list)
     last_turn: list[int] = field(default_factory=list)
     """The token ids of the model's latest turn."""
@@ -55,7 +58,7 @@ class Trajectory:
     def add_model_turn(self, c: Completion) -> None:
         self.tokens += c.token_ids
         self.mask += [1] * len(c.token_ids)
-        self.logprobs += c.logprobs
+        self.logprobs += c.logprobs if c.logprobs is not None else [0.0] * len(c.token_ids)
         self.last_turn = list(c.token_ids)
         self.turns += 1
 
@@ -65,8 +68,8 @@ class Trajectory:
         self.logprobs += [0.0] * len(ids)
 
     def completion(self) -> Completion:
-        return Completion(self.tokens, self.logprobs, "stop" if self.stop == "answer" else "length", self.mask,
-                          self.reward)
+        return Completion(self.tokens, self.logprobs if self.asks_logprobs else None,
+                          "stop" if self.stop == "answer" else "length", self.mask, self.reward)
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -81,7 +84,8 @@ def run_lockstep(engine: RolloutEngine, trajectories: list[Trajectory], sampling
     while all_reduce_max_int(sum(t.live for t in trajectories)) > 0:
         live = [t for t in trajectories if t.live]
         sp = dataclasses.replace(sampling, n=1, max_new_tokens=budget, seed=turn_seed(sampling.seed, turn))
-        outs = engine.generate([t.prompt + t.tokens for t in live], sp, [budget - len(t.tokens) for t in live])
+        outs = engine.generate([t.prompt + t.tokens for t in live], sp, [budget - len(t.tokens) for t in live],
+                               [t.asks_logprobs for t in live])
         stepping = []
         for t, (c,) in zip(live, outs):
             t.add_model_turn(c)
@@ -132,13 +136,14 @@ def trajectory_metrics(trajectories: list[Trajectory], count_keys: tuple[str, ..
     return out
 
 
-def new_trajectories(prompts: list[list[int]], rows: list[dict[str, Any]], n: int,
+def new_trajectories(prompts: list[list[int]], rows: list[dict[str, Any]], sampling: SamplingParams,
                      make_env: Callable[[], Environment]) -> list[Trajectory]:
-    """n trajectories per prompt, consecutive, each with its own environment, reset to its row."""
+    """sampling.n trajectories per prompt, consecutive, each with its own environment, reset to its
+    row; those of the prompts that `sampling.asks_logprobs` picks get the engine's log-probs."""
     out = []
-    for prompt, row in zip(prompts, rows):
-        for _ in range(n):
+    for prompt, row, asks in zip(prompts, rows, sampling.asks_logprobs(len(prompts))):
+        for _ in range(sampling.n):
             env = make_env()
             env.reset(row)
-            out.append(Trajectory(list(prompt), env))
+            out.append(Trajectory(list(prompt), env, asks_logprobs=asks))
     return out
