@@ -62,6 +62,9 @@ ROLLOUT_KEYS: dict[str, str] = {
         "max_num_batched_tokens", "enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
         "disable_custom_all_reduce", "cudagraph_capture_sizes")},
     "compilation_config.cudagraph_capture_sizes": "rollout.cudagraph_capture_sizes",
+    "compilation_config.mode": "rollout.vllm_compile",
+    "compilation_config.level": "rollout.vllm_compile",
+    "compilation_config.cudagraph_mode": "rollout.vllm_compile",
 }
 """Names (an entry of a table argument as `table.entry`) that a rollout.* key sets."""
 

@@ -181,7 +181,7 @@ def test_what_a_rollout_key_sets_is_refused_naming_the_key(name):
 
 
 def test_capture_sizes_inside_compilation_config_name_the_rollout_key():
-    assert refusal({"compilation_config": {"mode": 3, "cudagraph_capture_sizes": [1, 2]}}) == (
+    assert refusal({"compilation_config": {"custom_ops": ["none"], "cudagraph_capture_sizes": [1, 2]}}) == (
         "rollout.engine_kwargs.compilation_config.cudagraph_capture_sizes duplicates rollout.cudagraph_capture_sizes: "
         "set rollout.cudagraph_capture_sizes instead, and remove it from rollout.engine_kwargs")
     check_engine_kwargs(Config().rollout.__class__(engine="vllm", engine_kwargs={"compilation_config": 3}),
@@ -228,7 +228,7 @@ def test_without_vllm_the_vllm_engine_is_one_line(monkeypatch):
 
 
 def test_config_validation_runs_the_check(tmp_path, fake_vllm):
-    valid_cfg(tmp_path, "rollout.engine_kwargs={async_scheduling=true, compilation_config={mode=3}}").validate()
+    valid_cfg(tmp_path, "rollout.engine_kwargs={async_scheduling=true, compilation_config={custom_ops=[\"none\"]}}").validate()
     with pytest.raises(ConfigError, match="rollout.engine_kwargs.seed duplicates rollout.seed"):
         valid_cfg(tmp_path, "rollout.engine_kwargs.seed=3").validate()
     with pytest.raises(ConfigError, match="rollout.engine_kwargs.async_schedulin is not an argument"):
@@ -245,13 +245,30 @@ def test_config_validation_runs_the_check(tmp_path, fake_vllm):
 def test_engine_kwargs_come_after_ours_and_overrides_last():
     cfg = Config()
     ours = engine_kwargs(cfg, "/m", 7)
-    cfg.rollout.engine_kwargs = {"async_scheduling": True, "compilation_config": {"mode": 3}, "max_logprobs": 1}
+    cfg.rollout.engine_kwargs = {"async_scheduling": True, "compilation_config": {"custom_ops": ["none"]},
+                                 "max_logprobs": 1}
     kw = engine_kwargs(cfg, "/m", 7, max_logprobs=4, enforce_eager=True)
-    assert list(kw) == [*ours, "async_scheduling", "compilation_config", "max_logprobs"]
-    assert kw == {**ours, "async_scheduling": True, "compilation_config": {"mode": 3}, "max_logprobs": 4,
-                  "enforce_eager": True}
-    kw["compilation_config"]["mode"] = 0  # vLLM may change what it is given: not the config
-    assert cfg.rollout.engine_kwargs["compilation_config"] == {"mode": 3}
+    assert list(kw) == [*ours, "async_scheduling", "max_logprobs"]
+    # a compilation_config table adds its entries to ours (rollout.vllm_compile's)
+    assert kw == {**ours, "async_scheduling": True, "max_logprobs": 4, "enforce_eager": True,
+                  "compilation_config": {**ours["compilation_config"], "custom_ops": ["none"]}}
+    kw["compilation_config"]["custom_ops"].append("x")  # vLLM may change what it is given: not the config
+    assert cfg.rollout.engine_kwargs["compilation_config"] == {"custom_ops": ["none"]}
+
+
+def test_vllm_compile_off_gives_decode_cuda_graphs_without_inductor():
+    """rollout.vllm_compile = false (the default): compilation_config mode 0 (no torch.compile) and
+    FULL_DECODE_ONLY CUDA graphs; true: vLLM's default (no compilation_config); enforce_eager: none.
+    A compilation_config entry that would undo the switch is refused naming the key."""
+    cfg = Config()
+    assert engine_kwargs(cfg, "/m", 0)["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    cfg.rollout.vllm_compile = True
+    assert "compilation_config" not in engine_kwargs(cfg, "/m", 0)
+    cfg.rollout.vllm_compile, cfg.rollout.enforce_eager = False, True
+    assert "compilation_config" not in engine_kwargs(cfg, "/m", 0)
+    for entry in ("mode", "cudagraph_mode"):
+        assert refusal({"compilation_config": {entry: 3}}).startswith(
+            f"rollout.engine_kwargs.compilation_config.{entry} duplicates rollout.vllm_compile")
 
 
 def test_engine_kwargs_may_change_at_resume(tmp_path, caplog):

@@ -132,7 +132,12 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
         kw["cudagraph_capture_sizes"] = list(r.cudagraph_capture_sizes)
     elif r.cudagraph_step_sizes and not r.enforce_eager:
         kw["cudagraph_capture_sizes"] = step_capture_sizes(cfg, world_size)
-    kw.update(copy.deepcopy(r.engine_kwargs))  # a copy: vLLM may change the tables it is given
+    if not r.vllm_compile and not r.enforce_eager:  # CUDA graphs of the decode step, no Inductor
+        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    user = copy.deepcopy(r.engine_kwargs)  # a copy: vLLM may change the tables it is given
+    if isinstance(user.get("compilation_config"), dict) and "compilation_config" in kw:
+        user["compilation_config"] = {**kw["compilation_config"], **user["compilation_config"]}  # entries added
+    kw.update(user)
     kw.update(overrides)
     return kw
 
