@@ -119,7 +119,7 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
                       "tests/gpu/test_fused_gpu.py"), secs=90),
     Check("preset-0.5b", (f"{PRESET_TEST}[qwen0.5b-gsm8k]",), secs=320, archs=("qwen2-0.5b",)),
     Check("preset-1.5b", (f"{PRESET_TEST}[qwen1.5b-gsm8k]",), secs=450, archs=("qwen2-1.5b",)),
-    Check("multiturn-learning", (MULTITURN_TEST,), secs=150, small=True),
+    Check("multiturn-learning", (MULTITURN_TEST,), secs=170, small=True),
     Check("preset-0.5b-tool", (f"{PRESET_TEST}[qwen0.5b-gsm8k-tool]",), secs=330, archs=("qwen2-0.5b",)),
     Check("ppo", (f"{TRAINER_TEST}[ppo-1gpu-shipped]",), secs=150, archs=("qwen2-0.5b",)),
     Check("export", ("tests/gpu/test_export_gpu.py",), secs=90),
