@@ -338,17 +338,21 @@ class Checkpointer:
         answer. Removes leftovers of interrupted saves, then, when the free space is short of the
         save's bytes (+ HEADROOM), the older checkpoints the save would remove anyway
         (checkpoint_space.removable), oldest first. Skipped: one warning line. Collective."""
-        go = [True]
+        answer: list[Any] = [True]
         if _rank() == 0:
             try:
-                go[0] = self._make_room(step, size)
+                answer[0] = self._make_room(step, size)
             except OSError as e:  # creating or removing directories failed
                 log.error("checkpoint of step %d not written: %s; %s stays the latest; training goes on", step,
                           checkpoint_writes.describe(e), self._pointer() or "no checkpoint")
-                go[0] = False
+                answer[0] = False
+            except Exception as e:  # raised on every rank below, not on rank 0 alone (the others would wait)
+                answer[0] = f"the checkpoint of step {step} failed before writing: {_describe(e)}"
         if dist.is_initialized():
-            dist.broadcast_object_list(go, src=0, group=self._group)
-        return go[0]
+            dist.broadcast_object_list(answer, src=0, group=self._group)
+        if isinstance(answer[0], str):
+            raise CheckpointError(answer[0])
+        return answer[0]
 
     def _make_room(self, step: int, size: space.CheckpointSize) -> bool:
         os.makedirs(self.root, exist_ok=True)
