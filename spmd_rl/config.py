@@ -721,7 +721,17 @@ class TrainerConfig:
     benchmarks and throwaway runs whose checkpoints would only fill the disk. A stop signal, such
     as a SLURM preemption, still writes one)."""
     keep_last: int = 2
-    """Checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
+    """Checkpoints kept on disk. Older ones are deleted once a newer one is complete, so a save
+    needs room for keep_last + 1 checkpoints at its peak; a save short of space first removes the
+    older ones it replaces (never the latest complete one), and is skipped with one warning line
+    when even that is not enough (training goes on). The start-up line `checkpoints: ...` gives a
+    save's bytes, this peak and the free space (spmd_rl/checkpoint_space.py)."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go (verl's trainer.default_local_dir), e.g. a filesystem with more room
+    than the run directory's; empty = <run_dir>/checkpoints. trainer.resume = "auto" looks here.
+    One filesystem every rank sees (shared, on several nodes): rank 0 measures its free space for
+    every rank and verifies every rank's files. One run at a time (a .lock inside it, as run_dir's);
+    each checkpoint's manifest.json names its run_dir, where the export finds config.toml."""
     resume: str = "auto"
     """"auto": continue from the latest complete checkpoint in run_dir if any; "none": start fresh
     (refuses to run if run_dir already has checkpoints); or a checkpoint directory. A checkpoint
@@ -801,9 +811,9 @@ class TrainerConfig:
                 raise ConfigError(f"trainer.ulysses_size = {sp} does not fit the model ({model}): {problem}; use one of "
                                   f"{', '.join(map(str, fits))}")
 
-    def check(self, run_dir: str) -> None:
-        """Steps and checkpoints in range; the resume target exists; `run_dir` (Config.run_dir) and
-        the export directory can be written."""
+    def check(self, run_dir: str, checkpoint_dir: str) -> None:
+        """Steps and checkpoints in range; the resume target exists; `run_dir` (Config.run_dir),
+        `checkpoint_dir` (Config.checkpoint_dir) and the export directory can be written."""
         _need(self.total_steps >= 1, "trainer.total_steps must be >= 1")
         _need(self.keep_last >= 1, "trainer.keep_last must be >= 1 (the latest checkpoint is always kept)")
         if self.resume not in ("auto", "none"):
@@ -811,6 +821,10 @@ class TrainerConfig:
                   '(use "auto", "none" or an existing step_N directory)')
         problem = _cannot_write(run_dir)
         _need(problem is None, f"trainer.run_dir = {run_dir!r} cannot be used ({problem}): choose another directory")
+        if self.checkpoint_dir:
+            problem = _cannot_write(checkpoint_dir)
+            _need(problem is None, f"trainer.checkpoint_dir = {checkpoint_dir!r} cannot be used ({problem}): choose "
+                  "another directory")
         if self.export_hf_dir:
             problem = _cannot_write(self.export_hf_dir)
             _need(problem is None, f"trainer.export_hf_dir = {self.export_hf_dir!r} cannot be used ({problem}): choose "
@@ -859,6 +873,10 @@ class Config:
     @property
     def run_dir(self) -> str:
         return self.trainer.run_dir or os.path.join("runs", self.trainer.experiment_name)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.trainer.checkpoint_dir or os.path.join(self.run_dir, "checkpoints")
 
     @property
     def use_critic(self) -> bool:
@@ -1045,7 +1063,7 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     cfg.rollout.check_engine(world_size, gpus_per_node)
     cfg.rollout.check_multi_turn()
     cfg.rollout.check_logprobs(cfg.rollout_logprob_readers())
-    cfg.trainer.check(cfg.run_dir)
+    cfg.trainer.check(cfg.run_dir, cfg.checkpoint_dir)
     cfg.check_ranges()
     from spmd_rl.vllm_kwargs import check_engine_kwargs
 

@@ -9,7 +9,8 @@ load any model. The actor's weights are read from the DCP files in groups of at 
 shard before the next is read: memory stays near one shard whatever the model size. Tied
 embeddings (`tie_word_embeddings`) keep only the embedding, as `save_pretrained` does.
 
-The run's config.toml (next to `checkpoints/`) says which model directory the run started from
+The run's config.toml (in the run directory the checkpoint's manifest.json names, else next to
+`checkpoints/`) says which model directory the run started from
 (`model.path`, or `<run_dir>/init_model` for random init); its config.json, generation config and
 tokenizer are the ones exported.
 """
@@ -29,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from spmd_rl.checkpoint import run_dir_of
 from spmd_rl.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -41,11 +43,6 @@ class ExportError(UserError):
     """A checkpoint or output directory that cannot be exported, with the fix."""
 
 
-def run_dir_of(checkpoint: str) -> str:
-    """RUN for RUN/checkpoints/step_N."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
-
-
 def source_model_dir(checkpoint: str) -> str:
     """The model directory the run started from (config.json, tokenizer, generation config)."""
     from spmd_rl.config import load_config
@@ -53,7 +50,7 @@ def source_model_dir(checkpoint: str) -> str:
     run_dir = run_dir_of(checkpoint)
     config_file = os.path.join(run_dir, "config.toml")
     if not os.path.isfile(config_file):
-        raise ExportError(f"{config_file} does not exist: --checkpoint must be RUN/checkpoints/step_N of a "
+        raise ExportError(f"{config_file} does not exist: --checkpoint must be a step_N directory of a "
                           "spmd_rl run, or pass --model-dir (the model directory the run started from)")
     m = load_config(config_file).model
     path = os.path.join(run_dir, "init_model") if m.init == "random" else m.path

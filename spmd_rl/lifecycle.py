@@ -26,7 +26,8 @@ After that, late stop signals are ignored: the run is over, and a SIGTERM that t
 the remaining ranks once one rank has exited must not turn their exit status into a signal death.
 
 Exit statuses (`python -m spmd_rl.ppo`): 0 finished, 1 crashed, 2 configuration error,
-3 stopped on a signal after a checkpoint (EXIT_PREEMPTED, requeue).
+3 stopped on a signal after a checkpoint (EXIT_PREEMPTED, requeue), 4 finished or stopped on a
+signal without its last checkpoint (checkpoint.EXIT_NOT_SAVED).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ mistake a user can fix (config, data, model directories, reward function, run di
 checkpoints) ends the run with one line on rank 0 and exit code 2, not a traceback per rank.
 
 Exit status: 0 finished, 1 crashed, 2 user error, 3 stopped on a signal after writing a
-checkpoint (EXIT_PREEMPTED: requeue), 130 interrupted. Whatever the outcome, everything the run
+checkpoint (EXIT_PREEMPTED: requeue), 4 ended (finished, or stopped on a signal) without its last
+checkpoint: no disk space for it, or its write failed (checkpoint.EXIT_NOT_SAVED; the log says why
+and names the latest complete checkpoint), 130 interrupted. Whatever the outcome, everything the run
 started is stopped in the order spmd_rl/lifecycle.py describes before the process exits.
 """
 
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(cfg) -> int:
     """Lock the run directory, check a resumed config, set up, train, export (trainer.export_hf_dir)
     and close the trainer (steps 1-2 of the teardown); the exit status."""
-    from spmd_rl.checkpoint import CheckpointError
+    from spmd_rl.checkpoint import EXIT_NOT_SAVED, CheckpointError
     from spmd_rl.distributed import init_distributed, raise_together, seed_everything, setup_logging
     from spmd_rl.lifecycle import EXIT_CRASHED, EXIT_OK
     from spmd_rl.preemption import EXIT_PREEMPTED
@@ -89,13 +91,17 @@ def _train(cfg) -> int:
 
     clock = startup_clock()
     clock.seconds["imports"] = time.time() - clock.start  # interpreter start and imports
-    trainer, lock, fitting = None, None, False
+    trainer, lock, checkpoint_lock, fitting = None, None, None, False
     try:
         with clock("distributed"):
             env = init_distributed(cfg.trainer.device, cfg.trainer.fsdp_size, cfg.trainer.ulysses_size)
         os.makedirs(cfg.run_dir, exist_ok=True)
         lock = RunDirLock(cfg.run_dir)
         raise_together(lock.acquire if env.is_main else None)  # before anything is written into run_dir
+        if not _inside(cfg.checkpoint_dir, cfg.run_dir):  # trainer.checkpoint_dir elsewhere: one run there too
+            os.makedirs(cfg.checkpoint_dir, exist_ok=True)
+            checkpoint_lock = RunDirLock(cfg.checkpoint_dir, key="trainer.checkpoint_dir")
+            raise_together(checkpoint_lock.acquire if env.is_main else None)
         setup_logging(env.rank, os.path.join(cfg.run_dir, "trainer.log"))
         check_resume_config(cfg, env.is_main)
         seed_everything(cfg.trainer.seed + env.rank)
@@ -108,10 +114,9 @@ def _train(cfg) -> int:
         if status == "finished" and cfg.trainer.export_hf_dir and env.is_main:
             from spmd_rl.export import export_checkpoint
 
-            out = export_checkpoint(os.path.join(cfg.run_dir, "checkpoints", f"step_{trainer.step}"),
-                                    cfg.trainer.export_hf_dir)
+            out = export_checkpoint(os.path.join(cfg.checkpoint_dir, f"step_{trainer.step}"), cfg.trainer.export_hf_dir)
             log.info("exported the final actor as a Hugging Face model to %s", out)
-        return EXIT_OK if status == "finished" else EXIT_PREEMPTED
+        return {"finished": EXIT_OK, "preempted": EXIT_PREEMPTED}.get(status, EXIT_NOT_SAVED)
     except UserError as e:  # config, data, reward function, run directory: raised on every rank alike
         return report(e)
     except CheckpointError as e:  # raised on every rank alike; one line on rank 0
@@ -131,9 +136,15 @@ def _train(cfg) -> int:
         clock.close()
         if trainer is not None:
             trainer.close()
-        if lock is not None:
-            lock.release()
+        for held in (checkpoint_lock, lock):
+            if held is not None:
+                held.release()
         # 2. Dropping the trainer (here, with this frame) releases the last holders of the group.
+
+
+def _inside(path: str, directory: str) -> bool:
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return os.path.commonpath([path, directory]) == directory
 
 
 if __name__ == "__main__":

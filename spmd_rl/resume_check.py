@@ -80,8 +80,10 @@ def resumed_run_dir(cfg: Config) -> str | None:
     if t.resume == "none":
         return None
     if t.resume != "auto":
-        return os.path.dirname(os.path.dirname(os.path.abspath(t.resume)))
-    ckpt = os.path.join(cfg.run_dir, "checkpoints")
+        from spmd_rl.checkpoint import run_dir_of
+
+        return run_dir_of(t.resume)
+    ckpt = cfg.checkpoint_dir
     has_checkpoint = os.path.isdir(ckpt) and any(d.startswith("step_") and not d.endswith(".tmp") for d in os.listdir(ckpt))
     return cfg.run_dir if has_checkpoint else None
 

@@ -1,4 +1,5 @@
-"""One run per run directory: rank 0 holds an exclusive lock on `<run_dir>/.lock` for its lifetime.
+"""One run per run directory: rank 0 holds an exclusive lock on `<run_dir>/.lock` for its lifetime
+(and on `<checkpoint_dir>/.lock` when trainer.checkpoint_dir is outside the run directory).
 
 `fcntl.flock` locks belong to the open file, so the kernel drops the lock the moment the process
 dies (also on SIGKILL or a node crash of a local disk): a dead run never blocks the next one, and
@@ -22,8 +23,9 @@ class RunDirInUse(UserError):
 
 
 class RunDirLock:
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, key: str = "trainer.run_dir"):
         self.path = os.path.join(run_dir, LOCK_NAME)
+        self.key = key  # the config key that names the directory, for the refusal
         self._file = None
 
     def acquire(self) -> None:
@@ -36,8 +38,8 @@ class RunDirLock:
             holder = f.read().strip() or "another process"
             f.close()
             run_dir = os.path.dirname(self.path)
-            raise RunDirInUse(f"trainer.run_dir {run_dir!r} is in use by a running job ({holder}): wait for it to "
-                              "finish or stop it, or choose another trainer.run_dir") from None
+            raise RunDirInUse(f"{self.key} {run_dir!r} is in use by a running job ({holder}): wait for it to "
+                              f"finish or stop it, or choose another {self.key}") from None
         f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")

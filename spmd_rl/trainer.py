@@ -32,7 +32,7 @@ from spmd_rl import fused_kernels, sequence_parallel
 from spmd_rl.actor import actor_loss_fn, compute_logprobs
 from spmd_rl.batch import Batch, build_rollout_batch, response_token_ids
 from spmd_rl.build import build_data, build_engine, build_models, resume_target
-from spmd_rl.checkpoint import Checkpointer, ModelAndOptimizer, saved_world_size
+from spmd_rl.checkpoint import EXIT_NOT_SAVED, Checkpointer, ModelAndOptimizer, saved_world_size
 from spmd_rl.config import Config, to_toml
 from spmd_rl.critic import compute_values, critic_loss_fn
 from spmd_rl.data import iter_eval_batches
@@ -87,8 +87,8 @@ class Trainer:
         self.step = 0
         self.stop = StopFlag.install()
         self.startup = startup_clock()  # logs each phase's seconds; time/startup_* in the first step
-        self.checkpointer = Checkpointer(os.path.join(self.run_dir, "checkpoints"), cfg.trainer.keep_last,
-                                         cfg.trainer.async_save)
+        self.checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.trainer.keep_last, cfg.trainer.async_save,
+                                         run_dir=self.run_dir)
         self.resume_path = resume_target(self.checkpointer, cfg.trainer.resume)
         self.reward_fn = RewardFunction(cfg.reward, defer_errors=True)  # raised by sync_failures, on every rank
         with self.startup("data"):
@@ -113,6 +113,8 @@ class Trainer:
             self.metrics.log_text("config", to_toml(cfg))
         with self.startup("checkpoint_load"):
             self._resume()
+        # the bytes of a save, keep_last, the peak on disk, the free space: one line, a warning if they do not fit
+        self.checkpointer.log_space_plan(self._stateful(), self._trainer_state())
         self.startup.finish()
 
     # ------------------------------------------------------------------ checkpoints
@@ -128,18 +130,22 @@ class Trainer:
                 "kl_ctrl": self.kl_ctrl.state_dict(), "torch_rng": torch.get_rng_state(),
                 "python_rng": random.getstate()}
 
-    def save_checkpoint(self, wait: bool = False) -> None:
-        """Checkpoint the current step; `wait`: return only once it is complete (end of the run)."""
+    def save_checkpoint(self, wait: bool = False) -> bool:
+        """Checkpoint the current step; `wait`: return only once it is complete (end of the run).
+        False: it is not written (skipped for lack of disk space, or its write failed: the
+        checkpointer logged why, and the previous complete checkpoint stays the latest); True: it
+        is complete (`wait`) or being written in the background."""
         t0 = time.perf_counter()
         path = self.checkpointer.save(self.step, self._stateful(), self._trainer_state())
-        if wait:
-            self.checkpointer.wait()
+        if path is None or (wait and not self.checkpointer.wait()):
+            return False
         stall = time.perf_counter() - t0
         parts = self.checkpointer.stall_parts if self.checkpointer.async_save and not wait else {}
         self.metrics.log(self.step, {"time/checkpoint": stall, **{f"time/checkpoint_{k}": v for k, v in parts.items()}})
         log.info("checkpoint %s: training stalled %.1fs%s", path, stall,
                  " (" + ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in parts.items()) + "), writing in the "
                  "background" if parts else "")
+        return True
 
     def _resume(self) -> None:
         path = self.resume_path
@@ -450,8 +456,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> str:
-        """Train to trainer.total_steps. Returns "finished", or "preempted" after a stop signal
-        (a checkpoint has then been written)."""
+        """Train to trainer.total_steps. Returns "finished", "preempted" after a stop signal (its
+        checkpoint is complete), or "not saved" when the last checkpoint -- at the end of training
+        (unless trainer.save_every = -1) or on a stop signal -- was not written (no room, or its
+        write failed; checkpoint.EXIT_NOT_SAVED). A periodic save that is not written only logs
+        why: training goes on, and the next save tries again."""
         t = self.cfg.trainer
         log.info(self.cfg.describe_layout(self.env.world_size))
         if t.val_before_train and self.step == 0:
@@ -468,16 +477,28 @@ class Trainer:
                 if "val/acc" in metrics:
                     log.info("validation: acc %.3f reward %.3f", metrics["val/acc"], metrics["val/reward_mean"])
             periodic = t.save_every > 0 and self.step % t.save_every == 0
+            saved = None
             if periodic or (last and t.save_every >= 0):
-                self.save_checkpoint(wait=last)
+                saved = self.save_checkpoint(wait=last)
+                if last and not saved:
+                    return self._not_saved("at the end of training")
             if not last and self.stop.requested():
                 log.warning("stop signal received: checkpointing at step %d and exiting", self.step)
-                if not periodic:
-                    self.save_checkpoint()
-                self.checkpointer.wait()  # exit with the requeue code only once the checkpoint is complete
+                if saved is None:
+                    saved = self.save_checkpoint()
+                # exit with the requeue code only once the checkpoint is complete
+                if not (self.checkpointer.wait() and saved):
+                    return self._not_saved("on a stop signal")
                 return "preempted"
         self.checkpointer.wait()
         return "finished"
+
+    def _not_saved(self, when: str) -> str:
+        latest = self.checkpointer.latest()
+        log.error("stopped %s at step %d without its checkpoint (see the line above): %s; exiting with status %d",
+                  when, self.step, f"the latest complete checkpoint is {latest}" if latest else "there is no checkpoint",
+                  EXIT_NOT_SAVED)
+        return "not saved"
 
     def _log_val(self, m: dict[str, float]) -> None:
         if m:

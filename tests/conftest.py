@@ -43,3 +43,38 @@ def env():
     env = init_distributed("cuda")
     yield env
     destroy_process_group()  # the ordered teardown of spmd_rl.lifecycle, as a run's
+
+
+class SmallFilesystem:
+    """A real filesystem of a few MB: a size-limited tmpfs mounted at `path` (mount it, resize it)."""
+
+    def __init__(self, path):
+        self.path, self.mounted = str(path), False
+
+    def mount(self, size_bytes: int) -> str:
+        os.makedirs(self.path, exist_ok=True)
+        p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", self.path],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            pytest.skip(f"cannot mount a size-limited tmpfs here ({(p.stderr or p.stdout).strip()}): the real full-disk "
+                        "tests need root with mount rights (CI runs as root); the ENOSPC-injection tests cover the same "
+                        "code")
+        self.mounted = True
+        return self.path
+
+    def resize(self, size_bytes: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size_bytes}", self.path], check=True)
+
+    def unmount(self) -> None:
+        if self.mounted:
+            subprocess.run(["umount", "-l", self.path], check=False)
+            self.mounted = False
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """SmallFilesystem at tmp_path/fs, unmounted after the test; a test that mounts it skips where
+    mounting is refused (not root)."""
+    fs = SmallFilesystem(tmp_path / "fs")
+    yield fs
+    fs.unmount()
