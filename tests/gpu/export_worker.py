@@ -66,7 +66,9 @@ def run(args, res: dict) -> None:
     with open(os.path.join(args.export, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     g = torch.Generator().manual_seed(1234)
-    seqs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (16, 32, 48, 64)]
+    # prompt_logprobs asks one token more than the sequence: the longest fits max_model_len - 1
+    longest = (cfg.rollout.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length) - 1
+    seqs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (16, 32, longest)]
 
     res["export_lp"] = disk_logprobs(cfg, args.export, seqs)
     res["init_lp"] = disk_logprobs(cfg, os.path.join(args.trained_run, "init_model"), seqs)
