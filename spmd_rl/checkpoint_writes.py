@@ -67,8 +67,8 @@ def describe(error: BaseException, path: str = "") -> str:
     err = os_error(error)
     path = path or (getattr(err, "filename", None) or "")
     where = f" writing {path}" if path else ""
-    if err is None:
-        return f"a write failed{where} (torch's zip writer lost the OS error: {' '.join(str(error).split())[:160]})"
+    if err is None:  # torch's zip writer's error, its OSError lost: that a write failed is all it tells
+        return f"{f'writing {path}' if path else 'a write'} failed (its OS error was lost on the way; see the free space)"
     name = errno.errorcode.get(err.errno, "") if err.errno is not None else ""
     text = f"[Errno {err.errno}] {err.strerror}" if err.strerror else str(err)
     return f"{text}{f' ({name})' if name else ''}{where}"

@@ -9,6 +9,7 @@ import errno
 import logging
 import os
 import re
+import threading
 import warnings
 from typing import Any
 
@@ -38,19 +39,13 @@ def make_model(width: int = 512, seed: int = 0, step: bool = True):
     return model, opt
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # DCP's writer thread dies
-@pytest.mark.parametrize("async_save", [False, True])
-def test_a_full_disk_makes_dcp_fail_with_the_zip_writers_unexpected_pos(small_filesystem, async_save):
-    """Issue 27's `RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598`
-    (a 1.5B save, 34 GB free) is a full disk: DCP's save of 12 MiB of model + AdamW state into a
-    4 MiB filesystem, called as the checkpointer calls it (FileSystemWriter with its threads,
-    synchronous and asynchronous), fails with torch's zip writer's error, and the OSError behind it
-    is ENOSPC. (What the checkpointer makes of it: the tests below.)"""
-    root = small_filesystem.mount(4 * MB)
+def save_into(root: str, threads: int, async_save: bool) -> BaseException | None:
+    """DCP's save of 12 MiB of model + AdamW state into `root`, as the checkpointer calls it but with
+    torch's own FileSystemWriter of `threads` threads; the failure of the first failed rank, or None."""
     model, opt = make_model()
     state = {"actor": ModelAndOptimizer(model, opt).state_dict()}
-    writer = dcp.FileSystemWriter(root, thread_count=max(2, WRITE_THREADS))
-    with pytest.raises(dcp.CheckpointException) as e:
+    writer = dcp.FileSystemWriter(root, thread_count=threads)
+    try:
         if async_save:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
@@ -58,9 +53,37 @@ def test_a_full_disk_makes_dcp_fail_with_the_zip_writers_unexpected_pos(small_fi
             getattr(upload, "upload_completion", upload).result()
         else:
             dcp.save(state, checkpoint_id=root, storage_writer=writer)
-    (error, _), = e.value.failures.values()
+    except dcp.CheckpointException as e:
+        return next(iter(e.failures.values()))[0]
+    return None
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_makes_dcp_fail_with_the_zip_writers_unexpected_pos(small_filesystem, async_save):
+    """Issue 27's `RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598`
+    (a 1.5B save, 34 GB free) is a full disk: DCP's save of 12 MiB into a 4 MiB filesystem,
+    synchronous and asynchronous, fails with torch's zip writer's error, and the OSError behind it
+    is ENOSPC (one writer thread: that thread's first failed write is always inside torch.save).
+    (What the checkpointer makes of it: the tests below.)"""
+    error = save_into(small_filesystem.mount(4 * MB), 1, async_save)
     assert type(error) is RuntimeError and "inline_container.cc" in str(error) and "unexpected pos" in str(error), error
     assert os_error(error) is not None and os_error(error).errno == errno.ENOSPC, repr(error.__context__)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # DCP's writer thread dies
+def test_with_several_writer_threads_a_full_disk_is_an_error_or_a_metadata_without_data(small_filesystem):
+    """With the checkpointer's writer threads (WRITE_THREADS, here at least 2), what DCP reports
+    depends on which thread fills the disk: the zip writer's error, or a plain ENOSPC from a file's
+    last flush, or -- when only an extra thread failed -- nothing at all: its thread dies, and the
+    .metadata DCP writes lists items without data (verify() catches that)."""
+    from spmd_rl.checkpoint import verify
+
+    root = small_filesystem.mount(4 * MB)
+    error = save_into(root, max(2, WRITE_THREADS), async_save=False)
+    if error is None:
+        assert "items without data" in (verify(root, 1) or ""), verify(root, 1)
+    else:
+        assert os_error(error) is not None and os_error(error).errno == errno.ENOSPC, repr(error)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -98,14 +121,16 @@ class VirtualDisk:
 
 
 class FullAfter:
-    """A stream whose writes fail with ENOSPC once the disk's budget is spent (the rest delegated)."""
+    """A stream whose writes fail with ENOSPC once the disk's budget is spent (the rest delegated);
+    with `extra_threads_only`, only in DCP's extra writer threads."""
 
     def __init__(self, stream, disk):
         self._stream, self._disk = stream, disk
 
     def write(self, data):
         n = memoryview(data).nbytes
-        if self._disk.budget < n:
+        extra = "_write_files_from_queue" in threading.current_thread().name
+        if self._disk.budget < n and (extra or not self._disk.extra_threads_only):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self._disk.budget -= n
         return self._stream.write(data)
@@ -118,10 +143,10 @@ class InjectedFullDisk:
     """Every file DCP writes goes through FullAfter: `budget` bytes, then ENOSPC (torch.save's zip
     writer then fails as on a real full disk)."""
 
-    def __init__(self, monkeypatch, budget: float = float("inf")):
+    def __init__(self, monkeypatch, budget: float = float("inf"), extra_threads_only: bool = False):
         from torch.distributed.checkpoint.filesystem import FileSystem
 
-        self.budget = budget
+        self.budget, self.extra_threads_only = budget, extra_threads_only
         create = FileSystem.create_stream
         disk = self
 
@@ -390,6 +415,53 @@ def test_a_write_that_fills_a_real_filesystem_is_one_errno_line_and_no_partial_d
         assert save_and_settle(ck, 2, models) is None
     assert_failed_write(caplog, capfd, root, ck)
     ck.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # DCP's writer thread dies
+def test_a_write_failing_only_in_an_extra_writer_thread_is_caught(tmp_path, monkeypatch, caplog, capfd):
+    """DCP does not see a failure in its extra writer threads (FileSystemWriter(thread_count > 1)):
+    the thread dies, the save returns, its .metadata lists items without data -- verify() says so.
+    The checkpointer's writer records the failure: the save is not written, one errno line."""
+    import spmd_rl.checkpoint as ckpt
+    from spmd_rl.checkpoint import verify
+
+    disk = InjectedFullDisk(monkeypatch, budget=0, extra_threads_only=True)
+    assert save_into(str(tmp_path / "torch"), 2, async_save=False) is None  # DCP: no error
+    assert re.fullmatch(r"its DCP \.metadata lists \d+ items without data \(a writer failed\)",
+                        verify(str(tmp_path / "torch"), 1) or ""), verify(str(tmp_path / "torch"), 1)
+
+    monkeypatch.setattr(ckpt, "WRITE_THREADS", 2)
+    root = str(tmp_path / "ours")
+    model, opt = make_model(width=256)
+    models = {"actor": ModelAndOptimizer(model, opt)}
+    ck = Checkpointer(root, keep_last=3)
+    disk.budget = float("inf")
+    assert save_and_settle(ck, 1, models)
+    disk.budget = 0
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO, logger="spmd_rl.checkpoint"):
+        assert save_and_settle(ck, 2, models) is None
+    assert_failed_write(caplog, capfd, root, ck)
+
+
+def test_the_zip_writers_error_is_a_write_error_even_when_its_os_error_is_lost():
+    """DCP pickles failures to share them between ranks, which drops the OSError behind the zip
+    writer's error: it still counts as a failed write, and its line does not repeat it."""
+    import pickle
+
+    from spmd_rl.checkpoint_writes import describe, is_write_error
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    except RuntimeError as e:
+        zip_error = e
+    assert describe(zip_error, "/c/f") == "[Errno 28] No space left on device (ENOSPC) writing /c/f"
+    lost = pickle.loads(pickle.dumps(zip_error))
+    assert lost.__context__ is None and is_write_error(lost) and not is_write_error(RuntimeError("other"))
+    assert describe(lost, "/c/f") == "writing /c/f failed (its OS error was lost on the way; see the free space)"
 
 
 def _write_fails_on_rank_1(rank, world, root):
