@@ -28,6 +28,10 @@ TRAIN = [
     "data.train_batch_size=16", "data.max_prompt_length=16", "data.max_response_length=32", "data.val_files=[]",
     "rollout.n=4", 'rollout.engine="vllm"', "rollout.gpu_memory_utilization=0.3", "rollout.enforce_eager=true",
     "actor.lr=1e-3", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size_per_gpu=8",
+    # random weights earn reward 0 on this task, so advantages and the policy gradient are 0: the
+    # entropy bonus makes the update move the weights, or the export would equal the starting model
+    # (on 1xH100 without it: init_vs_synced_mean 0.0, the comparison below could not tell them apart)
+    "actor.entropy_coeff=0.01",
     f"trainer.total_steps={STEPS}", 'trainer.device="cuda"', "trainer.tensorboard=false",
 ]
 
@@ -59,6 +63,8 @@ def test_vllm_serves_the_export_like_the_synced_engine(tmp_path):
           f'data.train_files=["{run_dir}/data/train.parquet"]', f"trainer.export_hf_dir={export_dir}"],
          out / "train.log", 600)
     assert (export_dir / "model.safetensors").is_file() and (export_dir / "tokenizer.json").is_file()
+    grad_norms = [json.loads(line).get("actor/grad_norm") for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(g for g in grad_norms), ("the training run did not move the weights", grad_norms)
     _run([*torchrun, str(Path(__file__).with_name("export_worker.py")), "--trained-run", str(run_dir), "--step", str(STEPS),
           "--export", str(export_dir), "--out", str(out)], out / "worker.log", 600)
     res = json.loads((out / "result.json").read_text())
