@@ -73,6 +73,29 @@ def train(name: str, nproc: int, overrides: list[str], run_dir: Path, total: int
     return text
 
 
+def train_side_by_side(runs: list[tuple[str, int, list[str]]], base: Path, total: int,
+                       timeout: float = 300) -> dict[str, tuple[Path, str]]:
+    """Fresh runs started at once (they share the GPUs: small models, fixed KV caches), each
+    (name, ranks, overrides) in base/name, to `total` steps; {name: (run dir, log)} once every one
+    has exited 0."""
+    procs = []
+    for name, nproc, overrides in runs:
+        run_dir = base / name
+        run_dir.mkdir(parents=True)
+        log = open(run_dir / "stdout.log", "w")
+        procs.append((name, run_dir, log, subprocess.Popen(command(nproc, overrides, run_dir, total, "none"),
+                                                           cwd=REPO, env=run_env(), stdout=log,
+                                                           stderr=subprocess.STDOUT)))
+    out = {}
+    for name, run_dir, log, p in procs:
+        rc = p.wait(timeout=timeout)
+        log.close()
+        text = (run_dir / "stdout.log").read_text()
+        assert rc == 0, f"{name}: exit {rc}\n{text[-4000:]}"
+        out[name] = (run_dir, text)
+    return out
+
+
 def keep_logs(name: str, logs: list[str], run_dir: Path) -> None:
     """Logs and metrics to SPMD_RL_GPU_LOG_DIR (scripts/gpu_check.py prints their per-step table);
     the run dir itself holds models and checkpoints and goes."""

@@ -49,11 +49,9 @@ assumption broke, not the update.
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from runs import REPO, check_run, command, keep_logs, read_metrics, run_env, skip_reason, summary
+from runs import REPO, check_run, keep_logs, read_metrics, skip_reason, summary, train_side_by_side
 
 pytestmark = pytest.mark.gpu
 
@@ -86,20 +84,9 @@ def test_learns(case, tmp_path):
     reason = skip_reason(runs[0][1])
     if reason:
         pytest.skip(reason)
-    procs = []
-    for name, nproc, extra in runs:  # all at once: they share the GPUs (small model, fixed KV cache)
-        run_dir = tmp_path / name
-        run_dir.mkdir(parents=True)
-        log = open(run_dir / "stdout.log", "w")
-        procs.append((name, run_dir, log, subprocess.Popen(command(nproc, [*LEARN, *extra], run_dir, STEPS, "none"),
-                                                           cwd=REPO, env=run_env(), stdout=log,
-                                                           stderr=subprocess.STDOUT)))
     results = {}
-    for name, run_dir, log, p in procs:
-        rc = p.wait(timeout=300)
-        log.close()
-        text = (run_dir / "stdout.log").read_text()
-        assert rc == 0, f"{name}: exit {rc}\n{text[-4000:]}"
+    done = train_side_by_side([(name, nproc, [*LEARN, *extra]) for name, nproc, extra in runs], tmp_path, STEPS)
+    for name, (run_dir, text) in done.items():
         results[name] = learned(name, run_dir, text, shared=len(runs) > 1)  # the 2-GPU pair shares its GPUs
         keep_logs(name, [text], run_dir)
         print(summary(name, results[name]))

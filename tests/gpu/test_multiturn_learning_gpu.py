@@ -30,11 +30,9 @@ above the no-environment run's last 5 steps. Wall time: the pair side by side to
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from runs import REPO, check_run, command, keep_logs, run_env, skip_reason, summary
+from runs import REPO, check_run, keep_logs, skip_reason, summary, train_side_by_side
 
 pytestmark = pytest.mark.gpu
 
@@ -60,20 +58,9 @@ def test_learns_a_task_that_needs_the_environment(tmp_path):
     reason = skip_reason(1)
     if reason:
         pytest.skip(reason)
-    procs = []
-    for name, extra in RUNS.items():  # side by side on one GPU
-        run_dir = tmp_path / name
-        run_dir.mkdir(parents=True)
-        log = open(run_dir / "stdout.log", "w")
-        procs.append((name, run_dir, log, subprocess.Popen(command(1, [*LEARN, *extra], run_dir, STEPS, "none"),
-                                                           cwd=REPO, env=run_env(), stdout=log,
-                                                           stderr=subprocess.STDOUT)))
     last = {}
-    for name, run_dir, log, p in procs:
-        rc = p.wait(timeout=300)
-        log.close()
-        text = (run_dir / "stdout.log").read_text()
-        assert rc == 0, f"{name}: exit {rc}\n{text[-4000:]}"
+    done = train_side_by_side([(name, 1, [*LEARN, *extra]) for name, extra in RUNS.items()], tmp_path, STEPS)
+    for name, (run_dir, text) in done.items():  # side by side on one GPU
         steps = check_run(name, run_dir, (STEPS,), [text], max_mismatch=0.05, shared=True)
         rewards = [steps[s]["reward/mean"] for s in sorted(steps)]
         turns = [steps[s]["multiturn/turns_mean"] for s in sorted(steps)]
