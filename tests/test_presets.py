@@ -31,6 +31,10 @@ def test_presets_are_found_by_name_and_listed(tmp_path, monkeypatch):
 
 
 def test_non_editable_install_ships_the_presets(tmp_path):
+    """... and every package of the source tree (a folder with an __init__.py missing from
+    pyproject's list would be left out of the install)."""
+    packages = sorted(os.path.relpath(d, ROOT) for d, _, files in os.walk(os.path.join(ROOT, "spmd_rl"))
+                      if "__init__.py" in files)
     src = tmp_path / "src"
     src.mkdir()
     for item in ("pyproject.toml", "README.md", "spmd_rl", "launch", "configs"):
@@ -43,6 +47,8 @@ def test_non_editable_install_ships_the_presets(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(target), str(src)], check=True, capture_output=True)
     shutil.rmtree(src)  # nothing may come from the source tree any more
+    missing = [p for p in packages if not (target / p / "__init__.py").is_file()]
+    assert not missing, f"packages not installed (add them to pyproject.toml's packages): {missing}"
     code = ("from spmd_rl.presets import resolve_config, describe_presets; "
             "print(resolve_config('tiny-cpu')); print(describe_presets())")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(target)),
