@@ -103,7 +103,9 @@ def test_a_save_failing_in_the_background_is_one_errno_line_and_the_next_save_wo
     with caplog.at_level(logging.INFO, logger="spmd_rl.checkpoint"):
         assert ck.save(2, models, {"step": 2}) is not None  # returns: the failure happens in the background
         assert ck.wait() is False
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    # ours only: torch 2.11's DCP also logs the exception to its own logger (c10d's, a NullHandler that
+    # does not propagate to the run's console; pytest's capture sees it)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("spmd_rl")]
     assert len(errors) == 1 and errors[0].startswith("checkpoint of step 2 not written: rank 0: [Errno 28] No space "
                                                      "left on device (ENOSPC)"), errors
     assert f"removed {tmp_path / 'step_2.tmp'}, step_1 stays the latest; training goes on" in errors[0]
