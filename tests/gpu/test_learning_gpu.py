@@ -51,20 +51,13 @@ from __future__ import annotations
 
 import pytest
 
-from runs import REPO, check_run, keep_logs, read_metrics, skip_reason, summary, train_side_by_side
+from runs import SMALL_ON_VLLM, check_run, keep_logs, read_metrics, skip_reason, summary, train_side_by_side
 
 pytestmark = pytest.mark.gpu
 
 STEPS = 40
 THRESHOLD = 0.35
-LEARN = [
-    "--config", str(REPO / "configs" / "tiny-cpu.toml"), 'model.arch="small"', 'model.compute_dtype="bfloat16"',
-    "model.remove_padding=true", "actor.max_token_len_per_gpu=8192", 'trainer.device="cuda"',
-    'rollout.engine="vllm"', "rollout.enforce_eager=true", "rollout.gpu_memory_utilization=0.05",
-    "rollout.engine_kwargs.kv_cache_memory_bytes=268435456",
-    "actor.lr=1e-3", "data.train_batch_size=32", "actor.ppo_mini_batch_size=32",
-    'data.val_files=[]', "trainer.val_every=0", "trainer.save_every=-1", "trainer.tensorboard=false",
-]
+LEARN = SMALL_ON_VLLM
 CASES = {"1gpu": [("1gpu", 1, [])], "2gpu": [("2gpu-fsdp0", 2, ["trainer.fsdp_size=0"]),
                                              ("2gpu-fsdp1", 2, ["trainer.fsdp_size=1"])]}
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import pytest
 
-from runs import REPO, check_run, keep_logs, skip_reason, summary, train_side_by_side
+from runs import SMALL_ON_VLLM, check_run, keep_logs, skip_reason, summary, train_side_by_side
 
 pytestmark = pytest.mark.gpu
 
@@ -43,14 +43,7 @@ HIDDEN = [
     "data.synthetic_task=hidden", "data.max_response_length=16", "rollout.environment=spmd_rl.envs.hidden_digit:HiddenDigitEnv",
     "rollout.stop_token_ids=[3,4,5,6,7,8,9,10,11,12,48]",
 ]
-LEARN = [
-    "--config", str(REPO / "configs" / "tiny-cpu.toml"), 'model.arch="small"', 'model.compute_dtype="bfloat16"',
-    "model.remove_padding=true", "actor.max_token_len_per_gpu=8192", 'trainer.device="cuda"',
-    'rollout.engine="vllm"', "rollout.enforce_eager=true", "rollout.gpu_memory_utilization=0.05",
-    "rollout.engine_kwargs.kv_cache_memory_bytes=268435456",
-    "actor.lr=1e-3", "data.train_batch_size=32", "actor.ppo_mini_batch_size=32",
-    'data.val_files=[]', "trainer.val_every=0", "trainer.save_every=-1", "trainer.tensorboard=false", *HIDDEN,
-]
+LEARN = [*SMALL_ON_VLLM, *HIDDEN]
 RUNS = {"env": ["rollout.max_turns=2"], "no-env": ["rollout.max_turns=1"]}
 
 
