@@ -47,6 +47,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def per_prompt(self, count: int, max_new_tokens: list[int] | None = None,
+                   asks_logprobs: list[bool] | None = None) -> tuple[list[int], list[bool]]:
+        """Each of `count` prompts' token limit and whether it asks for log-probs: the caller's lists
+        (RolloutEngine.generate's arguments), or this call's max_new_tokens and `asks_logprobs` rule."""
+        return (list(max_new_tokens) if max_new_tokens else [self.max_new_tokens] * count,
+                list(asks_logprobs) if asks_logprobs is not None else self.asks_logprobs(count))
+
     def asks_logprobs(self, count: int) -> list[bool]:
         """For each of `count` prompts of one caller (a rank), whether its completions get log-probs:
         with any prompt at all, the first one always does when logprobs_every > 0."""

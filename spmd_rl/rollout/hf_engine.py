@@ -42,8 +42,7 @@ class HFEngine:
                  asks_logprobs: list[bool] | None = None) -> list[list[Completion]]:
         out: list[list[Completion]] = []
         per_call = max(1, self.max_batch_size // sampling.n)
-        limits = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
-        asks = asks_logprobs if asks_logprobs is not None else sampling.asks_logprobs(len(prompts))
+        limits, asks = sampling.per_prompt(len(prompts), max_new_tokens, asks_logprobs)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(sampling.seed)
             for i in range(0, len(prompts), per_call):

@@ -403,10 +403,8 @@ class VLLMEngine:
         `max_new_tokens`: a limit per prompt instead of sampling.max_new_tokens; `asks_logprobs`:
         per prompt, whether it gets log-probs, instead of sampling.asks_logprobs (each rank's own)."""
         self._check_ready()
-        limits = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
-        asks = asks_logprobs if asks_logprobs is not None else sampling.asks_logprobs(len(prompts))
-        parts = self._gather(([list(map(int, p)) for p in prompts], _sampling_key(sampling), list(limits),
-                              list(asks)))
+        limits, asks = sampling.per_prompt(len(prompts), max_new_tokens, asks_logprobs)
+        parts = self._gather(([list(map(int, p)) for p in prompts], _sampling_key(sampling), limits, asks))
         for i, (_, key, _, _) in enumerate(parts):
             if key[:-1] != parts[0][1][:-1]:
                 raise ValueError(f"ranks {self.replica * self.tp} and {self.replica * self.tp + i} of one "
