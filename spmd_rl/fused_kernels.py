@@ -252,3 +252,23 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def compile_stats() -> dict[str, float]:
+    """This process's torch.compile so far, as step metrics: graphs, seconds spent compiling them
+    (dynamo's `_compile.compile_inner`: tracing, AOTAutograd, Inductor, cache loads) and Inductor's
+    FX-graph cache hits and misses. A restart with a warm cache shows hits only; its seconds are
+    then tracing and loading."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {"perf/compiled_graphs": float(compiled_graphs()),
+            "perf/compile_s": float(sum(compilation_time_metrics.get("_compile.compile_inner", ()))),
+            "perf/compile_cache_hits": float(counters["inductor"]["fxgraph_cache_hit"]),
+            "perf/compile_cache_misses": float(counters["inductor"]["fxgraph_cache_miss"])}
+
+
+def compile_line(metrics: dict[str, float]) -> str:
+    """One log line from a step's `compile_stats()` metrics."""
+    return (f"torch.compile so far: {metrics['perf/compiled_graphs']:.0f} graphs in {metrics['perf/compile_s']:.1f}s "
+            f"(Inductor's cache: {metrics['perf/compile_cache_hits']:.0f} hits, "
+            f"{metrics['perf/compile_cache_misses']:.0f} misses)")

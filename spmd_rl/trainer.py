@@ -398,7 +398,7 @@ class Trainer:
         }
         m = self.cfg.model
         if "compile" in (m.fused_kernels, m.fused_logprob_head):  # flat after the first steps; growth = recompiles
-            out["perf/compiled_graphs"] = float(fused_kernels.compiled_graphs())
+            out.update(fused_kernels.compile_stats())
         peak = self.peak_flops()
         if peak and "time/update_actor" in times:
             # Training FLOPs: 6 per parameter per token (fwd + bwd), per epoch, over the update's time.
@@ -476,6 +476,8 @@ class Trainer:
                 log.info(summary_line(self.step, t.total_steps, metrics))
                 if "val/acc" in metrics:
                     log.info("validation: acc %.3f reward %.3f", metrics["val/acc"], metrics["val/reward_mean"])
+            if "time/startup_total" in metrics and "perf/compiled_graphs" in metrics:  # this process's first step
+                log.info(fused_kernels.compile_line(metrics))
             periodic = t.save_every > 0 and self.step % t.save_every == 0
             saved = None
             if periodic or (last and t.save_every >= 0):

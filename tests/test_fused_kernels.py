@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from dist_utils import run_distributed
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from spmd_rl import fused_kernels
@@ -198,3 +199,39 @@ def test_compiled_layers_under_gradient_checkpointing_match_eager(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for a, b in zip(got[2], want[2]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_compile_stats_count_this_process_compiles(monkeypatch):
+    """The step metrics / first-step log line of torch.compile (spmd_rl/fused_kernels.compile_stats):
+    a new compiled function adds a graph and seconds; Inductor's cache counters are read as they are."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": "aot_eager"})
+    before = fused_kernels.compile_stats()
+    f = fused_kernels.compiled(lambda x: torch.sin(x) * 2 + 1)
+    f(torch.randn(4))
+    counters["inductor"]["fxgraph_cache_hit"] += 3  # what a warm restart's Inductor records
+    after = fused_kernels.compile_stats()
+    assert after["perf/compiled_graphs"] == before["perf/compiled_graphs"] + 1
+    assert after["perf/compile_s"] > before["perf/compile_s"]
+    assert after["perf/compile_cache_hits"] == before["perf/compile_cache_hits"] + 3
+    line = fused_kernels.compile_line(after)
+    assert line.startswith(f"torch.compile so far: {after['perf/compiled_graphs']:.0f} graphs in ") and " hits, " in line
+
+
+def _step_with_compiled_head_body(rank, world, base):
+    from test_old_logprobs import _trainer
+
+    fused_kernels.COMPILE_OPTIONS = {"backend": "aot_eager"}  # this worker process only
+    trainer = _trainer(f"{base}/run", f"{base}/data", ["data.train_batch_size=4", "rollout.n=2",
+                                                       "actor.ppo_mini_batch_size=4", "actor.micro_batch_size_per_gpu=4", "model.remove_padding=true",
+                                                       'model.fused_logprob_head="compile"'], rank)
+    m = trainer.train_step()
+    trainer.close()
+    assert m["perf/compiled_graphs"] >= 1 and m["perf/compile_s"] > 0, m
+    assert m["perf/compile_cache_hits"] == m["perf/compile_cache_misses"] == 0  # aot_eager: no Inductor
+
+
+def test_a_step_with_compile_reports_its_compile_metrics(tmp_path):
+    """A trainer step with model.fused_logprob_head = "compile" carries the compile metrics."""
+    run_distributed(_step_with_compiled_head_body, 1, str(tmp_path))

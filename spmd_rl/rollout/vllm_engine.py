@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from spmd_rl.gpu_memory import engine_build_allocator, expandable_segments_requested, set_expandable_segments
 from spmd_rl.rollout.base import Completion, SamplingParams
+from spmd_rl.rollout.vllm_model_inspection import in_process_inspection
 from spmd_rl.rollout.vllm_outputs import completion, logprob_request, paused_gc, supports_flat_logprobs
 
 log = logging.getLogger(__name__)
@@ -299,7 +300,9 @@ class VLLMEngine:
         self.pause_gc = True
 
         t0 = time.perf_counter()
-        with engine_build_allocator():  # CUDA graphs captured outside expandable segments (custom all-reduce)
+        # CUDA graphs captured outside expandable segments (custom all-reduce); the model class
+        # inspected here, not in a new Python (vllm_model_inspection.py: 20-27 s of a start)
+        with engine_build_allocator(), in_process_inspection():
             torch.cuda.empty_cache()
             self.llm = LLM(**engine_kwargs(cfg, model_dir, self.engine_seed, world_size=world_size))
         self.init_seconds = time.perf_counter() - t0

@@ -25,6 +25,7 @@ import functools
 import gc
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -207,9 +208,25 @@ def run(args, env, res: dict) -> None:
     dist.barrier()
     res["free_before_engine"] = free_gib()
     res_torch_before = (torch.cuda.memory_allocated() / GiB, torch.cuda.memory_reserved() / GiB)
+    # The model class must be inspected again, and in this process (vllm_model_inspection.py): the
+    # reference engine above inspected it already (vLLM's in-memory and on-disk caches are cleared).
+    from vllm import envs as vllm_envs
+    from vllm.model_executor.models import registry as vllm_registry
+
+    from spmd_rl.rollout.vllm_model_inspection import InspectionCount
+
+    modelinfos = os.path.join(vllm_envs.VLLM_CACHE_ROOT, "modelinfos")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(modelinfos, ignore_errors=True)
+    vllm_registry._try_inspect_model_cls.cache_clear()
+    dist.barrier()
+    inspections = InspectionCount.in_process
     t0 = time.perf_counter()
     eng = VLLMEngine(cfg, mdir, rank, world, env.local_rank, env.local_world_size)
     res["t_engine_init"] = time.perf_counter() - t0
+    res["inspections_in_process"] = InspectionCount.in_process - inspections
+    res["modelinfos_written"] = sorted(os.listdir(modelinfos)) if os.path.isdir(modelinfos) else []
     res["free_after_engine_init_asleep"] = free_gib()
     res["torch_alloc_reserved_before_engine"] = res_torch_before
     res["torch_alloc_reserved_engine_asleep"] = (torch.cuda.memory_allocated() / GiB, torch.cuda.memory_reserved() / GiB)

@@ -150,6 +150,16 @@ def test_synced_engine_matches_engine_loaded_from_disk(layout):
             assert c["engine_change_vs_cycle0"] > max(0.1, 3 * c["actor_vs_engine_mean"]), (name, c)
 
 
+def test_engine_inspects_the_model_in_process(layout):
+    """vLLM's model inspection ran in the engine's own process (spmd_rl/rollout/vllm_model_inspection.py:
+    not a new Python importing torch and vLLM, 20-27 s of a start) and still wrote vLLM's cache."""
+    name, results = layout
+    assert sum(r["inspections_in_process"] for r in results) >= 1, (name, [r["inspections_in_process"] for r in results])
+    assert any(f.endswith("Qwen2ForCausalLM.json") for f in results[0]["modelinfos_written"]), (name, results[0]["modelinfos_written"])
+    print(f"{name}: engine start {results[0]['t_engine_init']:.1f} s (reference engine from disk: "
+          f"{results[0]['t_ref_init']:.1f} s, which inspected in a new Python)")
+
+
 def test_generate_contract(layout):
     """Token ids in/out, n per prompt, finish reasons, stop tokens, seeded determinism, greedy,
     sampled-token log-probs under logits / temperature (flat lists = vLLM's dicts, only for the
