@@ -762,6 +762,12 @@ class TrainerConfig:
     """After the last step, rank 0 writes the final actor here as a Hugging Face model directory
     (safetensors, config, tokenizer; what `python -m spmd_rl.export` does for any checkpoint);
     empty = no export. Must not exist yet (or be empty)."""
+    profile_steps: list[int] = field(default_factory=list)
+    """Steps to run under torch.profiler (verl's profile_steps), e.g. [3]: each rank writes
+    <run_dir>/profile/step_<N>_rank<R>.json.gz (the trace, every phase a named range) and .txt
+    (per phase: wall ms, the device ms of its kernels and how busy that kept the GPU; then the ops
+    with the most device time). A profiled step runs slower and its times are not the run's;
+    pick one after the first (which compiles). Empty = never (spmd_rl/step_profiler.py)."""
 
     def check_layout(self, world_size: int, gpus_per_node: int | None) -> None:
         """trainer.fsdp_size cuts the `world_size` ranks into whole shard groups."""
@@ -816,6 +822,9 @@ class TrainerConfig:
         `checkpoint_dir` (Config.checkpoint_dir) and the export directory can be written."""
         _need(self.total_steps >= 1, "trainer.total_steps must be >= 1")
         _need(self.keep_last >= 1, "trainer.keep_last must be >= 1 (the latest checkpoint is always kept)")
+        outside = [s for s in self.profile_steps if not 1 <= s <= self.total_steps]
+        _need(not outside, f"trainer.profile_steps = {self.profile_steps}: {outside} not between 1 and trainer.total_steps = "
+              f"{self.total_steps}; name steps of this run (e.g. [2]), or [] to profile none")
         if self.resume not in ("auto", "none"):
             _need(os.path.isdir(self.resume), f"trainer.resume = {self.resume!r} is not a checkpoint directory "
                   '(use "auto", "none" or an existing step_N directory)')

@@ -48,6 +48,7 @@ from spmd_rl.rewards import RewardFunction, extract_answer
 from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.rollout.multiturn import MultiTurnRollout
 from spmd_rl.startup import startup_clock
+from spmd_rl.step_profiler import phase_range, profiled_step
 from spmd_rl.rollout_correction import actor_update_batch, mismatch_metrics
 from spmd_rl.tokenizer import decode_response
 from spmd_rl.update import ppo_update
@@ -68,7 +69,8 @@ class PhaseTimer:
     def __call__(self, name: str):
         memory = PhaseMemory(self.device) if self.device.type == "cuda" else None
         t0 = time.perf_counter()
-        yield
+        with phase_range(name):  # the phase in a profiled step's trace (trainer.profile_steps)
+            yield
         if memory is not None:
             self.metrics.update(memory.end(name))
         self.metrics[f"time/{name}"] = self.metrics.get(f"time/{name}", 0.0) + time.perf_counter() - t0
@@ -466,7 +468,9 @@ class Trainer:
         if t.val_before_train and self.step == 0:
             self._log_val(self.validate())
         while self.step < t.total_steps:
-            metrics = self.train_step()
+            with profiled_step(self.step + 1, t.profile_steps, os.path.join(self.run_dir, "profile"), self.env.rank,
+                               self.device):
+                metrics = self.train_step()
             last = self.step == t.total_steps
             if self.val_data is not None and (last or (t.val_every and self.step % t.val_every == 0)):
                 metrics.update(self.validate())
