@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 
@@ -35,11 +35,8 @@ def phase_range(name: str):
 
 
 @contextlib.contextmanager
-def profiled_step(step: int, steps: Sequence[int], out_dir: str, rank: int, device: torch.device) -> Iterator[None]:
-    """Run the block under torch.profiler when `step` is one of `steps`, then write its files."""
-    if step not in steps:
-        yield
-        return
+def profiled_step(step: int, out_dir: str, rank: int, device: torch.device) -> Iterator[None]:
+    """Run the block (training step `step`) under torch.profiler, then write its files."""
     cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:

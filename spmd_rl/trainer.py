@@ -457,6 +457,12 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ the loop
+    def _profiled(self, step: int):
+        """torch.profiler around the step when trainer.profile_steps names it (spmd_rl/step_profiler.py)."""
+        if step not in self.cfg.trainer.profile_steps:
+            return contextlib.nullcontext()
+        return profiled_step(step, os.path.join(self.cfg.run_dir, "profile"), self.env.rank, self.device)
+
     def fit(self) -> str:
         """Train to trainer.total_steps. Returns "finished", "preempted" after a stop signal (its
         checkpoint is complete), or "not saved" when the last checkpoint -- at the end of training
@@ -468,8 +474,7 @@ class Trainer:
         if t.val_before_train and self.step == 0:
             self._log_val(self.validate())
         while self.step < t.total_steps:
-            with profiled_step(self.step + 1, t.profile_steps, os.path.join(self.run_dir, "profile"), self.env.rank,
-                               self.device):
+            with self._profiled(self.step + 1):
                 metrics = self.train_step()
             last = self.step == t.total_steps
             if self.val_data is not None and (last or (t.val_every and self.step % t.val_every == 0)):

@@ -20,7 +20,7 @@ from spmd_rl.errors import ConfigError
 def test_phase_table_matches_the_phases_wall_time(tmp_path):
     """Two named phases under the profiler: each row's wall time is what a clock around it saw."""
     walls = {}
-    with step_profiler.profiled_step(1, [1], str(tmp_path), 0, torch.device("cpu")):
+    with step_profiler.profiled_step(1, str(tmp_path), 0, torch.device("cpu")):
         for name, seconds in (("generate", 0.05), ("update_actor", 0.12)):
             t0 = time.perf_counter()
             with step_profiler.phase_range(name):
@@ -35,13 +35,6 @@ def test_phase_table_matches_the_phases_wall_time(tmp_path):
     assert "aten::mm" in text  # the op table follows
     trace = json.loads(gzip.open(tmp_path / "step_1_rank0.json.gz").read())
     assert {"phase/generate", "phase/update_actor"} <= {e.get("name") for e in trace["traceEvents"]}
-
-
-def test_other_steps_are_not_profiled(tmp_path):
-    with step_profiler.profiled_step(2, [1, 3], str(tmp_path), 0, torch.device("cpu")):
-        with step_profiler.phase_range("generate"):
-            pass
-    assert not os.path.exists(tmp_path) or not os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize("steps", ["[0]", "[4]"])
