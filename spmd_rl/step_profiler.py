@@ -55,8 +55,9 @@ def phase_times(events) -> dict[str, tuple[float, float]]:
     out: dict[str, tuple[float, float]] = {}
     for e in events:
         if e.name.startswith(PHASE):
-            wall, kernels = out.get(e.name[len(PHASE):], (0.0, 0.0))
-            out[e.name[len(PHASE):]] = (wall + e.cpu_time_total / 1e3, kernels + e.device_time_total / 1e3)
+            name = e.name[len(PHASE):]
+            wall, kernels = out.get(name, (0.0, 0.0))
+            out[name] = (wall + e.cpu_time_total / 1e3, kernels + e.device_time_total / 1e3)
     return out
 
 

@@ -47,9 +47,9 @@ from spmd_rl.rank_balance import balance_ranks, mini_batch_block_rows
 from spmd_rl.rewards import RewardFunction, extract_answer
 from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.rollout.multiturn import MultiTurnRollout
+from spmd_rl.rollout_correction import actor_update_batch, mismatch_metrics
 from spmd_rl.startup import startup_clock
 from spmd_rl.step_profiler import phase_range, profiled_step
-from spmd_rl.rollout_correction import actor_update_batch, mismatch_metrics
 from spmd_rl.tokenizer import decode_response
 from spmd_rl.update import ppo_update
 from spmd_rl.val_metrics import prompt_means, prompt_sums
