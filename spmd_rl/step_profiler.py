@@ -1,14 +1,17 @@
 """Training steps under torch.profiler (`trainer.profile_steps`, as verl's profile_steps).
 
 The trainer names each phase of a step `phase/<name>` with `phase_range` (PhaseTimer), so the
-trace shows the phases and the summary gives each phase's wall time beside the device time of the
-kernels launched inside it: a phase whose kernels keep the GPU busy for much less than its wall
-time is waiting on the host. For each profiled step N every rank R writes
+trace shows the phases and the summary gives each phase's wall time beside the time the GPU was
+busy during it (`phase_times`): a phase whose GPU is busy for much less than its wall time is
+waiting on the host. The profiler slows the host (every op is recorded), so compare a phase's GPU
+busy ms with its `time/<phase>` in an unprofiled step, not only with its profiled wall time. For
+each profiled step N every rank R writes
 
     <run_dir>/profile/step_<N>_rank<R>.json.gz   the trace (ui.perfetto.dev, chrome://tracing)
-    <run_dir>/profile/step_<N>_rank<R>.txt       per phase: wall ms, kernel ms, GPU busy %; then
-                                                 the ops with the most self device time (CPU
-                                                 time without CUDA)
+    <run_dir>/profile/step_<N>_rank<R>.txt       per phase: wall ms, GPU busy ms and %; for a
+                                                 phase whose GPU idles, the host ops it idled
+                                                 in (`idle_host_ops`); then the ops with the
+                                                 most self device time (CPU time without CUDA)
 
 Profiling a step costs it time (every op is recorded: seconds more for a step with a long
 rollout), so its `time/*` metrics are not the run's; profile a step after the first (compiles).
@@ -16,12 +19,14 @@ rollout), so its `time/*` metrics are not the run's; profile a step after the fi
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
 from typing import Iterator
 
 import torch
+from torch.autograd import DeviceType
 
 log = logging.getLogger(__name__)
 
@@ -50,23 +55,129 @@ def profiled_step(step: int, out_dir: str, rank: int, device: torch.device) -> I
 
 
 def phase_times(events) -> dict[str, tuple[float, float]]:
-    """Phase name -> (wall ms, device ms of the kernels launched inside it), summed over the
-    phase's ranges in the step."""
-    out: dict[str, tuple[float, float]] = {}
+    """Phase name -> (wall ms, GPU busy ms), summed over the phase's ranges in the step.
+
+    Wall: the phase's host-side ranges. GPU busy: the union of the device's activity (kernels,
+    copies, memsets, from every thread: autograd's backward runs on a thread of its own) that falls
+    inside those ranges, so overlapping streams count once. Not the device time of the ops
+    launched inside the range: that misses the backward thread's kernels, and the device-side copy
+    of each range (a user annotation with the same name, spanning its first to last kernel) is
+    no kernel at all. Work launched near a phase's end that runs after it counts in what follows."""
+    ranges, busy, _ = _timeline(events)
+    return {name: (sum(b - a for a, b in spans) / 1e3, sum(_overlap(busy, a, b) for a, b in spans) / 1e3)
+            for name, spans in ranges.items()}
+
+
+def idle_host_ops(events, phase: str, sample_us: float = 200.0) -> dict[str, float]:
+    """What the host was doing while the GPU sat idle in `phase`: host op name -> idle ms, from
+    samples every `sample_us` of the phase's idle time, each given the innermost host op running
+    at that instant on any thread (the op that started last among those covering it), or
+    "(host code between ops)" when none was (Python of ours or a library's, outside any op)."""
+    return _idle_in(_timeline(events), phase, sample_us)
+
+
+def _idle_in(timeline, phase: str, sample_us: float = 200.0) -> dict[str, float]:
+    ranges, busy, host = timeline
+    samples = sorted(p for a, b in ranges.get(phase, []) for lo, hi in _gaps(busy, a, b)
+                     for p in _points(lo, hi, sample_us))
+    times = [t for t, _ in samples]
+    innermost: list[tuple[float, str] | None] = [None] * len(samples)
+    for start, end, name in host:
+        for i in range(bisect.bisect_left(times, start), bisect.bisect_right(times, end)):
+            if innermost[i] is None or start >= innermost[i][0]:
+                innermost[i] = (start, name)
+    out: dict[str, float] = {}
+    for (_, weight), hit in zip(samples, innermost):
+        name = hit[1] if hit else "(host code between ops)"
+        out[name] = out.get(name, 0.0) + weight / 1e3
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _timeline(events):
+    """(phase name -> its host ranges, the device's busy intervals (disjoint, sorted), the host
+    ops other than phases as (start, end, name)); times in us."""
+    ranges: dict[str, list[tuple[float, float]]] = {}
+    activity: list[tuple[float, float]] = []
+    host: list[tuple[float, float, str]] = []
     for e in events:
-        if e.name.startswith(PHASE):
-            name = e.name[len(PHASE):]
-            wall, kernels = out.get(name, (0.0, 0.0))
-            out[name] = (wall + e.cpu_time_total / 1e3, kernels + e.device_time_total / 1e3)
+        span = (e.time_range.start, e.time_range.end)
+        if e.device_type != DeviceType.CPU:
+            if not getattr(e, "is_user_annotation", False):
+                activity.append(span)
+        elif e.name.startswith(PHASE):
+            ranges.setdefault(e.name[len(PHASE):], []).append(span)
+        else:
+            host.append((*span, e.name))
+    return ranges, _union(activity), host
+
+
+def _gaps(disjoint: list[tuple[float, float]], a: float, b: float) -> list[tuple[float, float]]:
+    """The parts of [a, b] that the sorted disjoint intervals leave uncovered."""
+    out, t = [], a
+    i = max(bisect.bisect_left(disjoint, (a, a)) - 1, 0)
+    for lo, hi in disjoint[i:]:
+        if lo >= b:
+            break
+        if lo > t:
+            out.append((t, lo))
+        t = max(t, hi)
+    if t < b:
+        out.append((t, b))
     return out
+
+
+def _points(lo: float, hi: float, step: float) -> list[tuple[float, float]]:
+    """Samples of the gap [lo, hi): (instant, the us it stands for), the middle of each of its n
+    equal slices about `step` long (one slice for a shorter gap), so they add up to the gap."""
+    n = max(int((hi - lo) // step), 1) if hi > lo else 0
+    return [(lo + (k + 0.5) * (hi - lo) / n, (hi - lo) / n) for k in range(n)]
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the same time as `intervals`."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(disjoint: list[tuple[float, float]], a: float, b: float) -> float:
+    """Time of the sorted disjoint intervals inside [a, b]."""
+    i = bisect.bisect_left(disjoint, (a, a))
+    i = max(i - 1, 0)  # the interval before may reach into [a, b]
+    total = 0.0
+    for lo, hi in disjoint[i:]:
+        if lo >= b:
+            break
+        total += max(0.0, min(hi, b) - max(lo, a))
+    return total
+
+
+def idle_table(events, times: dict[str, tuple[float, float]], top: int = 12) -> list[str]:
+    """For each phase whose GPU idles 50 ms or more: the host ops the idle time fell in."""
+    lines, timeline = [], _timeline(events)
+    for name, (wall, busy) in times.items():
+        if wall - busy < 50.0:
+            continue
+        lines += ["", f"GPU idle in {name}: {wall - busy:.0f} ms; the host meanwhile (sampled):", "",
+                  "| host op | idle ms | % |", "|---|---|---|"]
+        ops = _idle_in(timeline, name)
+        total = sum(ops.values()) or 1.0
+        lines += [f"| {op[:100]} | {ms:.1f} | {100 * ms / total:.0f}% |" for op, ms in list(ops.items())[:top]]
+    return lines
 
 
 def summary(events, cuda: bool) -> str:
     """The text file of a profiled step: the phase table, then the top ops."""
-    lines = ["| phase | wall ms | kernel ms | GPU busy |", "|---|---|---|---|"]
-    for name, (wall, kernels) in phase_times(events).items():
-        busy = f"{100 * kernels / wall:.0f}%" if cuda and wall > 0 else "-"
-        lines.append(f"| {name} | {wall:.1f} | {kernels:.1f} | {busy} |")
+    lines = ["| phase | wall ms | GPU busy ms | GPU busy |", "|---|---|---|---|"]
+    for name, (wall, busy_ms) in phase_times(events).items():
+        busy = f"{100 * busy_ms / wall:.0f}%" if cuda and wall > 0 else "-"
+        lines.append(f"| {name} | {wall:.1f} | {busy_ms:.1f} | {busy} |")
+    if cuda:
+        lines += idle_table(events, phase_times(events))
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
     lines += ["", events.key_averages().table(sort_by=sort_by, row_limit=TOP_OPS)]
     return "\n".join(lines) + "\n"

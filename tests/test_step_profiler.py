@@ -64,3 +64,53 @@ def test_a_run_profiles_the_steps_it_names(tmp_path):
     text = (tmp_path / "run" / "profile" / "step_2_rank0.txt").read_text()
     for phase in ("generate", "reward", "adv", "update_actor"):
         assert re.search(rf"^\| {phase} \| [\d.]+ \|", text, re.M), (phase, text[:2000])
+
+
+class _Event:
+    """The fields of torch.profiler's FunctionEvent that phase_times reads (times in us)."""
+
+    def __init__(self, name, start, end, device=False, annotation=False):
+        from torch.autograd import DeviceType
+        from torch.autograd.profiler_util import Interval
+
+        self.name, self.time_range = name, Interval(start, end)
+        self.device_type = DeviceType.CUDA if device else DeviceType.CPU
+        self.is_user_annotation = annotation
+
+
+def test_gpu_busy_is_the_union_of_device_activity_inside_each_phase():
+    """Hand-made events: overlapping kernels count once, a kernel launched by another thread (the
+    backward's) counts, the device-side copy of a phase's range (a user annotation) does not, and a
+    kernel running past its phase's end counts in the next phase. Reference: worked out by hand."""
+    events = [
+        _Event("phase/generate", 0, 10_000), _Event("phase/update_actor", 10_000, 30_000),
+        _Event("phase/generate", 0, 10_000, device=True, annotation=True),  # spans the phase's kernels
+        _Event("phase/update_actor", 10_500, 29_000, device=True, annotation=True),
+        _Event("decode", 1_000, 4_000, device=True), _Event("decode", 3_000, 5_000, device=True),  # union 4 ms
+        _Event("matmul", 9_000, 12_000, device=True),  # 1 ms in generate, 2 ms in update_actor
+        _Event("backward", 20_000, 26_000, device=True),  # launched by autograd's thread
+        _Event("cudaLaunchKernel", 20_000, 20_010),  # host side: not device activity
+    ]
+    times = step_profiler.phase_times(events)
+    assert times == {"generate": (10.0, 5.0), "update_actor": (20.0, 8.0)}, times
+
+
+def test_idle_time_is_given_to_the_innermost_host_op_running_then():
+    """The GPU idles from 5 to 10 ms of a 20 ms phase. Sampled every 0.2 ms, the idle time goes to
+    the innermost host op covering each sample (a nested op wins over its parent), to
+    "(host code between ops)" where none runs; ops outside the gap get nothing; a gap shorter than
+    a sample counts its own length. By hand: 5-7 ms inside _local_scalar_dense (nested in item),
+    7-8 item alone, 8.5-9 cudaMalloc, the rest none; 0.05 ms in cudaLaunchKernel between two kernels."""
+    events = [
+        _Event("phase/update_actor", 0, 20_000),
+        _Event("phase/update_actor", 0, 20_000, device=True, annotation=True),  # not device activity
+        _Event("fwd", 0, 5_000, device=True), _Event("bwd", 10_000, 15_000, device=True),
+        _Event("bwd2", 15_050, 20_000, device=True), _Event("cudaLaunchKernel", 15_000, 15_100),
+        _Event("aten::item", 4_000, 8_000), _Event("aten::_local_scalar_dense", 5_000, 7_000),
+        _Event("cudaMalloc", 8_500, 9_000), _Event("aten::mm", 12_000, 13_000),
+    ]
+    idle = step_profiler.idle_host_ops(events, "update_actor")
+    assert list(idle) == ["aten::_local_scalar_dense", "(host code between ops)", "aten::item", "cudaMalloc",
+                          "cudaLaunchKernel"], idle
+    assert [idle[k] for k in idle] == pytest.approx([2.0, 1.4, 1.0, 0.6, 0.05]), idle
+    assert step_profiler.phase_times(events)["update_actor"] == (20.0, 14.95)
