@@ -18,6 +18,7 @@ of the preset shape. Variants (`--variants`, default: the packed-nogc family):
   packed-nogc-compile       + model.fused_kernels = "compile" (torch.compile of each decoder layer)
   packed-nogc-headcompile   + model.fused_logprob_head = "compile" (the head's chunk math compiled)
   packed-nogc-liger-headcompile, packed-nogc-compile-headcompile: both switches
+  packed-compile-headcompile  both switches with gradient checkpointing (configs/qwen1.5b-gsm8k.toml)
 (the padded variants run with gradient checkpointing; packed too unless -nogc).
 Each variant runs once untimed (warm-up: torch.compile and Triton compile there), then `--reps`
 times; the best counts. "compile s" = warm-up seconds - best seconds (compilation, mostly), and
@@ -70,6 +71,7 @@ VARIANTS = {  # name: (packed, chunked, gradient checkpointing, model.fused_kern
     "packed-nogc-headcompile": (True, True, False, "none", "compile"),
     "packed-nogc-liger-headcompile": (True, True, False, "liger", "compile"),
     "packed-nogc-compile-headcompile": (True, True, False, "compile", "compile"),
+    "packed-compile-headcompile": (True, True, True, "compile", "compile"),  # the 1.5B preset's settings
 }
 DEFAULT_VARIANTS = [v for v in VARIANTS if v.startswith("packed-nogc")]
 
