@@ -60,7 +60,7 @@ ROLLOUT_KEYS: dict[str, str] = {
     **{name: f"rollout.{name}" for name in (
         "tensor_parallel_size", "dtype", "seed", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
         "max_num_batched_tokens", "enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
-        "disable_custom_all_reduce", "cudagraph_capture_sizes")},
+        "disable_custom_all_reduce", "cudagraph_capture_sizes", "block_size")},
     "compilation_config.cudagraph_capture_sizes": "rollout.cudagraph_capture_sizes",
     "compilation_config.mode": "rollout.vllm_compile",
     "compilation_config.level": "rollout.vllm_compile",

@@ -139,6 +139,8 @@ def test_shipped_configs_parse():
     (["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_rounds=0"], "must be >= 1"),
     (["reward.overlong_buffer=100000"], "reward.overlong_buffer must be in"),
     (["rollout.val_n=4"], "rollout.val_n > 1 needs rollout.val_temperature > 0"),
+    (["rollout.block_size=24"], "rollout.block_size = 24 must be 0 (vLLM's default) or a multiple of 16"),
+    (["rollout.block_size=-16"], "rollout.block_size = -16 must be 0"),
 ])
 def test_recipe_switch_validation_errors(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as e:

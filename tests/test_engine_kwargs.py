@@ -256,6 +256,18 @@ def test_engine_kwargs_come_after_ours_and_overrides_last():
     assert cfg.rollout.engine_kwargs["compilation_config"] == {"custom_ops": ["none"]}
 
 
+def test_block_size_reaches_vllm_and_0_leaves_vllms_default():
+    """rollout.block_size (default 64: vLLM's scheduler works per block on the CPU every decode
+    step) is vllm.LLM's block_size; 0 passes none; engine_kwargs.block_size is refused naming the key."""
+    cfg = Config()
+    assert engine_kwargs(cfg, "/m", 0)["block_size"] == 64
+    cfg.rollout.block_size = 128
+    assert engine_kwargs(cfg, "/m", 0)["block_size"] == 128
+    cfg.rollout.block_size = 0
+    assert "block_size" not in engine_kwargs(cfg, "/m", 0)
+    assert refusal({"block_size": 32}).startswith("rollout.engine_kwargs.block_size duplicates rollout.block_size")
+
+
 def test_vllm_compile_off_gives_decode_cuda_graphs_without_inductor():
     """rollout.vllm_compile = false (the default): compilation_config mode 0 (no torch.compile) and
     FULL_DECODE_ONLY CUDA graphs; true: vLLM's default (no compilation_config); enforce_eager: none.

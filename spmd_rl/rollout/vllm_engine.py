@@ -129,6 +129,8 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
         enable_chunked_prefill=r.enable_chunked_prefill,
         disable_custom_all_reduce=r.disable_custom_all_reduce,
     )
+    if r.block_size:
+        kw["block_size"] = r.block_size
     if r.cudagraph_capture_sizes:
         kw["cudagraph_capture_sizes"] = list(r.cudagraph_capture_sizes)
     elif r.cudagraph_step_sizes and not r.enforce_eager:
