@@ -63,7 +63,11 @@ def phase_times(events) -> dict[str, tuple[float, float]]:
     launched inside the range: that misses the backward thread's kernels, and the device-side copy
     of each range (a user annotation with the same name, spanning its first to last kernel) is
     no kernel at all. Work launched near a phase's end that runs after it counts in what follows."""
-    ranges, busy, _ = _timeline(events)
+    return _phase_times(_timeline(events))
+
+
+def _phase_times(timeline) -> dict[str, tuple[float, float]]:
+    ranges, busy, _ = timeline
     return {name: (sum(b - a for a, b in spans) / 1e3, sum(_overlap(busy, a, b) for a, b in spans) / 1e3)
             for name, spans in ranges.items()}
 
@@ -156,9 +160,9 @@ def _overlap(disjoint: list[tuple[float, float]], a: float, b: float) -> float:
     return total
 
 
-def idle_table(events, times: dict[str, tuple[float, float]], top: int = 12) -> list[str]:
+def idle_table(timeline, times: dict[str, tuple[float, float]], top: int = 12) -> list[str]:
     """For each phase whose GPU idles 50 ms or more: the host ops the idle time fell in."""
-    lines, timeline = [], _timeline(events)
+    lines = []
     for name, (wall, busy) in times.items():
         if wall - busy < 50.0:
             continue
@@ -171,13 +175,15 @@ def idle_table(events, times: dict[str, tuple[float, float]], top: int = 12) -> 
 
 
 def summary(events, cuda: bool) -> str:
-    """The text file of a profiled step: the phase table, then the top ops."""
+    """The text file of a profiled step: the phase table, the idle tables (CUDA), the top ops."""
+    timeline = _timeline(events)  # one pass over the step's events, used by both tables
+    times = _phase_times(timeline)
     lines = ["| phase | wall ms | GPU busy ms | GPU busy |", "|---|---|---|---|"]
-    for name, (wall, busy_ms) in phase_times(events).items():
+    for name, (wall, busy_ms) in times.items():
         busy = f"{100 * busy_ms / wall:.0f}%" if cuda and wall > 0 else "-"
         lines.append(f"| {name} | {wall:.1f} | {busy_ms:.1f} | {busy} |")
     if cuda:
-        lines += idle_table(events, phase_times(events))
+        lines += idle_table(timeline, times)
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
     lines += ["", events.key_averages().table(sort_by=sort_by, row_limit=TOP_OPS)]
     return "\n".join(lines) + "\n"

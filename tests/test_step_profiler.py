@@ -114,3 +114,10 @@ def test_idle_time_is_given_to_the_innermost_host_op_running_then():
                           "cudaLaunchKernel"], idle
     assert [idle[k] for k in idle] == pytest.approx([2.0, 1.4, 1.0, 0.6, 0.05]), idle
     assert step_profiler.phase_times(events)["update_actor"] == (20.0, 14.95)
+    # the profile's text: a phase idling under 50 ms gets no table
+    text = "\n".join(step_profiler.idle_table(step_profiler._timeline(events), step_profiler.phase_times(events)))
+    assert text == ""
+    long = events + [_Event("phase/generate", 30_000, 130_000), _Event("sampler", 40_000, 140_000)]
+    text = "\n".join(step_profiler.idle_table(step_profiler._timeline(long), step_profiler.phase_times(long)))
+    assert "GPU idle in generate: 100 ms" in text and "| sampler | 90.0 | 90% |" in text, text
+    assert "| (host code between ops) | 10.0 | 10% |" in text and "update_actor" not in text, text
