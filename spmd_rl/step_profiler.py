@@ -149,15 +149,8 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def _overlap(disjoint: list[tuple[float, float]], a: float, b: float) -> float:
-    """Time of the sorted disjoint intervals inside [a, b]."""
-    i = bisect.bisect_left(disjoint, (a, a))
-    i = max(i - 1, 0)  # the interval before may reach into [a, b]
-    total = 0.0
-    for lo, hi in disjoint[i:]:
-        if lo >= b:
-            break
-        total += max(0.0, min(hi, b) - max(lo, a))
-    return total
+    """Time of the sorted disjoint intervals inside [a, b]: what their gaps there leave."""
+    return (b - a) - sum(hi - lo for lo, hi in _gaps(disjoint, a, b))
 
 
 def idle_table(timeline, times: dict[str, tuple[float, float]], top: int = 12) -> list[str]:

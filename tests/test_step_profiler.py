@@ -88,6 +88,7 @@ def test_gpu_busy_is_the_union_of_device_activity_inside_each_phase():
         _Event("phase/update_actor", 10_500, 29_000, device=True, annotation=True),
         _Event("decode", 1_000, 4_000, device=True), _Event("decode", 3_000, 5_000, device=True),  # union 4 ms
         _Event("matmul", 9_000, 12_000, device=True),  # 1 ms in generate, 2 ms in update_actor
+        _Event("copy", 9_500, 9_600, device=True),  # another stream, inside matmul: counts once
         _Event("backward", 20_000, 26_000, device=True),  # launched by autograd's thread
         _Event("cudaLaunchKernel", 20_000, 20_010),  # host side: not device activity
     ]
