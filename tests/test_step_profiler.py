@@ -18,7 +18,8 @@ from spmd_rl.errors import ConfigError
 
 
 def test_phase_table_matches_the_phases_wall_time(tmp_path):
-    """Two named phases under the profiler: each row's wall time is what a clock around it saw."""
+    """Two named phases under the profiler: each row's wall time lies between the phase's own sleep and what a
+    clock around the range saw (the clock also counts the range's entry and exit, slow on a loaded machine)."""
     walls = {}
     with step_profiler.profiled_step(1, str(tmp_path), 0, torch.device("cpu")):
         for name, seconds in (("generate", 0.05), ("update_actor", 0.12)):
@@ -31,7 +32,8 @@ def test_phase_table_matches_the_phases_wall_time(tmp_path):
     rows = {m[1]: float(m[2]) for m in re.finditer(r"^\| (\w+) \| ([\d.]+) \| [\d.]+ \| - \|$", text, re.M)}
     assert set(rows) == {"generate", "update_actor"}, text
     for name, wall in walls.items():
-        assert rows[name] == pytest.approx(wall, rel=0.1, abs=2.0), (name, rows[name], wall)
+        slept = dict(generate=50.0, update_actor=120.0)[name]
+        assert slept - 1.0 <= rows[name] <= wall + 1.0, (name, rows[name], slept, wall)
     assert "aten::mm" in text  # the op table follows
     trace = json.loads(gzip.open(tmp_path / "step_1_rank0.json.gz").read())
     assert {"phase/generate", "phase/update_actor"} <= {e.get("name") for e in trace["traceEvents"]}
