@@ -46,7 +46,7 @@ from spmd_rl.preemption import StopFlag
 from spmd_rl.rank_balance import balance_ranks, mini_batch_block_rows
 from spmd_rl.rewards import RewardFunction, extract_answer
 from spmd_rl.rollout.base import SamplingParams
-from spmd_rl.rollout.multiturn import MultiTurnRollout
+from spmd_rl.rollout.multiturn import MultiTurnRollout, merge_trajectory_metrics
 from spmd_rl.rollout_correction import actor_update_batch, mismatch_metrics
 from spmd_rl.startup import startup_clock
 from spmd_rl.step_profiler import phase_range, profiled_step
@@ -216,7 +216,7 @@ class Trainer:
             else:
                 completions, turn_metrics = self.multi_turn.generate(self.engine, records, self._sampling(train, round_),
                                                                      self.cfg.data.max_response_length)
-                timer.metrics.update(turn_metrics)
+                merge_trajectory_metrics(timer.metrics, turn_metrics)  # over dynamic sampling's rounds too
         with timer("sleep"):
             self.engine.sleep()
         if self.device.type == "cuda":  # what sleep handed back (and, every step, whether anything leaks)

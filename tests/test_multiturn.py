@@ -409,3 +409,60 @@ def test_hf_engine_cuts_each_prompt_at_its_own_limit():
     for f, c, k in zip(full, cut, [2, 6, 4]):  # greedy: a cut row is the uncut row's first k tokens
         assert c[0].token_ids == f[0].token_ids[:k] and c[0].logprobs == pytest.approx(f[0].logprobs[:k])
         assert c[0].finish_reason == ("length" if len(f[0].token_ids) > k or f[0].finish_reason == "length" else "stop")
+
+
+# --------------------------------------------------------------------------- metrics over several generate calls
+
+
+def test_merged_metrics_of_two_calls_are_those_of_all_their_trajectories():
+    """merge_trajectory_metrics of two calls' metrics (3 and 1 trajectories) == trajectory_metrics
+    of the 4 trajectories together."""
+    from spmd_rl.rollout.multiturn import merge_trajectory_metrics
+    from spmd_rl.rollout.multiturn.loop import trajectory_metrics
+
+    def traj(turns, calls, stop):
+        return type("T", (), {"turns": turns, "counts": {"tool_calls": calls}, "stop": stop})()
+
+    first = [traj(1, 0, "answer"), traj(3, 2, "max_turns"), traj(2, 1, "answer")]
+    second = [traj(4, 5, "length")]
+    merged: dict = {}
+    for call in (first, second):
+        merge_trajectory_metrics(merged, trajectory_metrics(call, ("tool_calls",)))
+    want = trajectory_metrics(first + second, ("tool_calls",))
+    assert merged == pytest.approx(want) and merged["multiturn/trajectories"] == 4
+    assert merged["multiturn/turns_mean"] == 2.5 and merged["multiturn/stop_answer"] == 0.5
+
+
+def _dynamic_sampling_body(rank, world, base):
+    import spmd_rl.dynamic_sampling as ds
+    import spmd_rl.rollout.multiturn as mt
+    from test_multiturn_e2e import HIDDEN
+    from test_old_logprobs import _trainer
+
+    from spmd_rl.trainer import PhaseTimer
+
+    rounds = []
+    original = mt.trajectory_metrics
+    mt.trajectory_metrics = lambda trajectories, keys: rounds.append(list(trajectories)) or original(trajectories, keys)
+    ds.is_informative = lambda scores, rows: False  # every group uniform: all max_rounds rounds are drawn
+    trainer = _trainer(f"{base}/run", f"{base}/data", [*HIDDEN, "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size_per_gpu=4",
+                                                       "algorithm.dynamic_sampling=true",
+                                                       "algorithm.dynamic_sampling_max_rounds=3"], rank)
+    try:
+        timer = PhaseTimer(trainer.device)
+        _, sampled = trainer.sample_batch(timer)
+    finally:
+        trainer.close()
+    assert sampled["dynamic_sampling/rounds"] == 3 and len(rounds) == 3
+    want = original([t for r in rounds for t in r], ())
+    got = {k: v for k, v in timer.metrics.items() if k.startswith("multiturn/")}
+    assert got == pytest.approx(want) and got["multiturn/trajectories"] == 48, (got, want)
+    last = original(rounds[-1], ())
+    assert any(last[k] != pytest.approx(want[k]) for k in want if k != "multiturn/trajectories"), \
+        "the rounds' trajectories are alike: this test could not tell the last round from all"
+
+
+def test_dynamic_sampling_reports_the_multi_turn_metrics_of_every_round(tmp_path):
+    """Dynamic sampling's three rounds of multi-turn rollouts: the step's multiturn/* metrics are
+    those of all 48 trajectories drawn, not of the last round's 16."""
+    run_distributed(_dynamic_sampling_body, 1, str(tmp_path))

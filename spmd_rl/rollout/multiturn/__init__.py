@@ -2,6 +2,7 @@
 
     rollout = MultiTurnRollout(cfg.rollout, tokenizer)        # None-free: only when cfg.rollout.multi_turn
     completions, metrics = rollout.generate(engine, records, sampling, budget)
+    merge_trajectory_metrics(step_metrics, metrics)           # a step of several generate calls
 
 One concept per module: tools.py (load tools, run calls with timeouts), parsers.py (tool calls in a
 turn's text), environment.py (the Environment protocol; tools as an environment), bridge.py (the
@@ -20,12 +21,12 @@ from spmd_rl.errors import ConfigError
 from spmd_rl.rollout.base import Completion, RolloutEngine, SamplingParams
 from spmd_rl.rollout.multiturn.bridge import Bridge
 from spmd_rl.rollout.multiturn.environment import TOOL_METRICS, Environment, StepResult, ToolEnvironment
-from spmd_rl.rollout.multiturn.loop import new_trajectories, run_lockstep, trajectory_metrics
+from spmd_rl.rollout.multiturn.loop import merge_trajectory_metrics, new_trajectories, run_lockstep, trajectory_metrics
 from spmd_rl.rollout.multiturn.parsers import PARSERS, CallError, ToolCall
 from spmd_rl.rollout.multiturn.tools import ToolRunner, load_tools
 from spmd_rl.user_import import import_object
 
-__all__ = ["MultiTurnRollout", "StepResult", "Environment", "ToolCall", "CallError", "check_config"]
+__all__ = ["MultiTurnRollout", "merge_trajectory_metrics", "StepResult", "Environment", "ToolCall", "CallError", "check_config"]
 
 
 def load_parser(spec: str):

@@ -126,14 +126,30 @@ def _after_step(t: Trajectory, future, timeout: float | None, max_turns: int, bu
             t.add_bridge(ids)
 
 
+TRAJECTORIES = "multiturn/trajectories"
+"""The metric counting the trajectories the other multiturn/* metrics are means over."""
+
+
 def trajectory_metrics(trajectories: list[Trajectory], count_keys: tuple[str, ...]) -> dict[str, float]:
     """Per-rank means over the trajectories (the trainer averages them over ranks): turns, the
-    environment's counts per trajectory, the share of each stop reason."""
+    environment's counts per trajectory, the share of each stop reason; and how many there were."""
     n = max(len(trajectories), 1)
-    out = {"multiturn/turns_mean": sum(t.turns for t in trajectories) / n}
+    out = {TRAJECTORIES: float(len(trajectories)), "multiturn/turns_mean": sum(t.turns for t in trajectories) / n}
     out.update({f"multiturn/{k}_mean": sum(t.counts.get(k, 0.0) for t in trajectories) / n for k in count_keys})
     out.update({f"multiturn/stop_{r}": sum(t.stop == r for t in trajectories) / n for r in STOP_REASONS})
     return out
+
+
+def merge_trajectory_metrics(into: dict[str, float], new: dict[str, float]) -> None:
+    """Add one generate call's `trajectory_metrics` to those of the step's earlier calls in `into`
+    (dynamic sampling's rounds): each mean weighted by its call's trajectories, the counts added,
+    so the step's metrics are those of all its trajectories."""
+    had, more = into.get(TRAJECTORIES, 0.0), new[TRAJECTORIES]
+    total = had + more
+    for key, value in new.items():
+        if key != TRAJECTORIES:
+            into[key] = (into.get(key, 0.0) * had + value * more) / total if total else value
+    into[TRAJECTORIES] = total
 
 
 def new_trajectories(prompts: list[list[int]], rows: list[dict[str, Any]], sampling: SamplingParams,
