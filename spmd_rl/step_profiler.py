@@ -8,10 +8,16 @@ busy ms with its `time/<phase>` in an unprofiled step, not only with its profile
 each profiled step N every rank R writes
 
     <run_dir>/profile/step_<N>_rank<R>.json.gz   the trace (ui.perfetto.dev, chrome://tracing)
-    <run_dir>/profile/step_<N>_rank<R>.txt       per phase: wall ms, GPU busy ms and %; for a
-                                                 phase whose GPU idles, the host ops it idled
-                                                 in (`idle_host_ops`); then the ops with the
-                                                 most self device time (CPU time without CUDA)
+    <run_dir>/profile/step_<N>_rank<R>.txt       per phase: wall ms, GPU busy ms and %, ms of
+                                                 garbage collection; for a phase whose GPU
+                                                 idles, the host ops it idled in
+                                                 (`idle_host_ops`); then the ops with the most
+                                                 self device time (CPU time without CUDA)
+
+Every collection of Python's cyclic garbage collector inside a profiled step, on a thread the
+profiler records (the main thread, autograd's backward threads), is a host range
+`gc/generation<G>` in the trace (`gc_ranges`): the GIL is held while it runs, so it stops every
+thread that launches GPU work, and an idle GPU behind it shows up as that op in the idle table.
 
 Profiling a step costs it time (every op is recorded: seconds more for a step with a long
 rollout), so its `time/*` metrics are not the run's; profile a step after the first (compiles).
@@ -21,8 +27,10 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import logging
 import os
+import threading
 from typing import Iterator
 
 import torch
@@ -31,6 +39,7 @@ from torch.autograd import DeviceType
 log = logging.getLogger(__name__)
 
 PHASE = "phase/"
+GC = "gc/generation"
 TOP_OPS = 40
 
 
@@ -44,7 +53,7 @@ def profiled_step(step: int, out_dir: str, rank: int, device: torch.device) -> I
     """Run the block (training step `step`) under torch.profiler, then write its files."""
     cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities) as prof, gc_ranges():
         yield
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"step_{step}_rank{rank}")
@@ -52,6 +61,28 @@ def profiled_step(step: int, out_dir: str, rank: int, device: torch.device) -> I
     with open(stem + ".txt", "w") as f:
         f.write(summary(prof.events(), cuda))
     log.info("profile of step %d: %s.txt (per phase and op) and %s.json.gz (the trace)", step, stem, stem)
+
+
+@contextlib.contextmanager
+def gc_ranges() -> Iterator[None]:
+    """Each garbage collection during the block as a profiler range `gc/generation<G>` (gc.callbacks:
+    "start" and "stop" come in pairs on one thread; the profiler keeps the ranges of the threads it
+    records, not those of threads started without its state, such as a plain threading.Thread)."""
+    open_ranges = threading.local()
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            open_ranges.current = torch.profiler.record_function(f"{GC}{info['generation']}")
+            open_ranges.current.__enter__()
+        elif getattr(open_ranges, "current", None) is not None:
+            open_ranges.current.__exit__(None, None, None)
+            open_ranges.current = None
+
+    gc.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(callback)
 
 
 def phase_times(events) -> dict[str, tuple[float, float]]:
@@ -167,14 +198,21 @@ def idle_table(timeline, times: dict[str, tuple[float, float]], top: int = 12) -
     return lines
 
 
+def gc_ms(timeline) -> dict[str, float]:
+    """Phase name -> ms of garbage collection (the `gc_ranges` ranges) inside its ranges."""
+    ranges, _, host = timeline
+    collections = _union([(a, b) for a, b, name in host if name.startswith(GC)])
+    return {name: sum(_overlap(collections, a, b) for a, b in spans) / 1e3 for name, spans in ranges.items()}
+
+
 def summary(events, cuda: bool) -> str:
     """The text file of a profiled step: the phase table, the idle tables (CUDA), the top ops."""
-    timeline = _timeline(events)  # one pass over the step's events, used by both tables
-    times = _phase_times(timeline)
-    lines = ["| phase | wall ms | GPU busy ms | GPU busy |", "|---|---|---|---|"]
+    timeline = _timeline(events)  # one pass over the step's events, used by every table
+    times, collected = _phase_times(timeline), gc_ms(timeline)
+    lines = ["| phase | wall ms | GPU busy ms | GPU busy | GC ms |", "|---|---|---|---|---|"]
     for name, (wall, busy_ms) in times.items():
         busy = f"{100 * busy_ms / wall:.0f}%" if cuda and wall > 0 else "-"
-        lines.append(f"| {name} | {wall:.1f} | {busy_ms:.1f} | {busy} |")
+        lines.append(f"| {name} | {wall:.1f} | {busy_ms:.1f} | {busy} | {collected[name]:.1f} |")
     if cuda:
         lines += idle_table(timeline, times)
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"

@@ -29,7 +29,7 @@ def test_phase_table_matches_the_phases_wall_time(tmp_path):
                 torch.ones(64, 64) @ torch.ones(64, 64)
             walls[name] = (time.perf_counter() - t0) * 1e3
     text = (tmp_path / "step_1_rank0.txt").read_text()
-    rows = {m[1]: float(m[2]) for m in re.finditer(r"^\| (\w+) \| ([\d.]+) \| [\d.]+ \| - \|$", text, re.M)}
+    rows = {m[1]: float(m[2]) for m in re.finditer(r"^\| (\w+) \| ([\d.]+) \| [\d.]+ \| - \| [\d.]+ \|$", text, re.M)}
     assert set(rows) == {"generate", "update_actor"}, text
     for name, wall in walls.items():
         slept = dict(generate=50.0, update_actor=120.0)[name]
@@ -37,6 +37,45 @@ def test_phase_table_matches_the_phases_wall_time(tmp_path):
     assert "aten::mm" in text  # the op table follows
     trace = json.loads(gzip.open(tmp_path / "step_1_rank0.json.gz").read())
     assert {"phase/generate", "phase/update_actor"} <= {e.get("name") for e in trace["traceEvents"]}
+
+
+def test_garbage_collections_are_ranges_in_the_trace_and_counted_per_phase(tmp_path):
+    """Two collections inside a phase are `gc/generation2` ranges; the phase's GC ms is their time
+    (clocked around each gc.collect), the other phase's 0 (automatic collections off here)."""
+    import gc
+
+    clocked = []
+
+    def collect():
+        junk = []
+        for _ in range(20000):  # cycles for the collector to find
+            a, b = [], []
+            a.append(b)
+            b.append(a)
+            junk.append(a)
+        del junk
+        t0 = time.perf_counter()
+        gc.collect()
+        clocked.append((time.perf_counter() - t0) * 1e3)
+
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        with step_profiler.profiled_step(1, str(tmp_path), 0, torch.device("cpu")):
+            with step_profiler.phase_range("generate"):
+                time.sleep(0.02)
+            with step_profiler.phase_range("update_actor"):
+                collect()
+                collect()
+    finally:
+        if was_on:
+            gc.enable()
+    text = (tmp_path / "step_1_rank0.txt").read_text()
+    rows = {m[1]: float(m[2]) for m in re.finditer(r"^\| (\w+) \| [\d.]+ \| [\d.]+ \| - \| ([\d.]+) \|$", text, re.M)}
+    assert rows["generate"] == 0.0, text
+    assert sum(clocked) * 0.7 <= rows["update_actor"] <= sum(clocked) + 0.2, (rows, clocked)
+    trace = json.loads(gzip.open(tmp_path / "step_1_rank0.json.gz").read())
+    assert sum(e.get("name") == "gc/generation2" for e in trace["traceEvents"]) == 2
 
 
 @pytest.mark.parametrize("steps", ["[0]", "[4]"])
