@@ -34,7 +34,7 @@ from typing import NoReturn
 import submitit
 from submitit.core.job_environment import JobEnvironment
 
-from spmd_rl.preemption import EXIT_PREEMPTED, StopFlag
+from spmd_rl.preemption import EXIT_PREEMPTED, EXIT_STATUS_DIR_ENV, StopFlag, recorded_exit_statuses
 
 log = logging.getLogger("launch")
 
@@ -149,11 +149,9 @@ class TrainerTask(submitit.helpers.Checkpointable):
             rc = self._run_in_process()
             leader = env.global_rank == 0
         elif self.mode == "torchrun":
-            rc = self._run_torchrun(env, rdzv)
-            # torchrun reports a worker's EXIT_PREEMPTED (or its own exit on the signal) as a plain
-            # failure; this task's flag -- it got the signal too -- tells the two apart.
-            if rc != 0 and stop.local():
-                rc = EXIT_PREEMPTED
+            status_dir = self._torchrun_dir(env, rdzv) + "_exit_status"
+            rc = self._run_torchrun(env, rdzv, status_dir)
+            rc = node_exit_status(rc, recorded_exit_statuses(status_dir), stop.local())
             leader = env.node == 0
         else:
             raise ValueError(f"mode {self.mode!r} is not one of {MODES}")
@@ -169,16 +167,20 @@ class TrainerTask(submitit.helpers.Checkpointable):
         trainer = importlib.import_module(TRAINER_MODULE)
         return int(trainer.main(list(self.argv)))
 
-    def _run_torchrun(self, env: JobEnvironment, rdzv: Rendezvous) -> int:
-        log_dir = os.path.join(str(env.paths.folder), f"{env.job_id}_torchrun", f"restart{rdzv.restart}",
-                               f"node{env.node}")
+    @staticmethod
+    def _torchrun_dir(env: JobEnvironment, rdzv: Rendezvous) -> str:
+        return os.path.join(str(env.paths.folder), f"{env.job_id}_torchrun", f"restart{rdzv.restart}", f"node{env.node}")
+
+    def _run_torchrun(self, env: JobEnvironment, rdzv: Rendezvous, status_dir: str) -> int:
+        """torchrun's exit status; its ranks write their own into `status_dir`."""
+        log_dir = self._torchrun_dir(env, rdzv)
         graceful = torchrun_supports_graceful_stop()
         if not graceful:
             log.warning("this torchrun has no --signals-to-handle/--shutdown-timeout: it kills its workers 30 s "
                         "after SIGTERM, and SIGUSR1/2 stop torchrun itself; upgrade torch for clean preemption")
         cmd = torchrun_command(env, rdzv, self.nproc_per_node, TRAINER_MODULE, self.argv, log_dir, graceful)
         log.info("running %s", " ".join(cmd))
-        return subprocess.run(cmd).returncode
+        return subprocess.run(cmd, env={**os.environ, EXIT_STATUS_DIR_ENV: status_dir}).returncode
 
     def _after_preemption(self, stop: StopFlag, leader: bool) -> NoReturn:
         """The trainer stopped on a signal and its checkpoint is complete: requeue, or just exit.
@@ -216,6 +218,26 @@ class TrainerTask(submitit.helpers.Checkpointable):
         (an explicit trainer.resume of the first run must not apply to the second)."""
         argv = [a for a in self.argv if not a.startswith("trainer.resume=")] + ["trainer.resume=auto"]
         return submitit.helpers.DelayedSubmission(replace(self, argv=argv), *args, **kwargs)
+
+
+def node_exit_status(torchrun_rc: int, ranks: dict[int, int], stopped: bool) -> int:
+    """The trainer's exit status on a node that ran torchrun, which reports any failing worker as
+    its own status 1. `ranks`: the statuses the node's ranks recorded (a rank killed first has
+    none); `stopped`: this task got a stop signal too.
+
+    A rank's own failure wins (EXIT_NOT_SAVED above all: a stop whose checkpoint was not written
+    must not be requeued, the requeue would only repeat it); then EXIT_PREEMPTED when a rank
+    recorded it or the task was stopped (torchrun exits on the signal too); else torchrun's."""
+    from spmd_rl.checkpoint import EXIT_NOT_SAVED  # imports torch: only when the trainer failed or stopped
+
+    if torchrun_rc == 0:
+        return 0
+    failed = [code for code in ranks.values() if code not in (0, EXIT_PREEMPTED)]
+    if failed:
+        return EXIT_NOT_SAVED if EXIT_NOT_SAVED in failed else failed[0]
+    if stopped or EXIT_PREEMPTED in ranks.values():
+        return EXIT_PREEMPTED
+    return torchrun_rc
 
 
 def requeue_reason(stop: StopFlag) -> str | None:

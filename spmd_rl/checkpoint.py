@@ -79,8 +79,8 @@ on 2 ranks into tmpfs), which bounds the save at the end of a run and, when a wr
 steps between saves, the next save's stall."""
 FAULT_ENV = "SPMD_RL_CHECKPOINT_FAULT"
 """Test hook, read after a save's files are written: "fail@N" makes the save of step N fail as on
-a full disk (an ENOSPC write failure on every rank); "delay@N:S" holds the commit of step N back S
-seconds (a save in flight)."""
+a full disk (an ENOSPC write failure on every rank), "fail@N+" every save from step N on;
+"delay@N:S" holds the commit of step N back S seconds (a save in flight)."""
 EXIT_NOT_SAVED = 4
 """Exit status of a run whose last checkpoint (at the end of training, or on a stop signal) was not
 written: skipped for lack of disk space, or its write failed. The log names why and the latest
@@ -212,10 +212,10 @@ def _items_without_data(metadata) -> int:
 
 def _fault(step: int) -> tuple[str, float] | None:
     spec = os.environ.get(FAULT_ENV, "")
-    m = re.fullmatch(r"(fail|delay)@(\d+)(?::([\d.]+))?", spec)
-    if not m or int(m.group(2)) != step:
+    m = re.fullmatch(r"(fail|delay)@(\d+)(\+?)(?::([\d.]+))?", spec)
+    if not m or not (step == int(m.group(2)) or (m.group(3) and step > int(m.group(2)))):
         return None
-    return m.group(1), float(m.group(3) or 0)
+    return m.group(1), float(m.group(4) or 0)
 
 
 # --------------------------------------------------------------------------- the checkpointer

@@ -38,6 +38,16 @@ def parse_args(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the trainer; the exit status (the module docstring), also written where a launcher asks
+    for it (preemption.EXIT_STATUS_DIR_ENV: under torchrun the SLURM task cannot see it otherwise)."""
+    from spmd_rl.preemption import record_exit_status
+
+    code = _main(argv)
+    record_exit_status(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     if args.list_configs:
         print(describe_presets())

@@ -22,12 +22,19 @@ of a preemption, not after a plain SIGTERM (a cancelled job must stay cancelled)
 from __future__ import annotations
 
 import os
+import re
 import signal
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 EXIT_PREEMPTED = 3
 """Exit status of a trainer that stopped early on a signal after writing a checkpoint."""
+
+EXIT_STATUS_DIR_ENV = "SPMD_RL_EXIT_STATUS_DIR"
+"""A folder the launcher names when it cannot see its ranks' exit statuses: torchrun reports a
+worker's status 3 and 4 alike as its own failure (1), and only 3 means "requeue". Each rank then
+writes its status there, in `rank_<RANK>` (`record_exit_status`), and the SLURM task that ran
+torchrun reads them (`recorded_exit_statuses`, launch/task.py)."""
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 """The signals that ask the trainer to stop: SLURM's SIGTERM and the usual `--signal` choices."""
@@ -117,3 +124,28 @@ class StopFlag:
             for sig, handler in cls._instance._previous.items():
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
             cls._instance = None
+
+
+def record_exit_status(code: int) -> None:
+    """Write this rank's exit status into the folder EXIT_STATUS_DIR_ENV names (nothing when unset).
+    Written to a temporary name and renamed, so a reader never sees half a number."""
+    directory = os.environ.get(EXIT_STATUS_DIR_ENV)
+    if not directory:
+        return
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"rank_{os.environ.get('RANK', '0')}")
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{code}\n")
+    os.replace(path + ".tmp", path)
+
+
+def recorded_exit_statuses(directory: str) -> dict[int, int]:
+    """Rank -> exit status, for the ranks that wrote one into `directory` (see EXIT_STATUS_DIR_ENV);
+    a rank killed before it could write is missing."""
+    found = {}
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        m = re.fullmatch(r"rank_(\d+)", name)
+        if m:
+            with open(os.path.join(directory, name)) as f:
+                found[int(m.group(1))] = int(f.read())
+    return dict(sorted(found.items()))

@@ -18,8 +18,8 @@ def tiny_cmd(run_dir, data_dir, *overrides, nproc=2):
             "data.synthetic_size=256", "data.val_batch_size=64", "trainer.val_every=0", *overrides]
 
 
-def run_cmd(cmd, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+def run_cmd(cmd, timeout=300, **env_vars):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **env_vars)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

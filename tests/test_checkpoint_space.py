@@ -564,20 +564,27 @@ def test_a_run_whose_checkpoints_do_not_fit_warns_goes_on_exits_4_and_resumes(tm
     """trainer.checkpoint_dir on a real filesystem with room for one checkpoint and a half (one
     rank): the start-up line warns, step 1 is written, steps 2 and 3 are skipped with a line each,
     training goes on to step 3, and the run exits 4 (its last checkpoint is not written). With room
-    again, the same command resumes from step 1, the latest complete checkpoint, and finishes (0)."""
+    again, the same command resumes from step 1, the latest complete checkpoint, and finishes (0).
+    Under torchrun, which exits 1 for any failing rank, the rank records its own 4 where a SLURM task
+    reads it (preemption.EXIT_STATUS_DIR_ENV): that task does not requeue, even after a stop signal."""
     from conftest import run_cmd, tiny_cmd
 
+    from launch.task import node_exit_status
     from spmd_rl.checkpoint import EXIT_NOT_SAVED
+    from spmd_rl.preemption import EXIT_STATUS_DIR_ENV, recorded_exit_statuses
 
     size = tiny_checkpoint_bytes()
     ckpt = small_filesystem.mount(int(1.6 * size))
     run_dir = tmp_path / "run"
     cmd = tiny_cmd(run_dir, tmp_path / "data", "trainer.total_steps=3", "trainer.save_every=1",
                    f"trainer.checkpoint_dir={ckpt}", "trainer.tensorboard=false", nproc=1)
-    p = run_cmd(cmd)
+    statuses = tmp_path / "exit_status"
+    p = run_cmd(cmd, **{EXIT_STATUS_DIR_ENV: str(statuses)})
     out = p.stdout + p.stderr
-    # torchrun exits 1 when a rank fails; the rank's own status is in its summary
-    assert p.returncode != 0 and re.search(rf"exitcode\s*:\s*{EXIT_NOT_SAVED}\b", out), out[-3000:]
+    # torchrun exits 1 when a rank fails; the rank's own status is in its summary, and recorded
+    assert p.returncode == 1 and re.search(rf"exitcode\s*:\s*{EXIT_NOT_SAVED}\b", out), out[-3000:]
+    assert recorded_exit_statuses(str(statuses)) == {0: EXIT_NOT_SAVED}
+    assert node_exit_status(p.returncode, recorded_exit_statuses(str(statuses)), stopped=True) == EXIT_NOT_SAVED
     start = [line for line in out.splitlines() if "checkpoints: " in line and "a save (" in line]
     assert len(start) == 1 and "WARNING" in start[0] and "DOES NOT FIT" in start[0], start
     for step in (2, 3):
@@ -588,9 +595,10 @@ def test_a_run_whose_checkpoints_do_not_fit_warns_goes_on_exits_4_and_resumes(tm
     assert not (run_dir / "checkpoints").exists()
 
     small_filesystem.resize(10 * size)
-    p = run_cmd(cmd)
+    p = run_cmd(cmd, **{EXIT_STATUS_DIR_ENV: str(statuses)})
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
+    assert recorded_exit_statuses(str(statuses)) == {0: 0}
     assert f"resumed from {ckpt}/step_1 at step 1" in out, out[-3000:]
     assert (open(os.path.join(ckpt, "latest")).read().strip()) == "step_3"
 

@@ -26,7 +26,7 @@ import pytest
 
 from launch.jobs import FINAL_STATES, job_info, wait_finished, wait_for
 from launch.slurm import LaunchSpec, executor_parameters, main as launch_main, parse_args, submit
-from launch.task import rendezvous_port
+from launch.task import node_exit_status, rendezvous_port
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "tests" / "slurm"
@@ -58,6 +58,22 @@ def test_rendezvous_port_is_shared_by_all_tasks_and_changes_on_requeue():
     assert rendezvous_port("1234", 0) == rendezvous_port("1234", 0)
     assert rendezvous_port("1234", 0) != rendezvous_port("1234", 1)
     assert all(20000 <= rendezvous_port(str(j), r) < 32000 for j in range(200) for r in range(3))
+
+
+@pytest.mark.parametrize("torchrun_rc, ranks, stopped, status", [
+    (0, {0: 0, 1: 0}, False, 0),
+    (1, {0: 3, 1: 3}, True, 3),     # preempted, checkpoint written: requeue
+    (1, {0: 4, 1: 4}, True, 4),     # stopped, but the checkpoint was not written: no requeue
+    (1, {0: 3, 1: 4}, True, 4),
+    (1, {0: 3}, True, 3),           # rank 1 killed before it recorded anything
+    (1, {}, True, 3),               # torchrun itself exited on the signal
+    (1, {}, False, 1),
+    (1, {0: 2, 1: 2}, False, 2),    # a user error
+    (1, {0: 1, 1: 3}, True, 1),     # a rank crashed
+])
+def test_torchrun_node_status_is_its_ranks_own(torchrun_rc, ranks, stopped, status):
+    """torchrun exits 1 for any failing rank; the task decides from what its ranks recorded."""
+    assert node_exit_status(torchrun_rc, ranks, stopped) == status
 
 
 def test_layout_splitting_a_tensor_parallel_group_across_nodes_is_refused_before_submitting(capsys, tmp_path):
@@ -241,3 +257,21 @@ def test_torchrun_mode_is_preempted_requeued_and_resumes(launch, tmp_path):
     folder = Path(job.paths.folder) / f"{job.job_id}_torchrun"
     for restart in (0, 1):
         assert len(list(folder.glob(f"restart{restart}/node0/**/stderr.log"))) == 2, list(folder.rglob("*"))
+
+
+@pytest.mark.slurm
+def test_torchrun_mode_stopped_without_its_checkpoint_is_not_requeued(launch, tmp_path):
+    """torchrun mode, preempted after step 3's checkpoint, and every save from step 4 on fails
+    (SPMD_RL_CHECKPOINT_FAULT=fail@4+): the ranks stop and exit 4 (EXIT_NOT_SAVED), torchrun 1. The
+    task reads its ranks' own statuses and ends the job without a requeue (it would only repeat the
+    failure); step_3 stays the latest checkpoint."""
+    job, run = launch(40, "trainer.save_every=3", mode="torchrun", tasks_per_node=None, nproc_per_node=2,
+                      env={"SPMD_RL_CHECKPOINT_FAULT": "fail@4+"})
+    wait_for_file(run / "checkpoints" / "step_3", job.job_id, CKPT_TIMEOUT_S)
+    preempt_with_urgent_job(tmp_path)
+    info = wait_finished(job.job_id, JOB_TIMEOUT_S)
+    logs = task_logs(job)
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", (info, logs[-3000:])
+    assert "trainer exited with status 4" in logs and "requeueing" not in logs, logs[-3000:]
+    assert re.search(r"stopped on a stop signal at step \d+ without its checkpoint", (run / "trainer.log").read_text())
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_3"
