@@ -13,8 +13,13 @@ over --reps rounds after one warm-up, each after an empty allocator cache (as af
              forward gives the old log-probs, copied to the host per micro-batch)
   bench+exp  bench with expandable segments (the trainer's allocator setting outside vLLM)
   own+exp    both
+With --with-engine the process first does what the trainer does before its update: it builds
+spmd_rl's colocated vLLM engine (bench_step's settings, before anything is compiled), gives it the
+actor's weights, generates bench_step's rollout (64 prompts x 8 samples x 512 tokens) and puts it
+to sleep; the modes then run beside the sleeping engine. The same modes with and without it, in one
+call, tell whether the engine's presence in the process is what slows the step's update.
 Prints each run and a summary (best, mean, MFU against the bf16 matmul peak measured here); writes
-OUT/probe_update_gap_<arch>.json. Measured 2026-11-25 (1xH100): all four 7.2-7.5 s at 39% MFU for
+OUT/probe_update_gap_<arch>[_engine].json. Measured 2026-11-25 (1xH100): all four 7.2-7.5 s at 39% MFU for
 243,200 tokens, against 8.5-9.0 s for the update inside bench_step's step (docs/performance.md).
 """
 
@@ -57,6 +62,8 @@ def main() -> None:
     ap.add_argument("--variant", default="packed-compile-headcompile", help="a bench_train variant")
     ap.add_argument("--model-root", default="/tmp/spmd_rl_models")
     ap.add_argument("--out", default="/tmp/probe_update_gap")
+    ap.add_argument("--with-engine", action="store_true",
+                    help="build, use and put to sleep the colocated vLLM engine first (as the step does)")
     args = ap.parse_args()
     env = init_distributed("auto")
     cuda = env.device.type == "cuda"
@@ -67,6 +74,7 @@ def main() -> None:
                        gradient_checkpointing=True)
     bench_train.set_variant(model, *bench_train.VARIANTS[args.variant])
     opt = make_optimizer(model, 1e-6, 0.0, [0.9, 0.999])
+    engine = sleeping_engine(args, env, model, mdir) if args.with_engine else None
     batch = bench_train.rollout_batch(args.rows, config.vocab_size, 512, seed=env.rank, fixed_len=args.row_len)
     tokens, n_params = int(batch["attention_mask"].sum()), count_parameters(model)
 
@@ -99,8 +107,43 @@ def main() -> None:
         print(f"SUMMARY {mode:10s} best {min(ts):.2f} s, mean {sum(ts) / len(ts):.2f} s, MFU (best) {mfu(min(ts)):.1f}%")
     if env.is_main:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"probe_update_gap_{args.arch}.json"), "w") as f:
-            json.dump({"arch": args.arch, "tokens": tokens, "peak_tflops": peak, "seconds": times}, f, indent=1)
+        name = f"probe_update_gap_{args.arch}{'_engine' if engine is not None else ''}.json"
+        with open(os.path.join(args.out, name), "w") as f:
+            json.dump({"arch": args.arch, "tokens": tokens, "peak_tflops": peak, "seconds": times,
+                       "with_engine": engine is not None}, f, indent=1)
+    if engine is not None:
+        engine.close()
+
+
+def sleeping_engine(args, env, model, model_dir: str):
+    """spmd_rl's VLLMEngine with bench_step's settings, after one rollout of bench_step's work with
+    the actor's weights (EOS ignored: random weights), asleep as during the step's update."""
+    import functools
+
+    import bench_generation
+
+    from spmd_rl.rollout import vllm_engine
+    from spmd_rl.rollout.base import SamplingParams
+    from spmd_rl.weight_sync import iter_weights
+
+    shape = argparse.Namespace(arch=args.arch, max_tokens=512, prompts=64, samples=8)
+    cfg = bench_generation.bench_config(shape, bench_generation.GROUPS["colocated"])
+    vllm_engine.use_cache_root(os.path.join(args.out, "vllm_cache"))
+    vllm_engine.to_vllm_sampling = functools.partial(vllm_engine.to_vllm_sampling, ignore_eos=True)
+    engine = vllm_engine.VLLMEngine(cfg, model_dir, env.rank, env.world_size, env.local_rank, env.local_world_size)
+    engine.stop_ids = []  # with ignore_eos: every response is 512 tokens, as random weights give
+    t = time.perf_counter()
+    engine.wake_up(["weights"])
+    engine.load_weights(iter_weights(model, torch.bfloat16, cfg.rollout.weight_sync_bucket_mb))
+    engine.wake_up(["kv_cache"])
+    out = engine.generate(bench_generation.bench_prompts(shape.prompts),
+                          SamplingParams(n=shape.samples, max_new_tokens=shape.max_tokens, seed=0,
+                                         logprobs_every=cfg.rollout_logprobs_plan()[0]))
+    engine.sleep()
+    tokens = sum(len(c.token_ids) for cs in out for c in cs)
+    print(f"engine built in {engine.init_seconds:.1f} s; rollout of {tokens} tokens, sync and sleep in "
+          f"{time.perf_counter() - t:.1f} s", flush=True)
+    return engine
 
 
 if __name__ == "__main__":
