@@ -13,7 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from spmd_rl import algorithms as algos
 from spmd_rl import sequence_parallel
-from spmd_rl.batch import Batch, iter_micro_batches
+from spmd_rl.batch import Batch, HostColumns, iter_micro_batches
 from spmd_rl.config import ActorConfig
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ def forward_logprobs(model: torch.nn.Module, mb: Batch, temperature: float, with
     gets the whole micro-batch's columns."""
     if not hasattr(model, "spmd_chunked_logprobs"):
         raise TypeError("forward_logprobs needs a model from models.load_causal_lm or models.prepare_policy")
-    layout = sequence_parallel.make_layout(mb["input_ids"], mb["attention_mask"], model)
+    layout = sequence_parallel.make_layout(mb, model)
     logp, entropy = model(**layout.inputs, use_cache=False, logprob_targets=layout.targets, temperature=temperature,
                           with_entropy=with_entropy, entropy_grad=entropy_grad)
     return layout.to_columns(logp), None if entropy is None else layout.to_columns(entropy)
@@ -51,12 +51,11 @@ def per_token_outputs(model: torch.nn.Module, batch: Batch, forward, micro_batch
     """`forward(micro-batch on device) -> [b, l]` over the whole batch in micro-batches (see
     batch.iter_micro_batches), gathered into [B, L] float32 on CPU and masked to the responses;
     then the model's FSDP units are resharded (no-grad forwards leave the root gathered)."""
-    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+    out = HostColumns(batch["input_ids"].shape)
     for rows, mb in iter_micro_batches(batch, micro_batch_size, max_tokens):
-        values = forward(mb.to(device))
-        out[rows, :values.shape[1]] = values.to("cpu", torch.float32)
+        out.put(rows, forward(mb.to(device)))
     reshard(model)
-    return out * batch["response_mask"]
+    return out.result() * batch["response_mask"]
 
 
 def reshard(model: torch.nn.Module) -> None:
@@ -94,8 +93,8 @@ def actor_loss_fn(model: torch.nn.Module, cfg: ActorConfig, temperature: float,
             pg_loss, m = algos.policy_loss(logp, old, adv, mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
                                            cfg.clip_ratio_c, cfg.loss_agg_mode, denom=denom, is_weights=w)
         loss = pg_loss
-        metrics = {"pg_loss": pg_loss.item(), "entropy": algos.masked_mean(entropy.detach(), mask).item(),
-                   **{k: float(v) for k, v in m.items()}}
+        # 0-d tensors, read once per update (update.ppo_update): no wait for the GPU per micro-batch
+        metrics = {"pg_loss": pg_loss.detach(), "entropy": algos.masked_mean(entropy.detach(), mask), **m}
         if need_entropy_grad:
             ent = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, denom=denom)
             loss = loss - cfg.entropy_coeff * ent
@@ -103,7 +102,7 @@ def actor_loss_fn(model: torch.nn.Module, cfg: ActorConfig, temperature: float,
             kl = algos.kl_penalty(logp, mb["ref_logprobs"], cfg.kl_loss_type)
             kl_loss = algos.agg_loss(kl, mask, cfg.loss_agg_mode, denom=denom)
             loss = loss + cfg.kl_loss_coef * kl_loss
-            metrics["kl_loss"] = kl_loss.item()
+            metrics["kl_loss"] = kl_loss.detach()
         return loss, metrics
 
     return loss_fn

@@ -23,12 +23,55 @@ from spmd_rl.distributed import all_reduce_max_int
 from spmd_rl.rollout.base import Completion
 
 
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`tensor` on `device`. A CPU tensor goes to a CUDA device through pinned memory and
+    non-blocking: the copy is queued behind the GPU's work and the host goes on, where a copy from
+    pageable memory waits until the GPU has finished everything queued before it (the pinned block
+    is not reused before the copy is done: PyTorch's host allocator records it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+class HostColumns:
+    """A [B, L] float32 CPU tensor filled with rows of device outputs, [b, l] at a time. The copies
+    are queued without waiting (into pinned memory); `result()` waits for them once. Reading each
+    copy at once would make the host wait for the GPU at every micro-batch and leave the GPU idle
+    while the next one is launched."""
+
+    def __init__(self, shape: torch.Size):
+        self.out = torch.zeros(shape, dtype=torch.float32)
+        self.pending: list[tuple[list[int] | torch.Tensor, torch.Tensor]] = []
+        self.queued_on: set[torch.device] = set()  # devices with copies still in flight
+
+    def put(self, rows: list[int] | torch.Tensor, values: torch.Tensor) -> None:
+        values = values.detach()
+        if values.device.type == "cuda":
+            host = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)
+            self.pending.append((rows, host.copy_(values, non_blocking=True)))
+            self.queued_on.add(values.device)
+        else:
+            self.pending.append((rows, values.to(torch.float32)))
+
+    def result(self) -> torch.Tensor:
+        for device in self.queued_on:
+            torch.cuda.synchronize(device)  # every queued copy has landed
+        for rows, values in self.pending:
+            self.out[rows, :values.shape[1]] = values
+        self.pending, self.queued_on = [], set()
+        return self.out
+
+
 @dataclass
 class Batch:
     tensors: dict[str, torch.Tensor]
     """[B, ...] tensors; `input_ids`, `attention_mask`, `response_mask` always present."""
     meta: dict[str, list] = field(default_factory=dict)
     """Per-row Python values (data_source, ground_truth, ...)."""
+    host: "Batch | None" = field(default=None, repr=False, compare=False)
+    """On a batch made by `to(device)`: the CPU batch it was copied from, whose values the host can
+    read without waiting for the device (the packed layout's boundaries, the rows' indices)."""
 
     def __len__(self) -> int:
         return self.tensors["input_ids"].shape[0]
@@ -56,7 +99,10 @@ class Batch:
         return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.meta)
+        """A copy on `device`, queued without waiting for the device (`to_device`); `host` keeps this
+        batch, when it is on the CPU."""
+        return Batch({k: to_device(v, device) for k, v in self.tensors.items()}, self.meta,
+                     host=self if all(v.device.type == "cpu" for v in self.tensors.values()) else None)
 
     def trimmed(self) -> "Batch":
         """Drop columns that are padding in every row (micro-batches are shorter than the batch)."""

@@ -16,7 +16,7 @@ from spmd_rl.config import CriticConfig
 
 
 def forward_values(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
-    layout = sequence_parallel.make_layout(mb["input_ids"], mb["attention_mask"], model)
+    layout = sequence_parallel.make_layout(mb, model)
     out = model(**layout.inputs, use_cache=False).logits
     return layout.to_columns(out[..., 0].float())
 
@@ -31,8 +31,8 @@ def critic_loss_fn(model: torch.nn.Module, cfg: CriticConfig):
         values = forward_values(model, mb)
         loss, m = algos.value_loss(values, mb["values"], mb["returns"], mb["response_mask"],
                                    cfg.cliprange_value, cfg.loss_agg_mode, denom=denom)
-        metrics = {"vf_loss": loss.item(), **{k: float(v) for k, v in m.items()},
-                   "vpred_mean": algos.masked_mean(values.detach(), mb["response_mask"]).item()}
+        metrics = {"vf_loss": loss.detach(), **m,  # 0-d tensors, read once per update (update.ppo_update)
+                   "vpred_mean": algos.masked_mean(values.detach(), mb["response_mask"])}
         return loss, metrics
 
     return loss_fn

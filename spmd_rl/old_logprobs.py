@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from spmd_rl.batch import Batch
+from spmd_rl.batch import Batch, HostColumns
 from spmd_rl.rollout_correction import is_weights
 
 if TYPE_CHECKING:
@@ -62,14 +62,14 @@ class UpdateLogprobs:
         self.batch = Batch({**actor_batch.tensors, ROW: torch.arange(len(actor_batch))}, actor_batch.meta)
         """The update's batch: the actor's, with each row's index (ROW)."""
         self.alg = alg
-        self._logprobs = torch.zeros(actor_batch["input_ids"].shape, dtype=torch.float32)
+        self._logprobs = HostColumns(actor_batch["input_ids"].shape)
         self._seen = torch.zeros(len(actor_batch), dtype=torch.long)
 
     def take(self, mb: Batch, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(old log-probs, TIS weights or None) of micro-batch `mb` whose forward gave `logp` [b, l]."""
         old = logp.detach()
-        rows = mb[ROW].cpu()
-        self._logprobs[rows, :old.shape[1]] = old.to("cpu", torch.float32)
+        rows = mb.host[ROW] if mb.host is not None else mb[ROW].cpu()  # the host's copy: no wait for the GPU
+        self._logprobs.put(rows, old)
         self._seen[rows] += 1
         weights = None
         if self.alg.rollout_is:  # row-local: the same numbers as rollout_correction.correct over the batch
@@ -84,4 +84,4 @@ class UpdateLogprobs:
         if not bool((self._seen == 1).all()):
             raise RuntimeError("the update's forward saw some rows of the step not exactly once: the old log-probs "
                                "cannot come from it (see spmd_rl/old_logprobs.py)")
-        return self._logprobs * response_mask
+        return self._logprobs.result() * response_mask

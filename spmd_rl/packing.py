@@ -9,7 +9,8 @@ token t, the value before t; column 0 gets 0) -- the batch's convention.
 - `PackedLayout` (`model.remove_padding`): the rows' real tokens concatenated into one [1, T] row,
   position ids restarting at 0 per sequence (a left-aligned row's column *is* the position) and
   the boundaries as `cu_seq_lens_*` for a variable-length attention backend
-  (spmd_rl.varlen_attention). No compute or memory is spent on padding.
+  (spmd_rl.varlen_attention). No compute or memory is spent on padding. Built from the host's copy
+  of the mask (Batch.host), it never waits for the GPU.
 - `sequence_parallel.SlicedLayout` (trainer.ulysses_size > 1, built by sequence_parallel.make_layout):
   a packed row of which each rank of a sequence-parallel group feeds one slice of the tokens to the model.
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from spmd_rl.batch import to_device
 
 
 class PaddedLayout:
@@ -36,14 +39,21 @@ class PaddedLayout:
 
 
 class PackedLayout:
-    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """`host_mask`: the micro-batch's attention mask on the CPU (Batch.host), when `attention_mask`
+    is on a GPU: the boundaries are counted there and copied over without waiting, so building the
+    layout never waits for the GPU (it would wait for all the work queued before it, a previous
+    micro-batch's backward included, and leave the GPU idle while the next forward is launched)."""
+
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, host_mask: torch.Tensor | None = None):
         self.shape = input_ids.shape
-        lens = attention_mask.sum(1)
-        self.rows, self.cols = attention_mask.bool().nonzero(as_tuple=True)  # row by row, left to right
-        packed = input_ids[self.rows, self.cols][None]
+        mask = attention_mask if host_mask is None else host_mask
+        lens = mask.sum(1)
+        rows, cols = mask.bool().nonzero(as_tuple=True)  # row by row, left to right
         cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
         max_len = int(lens.max())
-        self.inputs = {"input_ids": packed, "position_ids": self.cols[None],
+        self.rows, self.cols, cu = (to_device(t, input_ids.device) for t in (rows, cols, cu))
+        packed = input_ids[self.rows, self.cols][None]
+        self.inputs = {"input_ids": packed, "position_ids": self.cols[None], "attention_mask": empty_mask(packed.device),
                        "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
         self.targets = torch.roll(packed, -1, dims=1)
         self.num_tokens = packed.shape[1]
@@ -54,9 +64,19 @@ class PackedLayout:
         return shifted.new_zeros(self.shape).index_put((self.rows, self.cols), shifted)
 
 
-def make_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool):
+def empty_mask(device: torch.device) -> torch.Tensor:
+    """The attention mask a packed row is given: an empty 4-D mask, which the attention backend
+    (spmd_rl.varlen_attention) ignores for the row's cu_seq_lens. transformers takes a 4-D mask as
+    made already and builds none; given no mask, it would look for packed sequences in the position
+    ids and read a flag back from the GPU at every forward (masking_utils.find_packed_sequence_indices)."""
+    return torch.empty((1, 1, 0, 0), dtype=torch.bool, device=device)
+
+
+def make_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool,
+                host_mask: torch.Tensor | None = None):
     """The layout of a micro-batch for a model loaded `packed` (model.remove_padding) or not
-    (spmd_rl.sequence_parallel.make_layout slices it for sequence parallelism)."""
+    (spmd_rl.sequence_parallel.make_layout slices it for sequence parallelism); `host_mask`: see
+    PackedLayout."""
     if not packed:
         return PaddedLayout(input_ids, attention_mask)
-    return PackedLayout(input_ids, attention_mask)
+    return PackedLayout(input_ids, attention_mask, host_mask)

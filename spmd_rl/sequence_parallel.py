@@ -167,11 +167,12 @@ class SlicedLayout:
         if pad:  # the padding is a sequence of its own: it attends to itself only, its outputs are dropped
             ids = F.pad(ids, (0, pad))
             pos = torch.cat([pos, torch.arange(pad, device=pos.device, dtype=pos.dtype)[None]], dim=1)
-            cu = torch.cat([cu, cu.new_tensor([total + pad])])
+            cu = torch.cat([cu, cu[-1:] + pad])  # total + pad, without a copy from the host (it would wait)
             max_len = max(max_len, pad)
         n = (total + pad) // sp.size
         part = slice(sp.rank * n, (sp.rank + 1) * n)
-        self.inputs = {"input_ids": ids[:, part], "position_ids": pos[:, part], "cu_seq_lens_q": cu,
+        self.inputs = {"input_ids": ids[:, part], "position_ids": pos[:, part],
+                       "attention_mask": packed.inputs["attention_mask"], "cu_seq_lens_q": cu,
                        "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
         self.targets = F.pad(packed.targets, (0, pad))[:, part]  # shifted on the whole row, then sliced
         self.num_tokens = total
@@ -186,12 +187,14 @@ def of_model(model: torch.nn.Module) -> SPGroups | None:
     return getattr(model, "spmd_ulysses", None)
 
 
-def make_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, model: torch.nn.Module):
-    """The layout of a micro-batch for `model` (packing.make_layout), sliced for this rank when the
-    model is set up for sequence parallelism (apply)."""
+def make_layout(mb, model: torch.nn.Module):
+    """The layout of micro-batch `mb` (spmd_rl.batch.Batch) for `model` (packing.make_layout, from the
+    host's copy of the mask where `mb` has one), sliced for this rank when the model is set up for
+    sequence parallelism (apply)."""
     from spmd_rl.models import uses_packing
 
-    layout = packing.make_layout(input_ids, attention_mask, uses_packing(model))
+    host_mask = mb.host["attention_mask"] if mb.host is not None else None
+    layout = packing.make_layout(mb["input_ids"], mb["attention_mask"], uses_packing(model), host_mask)
     sp = of_model(model)
     return SlicedLayout(layout, sp) if sp is not None and sp.enabled else layout
 

@@ -8,7 +8,6 @@ depend on how many ranks or micro-batches the mini-batch was split into.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Callable
 
 import torch
@@ -18,10 +17,34 @@ from spmd_rl.batch import Batch, iter_micro_batches
 from spmd_rl.distributed import all_reduce_sum
 from spmd_rl.offload import move_optimizer_state
 
-LossFn = Callable[[Batch, float], tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[[Batch, float], tuple[torch.Tensor, dict[str, "torch.Tensor | float"]]]
 """loss_fn(micro_batch, denom) -> (loss, metrics). Metrics whose name ends in "loss" are already
 divided by `denom` and add up over micro-batches; all others are token means over the micro-batch
-and are weighted here by the micro-batch's share of the mini-batch's tokens."""
+and are weighted here by the micro-batch's share of the mini-batch's tokens. A metric is a float
+or a 0-d tensor where it was computed (the GPU: `MetricSums` reads it once per update)."""
+
+
+class MetricSums:
+    """Weighted sums of the micro-batches' metrics, kept where they were computed and read on the
+    host once (`read`). Reading a GPU value at every micro-batch would make the host wait there
+    until the GPU has run everything queued, the forward included, and leave the GPU idle while the
+    host launches the backward and the next micro-batch."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor | float] = {}
+
+    def add(self, key: str, value: torch.Tensor | float, weight: float = 1.0) -> None:
+        value = value.detach().to(torch.float64) * weight if isinstance(value, torch.Tensor) else float(value) * weight
+        self.sums[key] = self.sums[key] + value if key in self.sums else value
+
+    def read(self) -> dict[str, float]:
+        """Every sum as a float: one copy to the host per device."""
+        out = {k: v for k, v in self.sums.items() if not isinstance(v, torch.Tensor)}
+        tensors = [(k, v) for k, v in self.sums.items() if isinstance(v, torch.Tensor)]
+        for device in {v.device for _, v in tensors}:
+            keys = [k for k, v in tensors if v.device == device]
+            out.update(zip(keys, torch.stack([self.sums[k].reshape(()) for k in keys]).tolist()))
+        return out
 
 
 def global_denominator(mini: Batch, loss_agg_mode: str, device: torch.device) -> float:
@@ -46,7 +69,7 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     """`max_tokens > 0`: micro-batches by token budget (spmd_rl.batch.plan_micro_batches) instead
     of `micro_batch_size` rows; the loss is normalised by the global mini-batch count either way.
     `offload_optimizer`: the optimizer state lives on CPU and visits `device` for each step."""
-    sums: dict[str, float] = defaultdict(float)
+    sums = MetricSums()
     n_steps = 0
     for _ in range(epochs):
         for mini in batch.split(mini_batch_size):
@@ -60,18 +83,18 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
                     model.set_requires_gradient_sync(i == len(micros) - 1)
                 loss, metrics = loss_fn(micro.to(device), denom)
                 loss.backward()
-                share = float(micro["response_mask"].sum()) / token_denom
+                share = float(micro["response_mask"].sum()) / token_denom  # the host's copy: no wait
                 for k, v in metrics.items():
-                    sums[k] += float(v) if k.endswith("loss") else float(v) * share
-            grad_norm = clip_grad_norm(model, grad_clip)
+                    sums.add(k, v, 1.0 if k.endswith("loss") else share)
+            grad_norm = clip_grad_norm(model, grad_clip)  # the one wait for the GPU per optimizer step
             if torch.isfinite(torch.tensor(grad_norm)):
                 step_optimizer(optimizer, device, offload_optimizer)
             else:
-                sums["skipped_steps"] += 1.0
-            sums["grad_norm"] += grad_norm
+                sums.add("skipped_steps", 1.0)
+            sums.add("grad_norm", grad_norm)
             n_steps += 1
     optimizer.zero_grad(set_to_none=True)  # the rollout engine gets the gradients' memory
-    out = {k: v / n_steps for k, v in sums.items()}
+    out = {k: v / n_steps for k, v in sums.read().items()}
     out["lr"] = optimizer.param_groups[0]["lr"]
     return out
 

@@ -36,7 +36,8 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
-    if query.shape[0] != 1 or attention_mask is not None or sliding_window is not None or dropout:
+    if query.shape[0] != 1 or (attention_mask is not None and attention_mask.numel()) or sliding_window is not None \
+            or dropout:  # a packed row's mask is empty (packing.empty_mask)
         raise ValueError("packed attention takes one packed row, no attention mask, no sliding window, no dropout")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     if q.is_cuda:

@@ -7,6 +7,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dist_utils import run_distributed
+from spmd_rl.batch import Batch
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -128,3 +129,150 @@ def test_fsdp_actor_logprobs_match_plain_from_pretrained(tmp_path):
 
     materialize_random_model(str(tmp_path), tiny_config(), seed=3, dtype=torch.float32)
     run_distributed(_fsdp_logprobs_body, 2, str(tmp_path))
+
+
+# --------------------------------------------------------------------------- the host never waits per micro-batch
+
+HOST_READS = {"item", "__float__", "__int__", "__bool__", "__index__", "tolist", "cpu", "numpy", "nonzero",
+              "equal", "allclose", "is_nonzero", "any", "all"}
+"""Tensor methods that read values on the host: on a GPU tensor each waits for all the work queued
+before it (`all` and `any` only when their result is then used as a Python bool; counted here
+either way)."""
+
+
+CPU_ONLY = ("_sdpa_per_sequence",)
+"""Reads on code paths that run on the CPU only: the packed attention's CPU stand-in reads the
+boundaries (on CUDA, PyTorch's varlen kernel takes them as a device tensor)."""
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor standing for one on a GPU: each host read of its values (HOST_READS) and of
+    the tensors computed from it is recorded with the spmd_rl function that made it."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        to_host = name == "to" and any(str(a) == "cpu" for a in (*args[1:], *(kwargs or {}).values()))
+        if (name in HOST_READS and not (name in ("any", "all") and kwargs)) or to_host:
+            where = _caller()
+            if not where.startswith(CPU_ONLY):
+                cls.reads.append(f"{name} in {where}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _caller() -> str:
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None and "spmd_rl" not in frame.f_code.co_filename and "transformers" not in frame.f_code.co_filename:
+        frame = frame.f_back
+    return "?" if frame is None else f"{frame.f_code.co_qualname} ({frame.f_code.co_filename.rsplit('/', 1)[-1]})"
+
+
+@pytest.fixture
+def device_stand_in(monkeypatch):
+    """What `Batch.to` and the packed layout put on the device becomes OnDevice."""
+    from spmd_rl import packing
+    from spmd_rl.batch import Batch
+
+    def on_device(tensor):
+        return tensor.as_subclass(OnDevice)
+
+    moved_by = Batch.to
+
+    def to(self, device):
+        moved = moved_by(self, device)
+        moved.tensors = {k: on_device(v) for k, v in moved.tensors.items()}
+        return moved
+
+    monkeypatch.setattr(Batch, "to", to)
+    if hasattr(packing, "to_device"):
+        monkeypatch.setattr(packing, "to_device", lambda tensor, device: on_device(tensor.to(device)))
+    OnDevice.reads = []
+    return OnDevice
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["old-logprobs-given", "on-policy-shortcut"])
+def test_update_reads_device_values_once_whatever_its_micro_batches(device_stand_in, own):
+    """The packed actor update over 1 and over 4 micro-batches: the host reads values computed on
+    the device once per update (the metrics, MetricSums.read), never per micro-batch: no read in the
+    layout, the model, the loss or the on-policy log-probs, which on a GPU would each wait for the
+    queued forward and backward and leave the GPU idle while the host launches the next work."""
+    from spmd_rl.actor import actor_loss_fn
+    from spmd_rl.config import ActorConfig, AlgorithmConfig
+    from spmd_rl.models import prepare_policy
+    from spmd_rl.old_logprobs import UpdateLogprobs
+    from spmd_rl.update import ppo_update
+
+    batch = make_batch(rows=8)
+    reads = {}
+    for budget in (200, 20):  # every row in one micro-batch; 4 of 2-3 rows
+        torch.manual_seed(0)
+        model = prepare_policy(Qwen2ForCausalLM(tiny_config()), remove_padding=True, chunked_logprobs=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        cfg = ActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, use_kl_loss=False)
+        updater = UpdateLogprobs(batch, AlgorithmConfig()) if own else None
+        device_stand_in.reads = []
+        metrics = ppo_update(model, opt, updater.batch if own else batch, actor_loss_fn(model, cfg, 1.0, updater),
+                             mini_batch_size=8, micro_batch_size=1, epochs=1, grad_clip=1.0,
+                             loss_agg_mode="token-mean", device=torch.device("cpu"), max_tokens=budget)
+        reads[budget] = list(device_stand_in.reads)
+        assert {"pg_loss", "entropy", "clipfrac", "ppo_kl", "grad_norm"} <= set(metrics)
+        if own:
+            assert updater.logprobs(batch["response_mask"]).abs().sum() > 0
+    assert reads[200] == reads[20] == ["tolist in MetricSums.read (update.py)"], reads
+
+
+def test_metric_sums_match_per_micro_batch_reads():
+    """MetricSums' sums of tensors and floats, read once, against the same sums read one by one in float64."""
+    from spmd_rl.update import MetricSums
+
+    g = torch.Generator().manual_seed(0)
+    values = [(torch.rand((), generator=g, dtype=torch.float32), float(torch.rand((), generator=g)), 0.1 + i / 7)
+              for i in range(5)]
+    sums = MetricSums()
+    want = {"a": 0.0, "b": 0.0}
+    for tensor, number, weight in values:
+        sums.add("a", tensor, weight)
+        sums.add("b", number, weight)
+        want["a"] += float(tensor) * weight
+        want["b"] += number * weight
+    got = sums.read()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-12), k
+
+
+def test_log_prob_pass_and_critic_update_read_no_device_value_per_micro_batch(device_stand_in, tmp_path):
+    """The no-grad log-prob pass (actor.compute_logprobs: old and reference log-probs) reads nothing
+    from the device until its queued copies have all landed (HostColumns.result); the critic's update
+    reads once, as the actor's. Its log-probs equal the plain padded model's."""
+    from spmd_rl.actor import compute_logprobs
+    from spmd_rl.config import CriticConfig
+    from spmd_rl.critic import critic_loss_fn
+    from spmd_rl.models import load_value_model, prepare_policy
+    from spmd_rl.update import ppo_update
+
+    batch = make_batch(rows=8)
+    torch.manual_seed(0)
+    plain = Qwen2ForCausalLM(tiny_config())
+    with torch.no_grad():
+        logits = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        want = torch.log_softmax(logits.double(), -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    want = torch.nn.functional.pad(want, (1, 0)).float() * batch["response_mask"]
+    plain.save_pretrained(tmp_path)
+    model = prepare_policy(plain, remove_padding=True, chunked_logprobs=True)
+    critic = load_value_model(str(tmp_path), torch.float32, remove_padding=True)
+    critic_batch = Batch({**batch.tensors, "values": torch.zeros(8, 12), "returns": torch.randn(8, 12)})
+    opt = torch.optim.SGD(critic.parameters(), lr=0.1)
+    for budget in (200, 20):
+        device_stand_in.reads = []
+        got = compute_logprobs(model, batch, 1.0, 1, torch.device("cpu"), max_tokens=budget)
+        assert device_stand_in.reads == [], device_stand_in.reads
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+        ppo_update(critic, opt, critic_batch, critic_loss_fn(critic, CriticConfig()), mini_batch_size=8,
+                   micro_batch_size=1, epochs=1, grad_clip=1.0, loss_agg_mode="token-mean",
+                   device=torch.device("cpu"), max_tokens=budget)
+        assert device_stand_in.reads == ["tolist in MetricSums.read (update.py)"], device_stand_in.reads
