@@ -19,6 +19,8 @@ of the preset shape. Variants (`--variants`, default: the packed-nogc family):
   packed-nogc-headcompile   + model.fused_logprob_head = "compile" (the head's chunk math compiled)
   packed-nogc-liger-headcompile, packed-nogc-compile-headcompile: both switches
   packed-compile-headcompile  both switches with gradient checkpointing (configs/qwen1.5b-gsm8k.toml)
+  packed-halfgc-compile-headcompile  the same with half the layers checkpointed
+                                     (model.gradient_checkpointing_layers = 0.5)
 (the padded variants run with gradient checkpointing; packed too unless -nogc).
 Each variant runs once untimed (warm-up: torch.compile and Triton compile there), then `--reps`
 times; the best counts. "compile s" = warm-up seconds - best seconds (compilation, mostly), and
@@ -72,6 +74,8 @@ VARIANTS = {  # name: (packed, chunked, gradient checkpointing, model.fused_kern
     "packed-nogc-liger-headcompile": (True, True, False, "liger", "compile"),
     "packed-nogc-compile-headcompile": (True, True, False, "compile", "compile"),
     "packed-compile-headcompile": (True, True, True, "compile", "compile"),  # the 1.5B preset's settings
+    # the same with half of the layers checkpointed (model.gradient_checkpointing_layers = 0.5)
+    "packed-halfgc-compile-headcompile": (True, True, 0.5, "compile", "compile"),
 }
 DEFAULT_VARIANTS = [v for v in VARIANTS if v.startswith("packed-nogc")]
 
@@ -120,9 +124,10 @@ def rollout_batch(seqs: int, vocab: int, max_response: int, seed: int, fixed_len
                   "advantages": torch.randn(seqs, L, generator=g) * resp})
 
 
-def set_variant(model, packed: bool, chunked: bool, gc_on: bool, kernels: str = "none", head: str = "none") -> str:
+def set_variant(model, packed: bool, chunked: bool, gc_on: float, kernels: str = "none", head: str = "none") -> str:
     """Switch the model to a variant; returns the decoder kernels in effect ("none" after liger's
-    fallback on a machine without CUDA/Triton/liger-kernel)."""
+    fallback on a machine without CUDA/Triton/liger-kernel). `gc_on`: the share of layers
+    checkpointed (True: all)."""
     set_layout(model, packed)
     model.spmd_chunked_logprobs = chunked  # logprob_head.install's switches
     model.spmd_logprob_head = head

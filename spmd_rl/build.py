@@ -152,7 +152,7 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
     model_key = "model.path" if m.init == "pretrained" else ""  # "": <run_dir>/init_model, ours
     master, compute = DTYPES[m.dtype], DTYPES[m.compute_dtype]
 
-    def sharded(load, from_checkpoint: bool, gradient_checkpointing: bool = m.gradient_checkpointing):
+    def sharded(load, from_checkpoint: bool, gradient_checkpointing: float = m.checkpointed_share()):
         model = build_sharded(load, env.mesh, compute, from_checkpoint, gradient_checkpointing, m.fsdp_forward_prefetch)
         return sequence_parallel.apply(model, env.sp)  # trainer.ulysses_size: each rank takes a slice of a row
 

@@ -201,15 +201,16 @@ def uses_packing(model: torch.nn.Module) -> bool:
 decoder_layers = fused_kernels.decoder_layers
 
 
-def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, gradient_checkpointing: bool = False,
+def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, gradient_checkpointing: float = False,
                forward_prefetch: bool = False) -> torch.nn.Module:
     """fully_shard every decoder layer, then the root (embeddings, norm, head), over `mesh`: 1-D
     (shard over all ranks) or 2-D (hybrid sharding, distributed.fsdp_mesh). Parameters move to
-    the mesh's device; grads are reduced in float32. `forward_prefetch`: each layer also starts
-    the all-gather of the next one (FSDP2 already overlaps one layer ahead implicitly; explicit
-    prefetch issues it earlier, which helps when a layer's compute is short)."""
+    the mesh's device; grads are reduced in float32. `gradient_checkpointing`: the share of decoder
+    layers checkpointed (set_gradient_checkpointing; True: all). `forward_prefetch`: each layer also
+    starts the all-gather of the next one (FSDP2 already overlaps one layer ahead implicitly;
+    explicit prefetch issues it earlier, which helps when a layer's compute is short)."""
     if gradient_checkpointing:
-        set_gradient_checkpointing(model, True)
+        set_gradient_checkpointing(model, gradient_checkpointing)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     layers = decoder_layers(model)
     for layer in layers:
@@ -221,19 +222,33 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, gradien
     return model
 
 
-def set_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
-    """transformers checkpoints a layer only in train() mode, and from_pretrained returns eval()
+def set_gradient_checkpointing(model: torch.nn.Module, share: float) -> None:
+    """Checkpoint `share` of the decoder layers (True: all, False/0: none), spread evenly over the
+    stack (checkpointed_layers); the others keep their activations for backward.
+    transformers checkpoints a layer only in train() mode, and from_pretrained returns eval()
     models: without train() the switch does nothing (it did nothing here before). Dropout is off
     (disable_dropout), so train() changes no numbers."""
-    if enabled:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-    else:
+    if not share:
         model.gradient_checkpointing_disable()
+        return
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = decoder_layers(model)
+    chosen = set(checkpointed_layers(len(layers), float(share)))
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i in chosen  # transformers' GradientCheckpointingLayer switch
+    model.train()
+
+
+def checkpointed_layers(n_layers: int, share: float) -> list[int]:
+    """The indices of round(share * n_layers) of n_layers layers (at least one), evenly spaced."""
+    if not 0 < share <= 1:
+        raise ValueError(f"the share of checkpointed layers must be in (0, 1], not {share}")
+    k = max(1, round(share * n_layers))
+    return sorted({int((j + 0.5) * n_layers / k) for j in range(k)})
 
 
 def build_sharded(load: Callable[..., torch.nn.Module], mesh, compute_dtype: torch.dtype, from_checkpoint: bool,
-                  gradient_checkpointing: bool = False, forward_prefetch: bool = False) -> torch.nn.Module:
+                  gradient_checkpointing: float = False, forward_prefetch: bool = False) -> torch.nn.Module:
     """The FSDP2 model `load(weights=...)` gives (load_causal_lm / load_value_model with their other
     arguments bound), wrapped as apply_fsdp does, without a full copy of the weights per rank:
 

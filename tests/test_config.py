@@ -141,6 +141,10 @@ def test_shipped_configs_parse():
     (["rollout.val_n=4"], "rollout.val_n > 1 needs rollout.val_temperature > 0"),
     (["rollout.block_size=24"], "rollout.block_size = 24 must be 0 (vLLM's default) or a multiple of 16"),
     (["rollout.block_size=-16"], "rollout.block_size = -16 must be 0"),
+    (["model.gradient_checkpointing_layers=0.5"], "needs model.gradient_checkpointing = true"),
+    (["model.gradient_checkpointing=true", "model.gradient_checkpointing_layers=0"],
+     "model.gradient_checkpointing_layers = 0.0 must be in (0, 1]"),
+    (["model.gradient_checkpointing=true", "model.gradient_checkpointing_layers=1.5"], "must be in (0, 1]"),
 ])
 def test_recipe_switch_validation_errors(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as e:

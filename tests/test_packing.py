@@ -11,8 +11,8 @@ from spmd_rl.batch import Batch, balanced_partition, plan_micro_batches
 
 
 def tiny_config(**kw):
-    return Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **kw)
+    return Qwen2Config(**{**dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True), **kw})
 
 
 def ragged_batch(lens, vocab=97, seed=0):
@@ -259,3 +259,43 @@ def test_gradient_checkpointing_really_saves_activations_and_dropout_is_off(tmp_
         assert saved[True] < 0.5 * saved[False], saved
     finally:
         dist.destroy_process_group()
+
+
+def test_a_share_of_checkpointed_layers_saves_in_proportion_with_the_same_gradients(tmp_path):
+    """model.gradient_checkpointing_layers: with 2 of 4 layers checkpointed, autograd keeps half of
+    what checkpointing all 4 saves over keeping every layer's activations; the log-probs and every
+    gradient are those of no checkpointing (float64)."""
+    from spmd_rl.actor import forward_logprobs
+    from spmd_rl.models import checkpointed_layers, decoder_layers, load_causal_lm, set_gradient_checkpointing
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=4)).save_pretrained(tmp_path)
+    mb = ragged_batch([40, 64])
+    saved, results = {}, {}
+    for share in (0.0, 0.5, 1.0):
+        model = load_causal_lm(str(tmp_path), torch.float64, remove_padding=True)
+        set_gradient_checkpointing(model, share)
+        assert [layer.gradient_checkpointing for layer in decoder_layers(model)].count(True) == int(4 * share)
+        count = [0]
+
+        def pack(t):
+            count[0] += t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp, _ = forward_logprobs(model, mb, 1.0)
+        logp.sum().backward()
+        saved[share] = count[0]
+        results[share] = (logp.detach(), param_grads(model))
+    assert saved[1.0] < saved[0.5] < saved[0.0], saved
+    half = (saved[0.0] - saved[1.0]) / 2
+    assert abs((saved[0.5] - saved[1.0]) - half) <= 0.05 * half, saved
+    for share in (0.5, 1.0):
+        torch.testing.assert_close(results[share][0], results[0.0][0], rtol=0, atol=0)
+        for n, g in results[0.0][1].items():
+            torch.testing.assert_close(results[share][1][n], g, rtol=0, atol=1e-12, msg=f"{share} {n}")
+    assert checkpointed_layers(28, 0.5) == list(range(1, 28, 2))
+    assert checkpointed_layers(28, 1.0) == list(range(28)) and checkpointed_layers(3, 0.01) == [1]
+    assert checkpointed_layers(24, 0.25) == [2, 6, 10, 14, 18, 22]
+    with pytest.raises(ValueError, match="must be in"):
+        checkpointed_layers(4, 1.5)
