@@ -116,7 +116,7 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
     # free memory), and the presets have their GPU to themselves (their free-memory drift check runs)
     Check("kernels", ("tests/gpu/test_checkpoint_gpu.py", "tests/gpu/test_offload_gpu.py",
                       "tests/gpu/test_sharded_init_gpu.py", "tests/gpu/test_packing_gpu.py",
-                      "tests/gpu/test_fused_gpu.py", "tests/gpu/test_update_sync_gpu.py"), secs=120),
+                      "tests/gpu/test_fused_gpu.py", "tests/gpu/test_update_sync_gpu.py"), secs=150),
     Check("preset-0.5b", (f"{PRESET_TEST}[qwen0.5b-gsm8k]",), secs=320, archs=("qwen2-0.5b",)),
     Check("preset-1.5b", (f"{PRESET_TEST}[qwen1.5b-gsm8k]",), secs=450, archs=("qwen2-1.5b",)),
     Check("multiturn-learning", (MULTITURN_TEST,), secs=170, small=True),
