@@ -299,3 +299,29 @@ def test_a_share_of_checkpointed_layers_saves_in_proportion_with_the_same_gradie
     assert checkpointed_layers(24, 0.25) == [2, 6, 10, 14, 18, 22]
     with pytest.raises(ValueError, match="must be in"):
         checkpointed_layers(4, 1.5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_packed_rows_equal_padded_for_other_model_families(family):
+    """The packed path hands transformers an empty 4-D mask (packing.empty_mask), which each model
+    family must take as made: Llama and Qwen3 shapes give the padded path's log-probs (float64)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from spmd_rl.actor import forward_logprobs
+    from spmd_rl.models import prepare_policy
+
+    cls, config_cls = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen3": (Qwen3ForCausalLM, Qwen3Config)}[family]
+    config = config_cls(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    padded = cls(config).double()
+    packed = cls(config).double()
+    packed.load_state_dict(padded.state_dict())
+    prepare_policy(padded, remove_padding=False, chunked_logprobs=False)
+    prepare_policy(packed, remove_padding=True, chunked_logprobs=True)
+    mb = ragged_batch([5, 11, 2, 8])
+    keep = mb["attention_mask"].bool()
+    keep[:, 0] = False
+    want, _ = forward_logprobs(padded, mb, 1.0)
+    got, _ = forward_logprobs(packed, mb.to("cpu"), 1.0)  # through Batch.to: the host's copy of the mask
+    torch.testing.assert_close(got[keep], want[keep], rtol=0, atol=1e-12)
