@@ -217,6 +217,20 @@ def test_token_budget_config_needs_remove_padding_and_room_for_the_longest_seque
     cfg.validate()
 
 
+def saved_elements(forward):
+    """(elements autograd saved for backward while `forward()` ran, its result)."""
+    count = 0
+
+    def pack(t):
+        nonlocal count
+        count += t.numel()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    return count, out
+
+
 def test_gradient_checkpointing_really_saves_activations_and_dropout_is_off(tmp_path):
     """transformers checkpoints a layer only in train() mode, so apply_fsdp must put the model there
     (the switch silently did nothing before), with every dropout zeroed so the forward stays
@@ -243,15 +257,7 @@ def test_gradient_checkpointing_really_saves_activations_and_dropout_is_off(tmp_
         for gc_on in (False, True):
             model = apply_fsdp(load_causal_lm(model_dir, torch.float64, remove_padding=True), mesh, torch.float64,
                                gradient_checkpointing=gc_on)
-            count = [0]
-
-            def pack(t):
-                count[0] += t.numel()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                logp, _ = forward_logprobs(model, mb, 1.0)
-            saved[gc_on] = count[0]
+            saved[gc_on], (logp, _) = saved_elements(lambda: forward_logprobs(model, mb, 1.0))
             again, _ = forward_logprobs(model, mb, 1.0)
             torch.testing.assert_close(again, logp, rtol=0, atol=0)  # deterministic in train() mode
             assert model.training == gc_on
@@ -276,16 +282,8 @@ def test_a_share_of_checkpointed_layers_saves_in_proportion_with_the_same_gradie
         model = load_causal_lm(str(tmp_path), torch.float64, remove_padding=True)
         set_gradient_checkpointing(model, share)
         assert [layer.gradient_checkpointing for layer in decoder_layers(model)].count(True) == int(4 * share)
-        count = [0]
-
-        def pack(t):
-            count[0] += t.numel()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            logp, _ = forward_logprobs(model, mb, 1.0)
+        saved[share], (logp, _) = saved_elements(lambda: forward_logprobs(model, mb, 1.0))
         logp.sum().backward()
-        saved[share] = count[0]
         results[share] = (logp.detach(), param_grads(model))
     assert saved[1.0] < saved[0.5] < saved[0.0], saved
     half = (saved[0.0] - saved[1.0]) / 2
