@@ -49,11 +49,15 @@ class MetricSums:
 
     def read(self) -> dict[str, float]:
         """Every sum as a float: one copy to the host per device."""
-        out = {k: v for k, v in self.sums.items() if not isinstance(v, torch.Tensor)}
-        tensors = [(k, v) for k, v in self.sums.items() if isinstance(v, torch.Tensor)]
-        for device in {v.device for _, v in tensors}:
-            keys = [k for k, v in tensors if v.device == device]
-            out.update(zip(keys, torch.stack([self.sums[k].reshape(()) for k in keys]).tolist()))
+        out: dict[str, float] = {}
+        on_device: dict[torch.device, dict[str, torch.Tensor]] = {}
+        for k, v in self.sums.items():
+            if isinstance(v, torch.Tensor):
+                on_device.setdefault(v.device, {})[k] = v.reshape(())
+            else:
+                out[k] = v
+        for sums in on_device.values():
+            out.update(zip(sums, torch.stack(list(sums.values())).tolist()))
         return out
 
 
