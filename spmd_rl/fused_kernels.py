@@ -254,21 +254,37 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+# Where torch.compile's seconds go, from dynamo's timers (torch._dynamo.utils.compilation_time_metrics):
+# metric name -> the timer it sums. "backend" holds AOTAutograd and Inductor, cache loads included;
+# "load" is the part of it spent importing compiled modules (freshly written or from Inductor's cache);
+# "lazy_backward" is a backward graph compiled at its first backward, outside compile_inner's seconds.
+COMPILE_TIMERS = {"perf/compile_trace_s": "bytecode_tracing",
+                  "perf/compile_backend_s": "OutputGraph.call_user_compiler",
+                  "perf/compile_load_s": "PyCodeCache.load_by_key_path",
+                  "perf/compile_lazy_backward_s": "backward._backward_impl"}
+
+
 def compile_stats() -> dict[str, float]:
     """This process's torch.compile so far, as step metrics: graphs, seconds spent compiling them
-    (dynamo's `_compile.compile_inner`: tracing, AOTAutograd, Inductor, cache loads) and Inductor's
-    FX-graph cache hits and misses. A restart with a warm cache shows hits only; its seconds are
-    then tracing and loading."""
+    (dynamo's `_compile.compile_inner`: tracing, AOTAutograd, Inductor, cache loads), those seconds
+    split as COMPILE_TIMERS says, and Inductor's FX-graph cache hits and misses. A restart with a
+    warm cache shows hits only; its seconds are then tracing and loading."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
-    return {"perf/compiled_graphs": float(compiled_graphs()),
-            "perf/compile_s": float(sum(compilation_time_metrics.get("_compile.compile_inner", ()))),
-            "perf/compile_cache_hits": float(counters["inductor"]["fxgraph_cache_hit"]),
-            "perf/compile_cache_misses": float(counters["inductor"]["fxgraph_cache_miss"])}
+    stats = {"perf/compiled_graphs": float(compiled_graphs()),
+             "perf/compile_s": float(sum(compilation_time_metrics.get("_compile.compile_inner", ()))),
+             "perf/compile_cache_hits": float(counters["inductor"]["fxgraph_cache_hit"]),
+             "perf/compile_cache_misses": float(counters["inductor"]["fxgraph_cache_miss"])}
+    for metric, timer in COMPILE_TIMERS.items():
+        stats[metric] = float(sum(compilation_time_metrics.get(timer, ())))
+    return stats
 
 
 def compile_line(metrics: dict[str, float]) -> str:
     """One log line from a step's `compile_stats()` metrics."""
     return (f"torch.compile so far: {metrics['perf/compiled_graphs']:.0f} graphs in {metrics['perf/compile_s']:.1f}s "
-            f"(Inductor's cache: {metrics['perf/compile_cache_hits']:.0f} hits, "
+            f"(tracing {metrics['perf/compile_trace_s']:.1f}s, AOTAutograd + Inductor {metrics['perf/compile_backend_s']:.1f}s "
+            f"of which loading compiled modules {metrics['perf/compile_load_s']:.1f}s; "
+            f"backward compiled at first use {metrics['perf/compile_lazy_backward_s']:.1f}s more; "
+            f"Inductor's cache: {metrics['perf/compile_cache_hits']:.0f} hits, "
             f"{metrics['perf/compile_cache_misses']:.0f} misses)")

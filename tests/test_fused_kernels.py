@@ -209,14 +209,24 @@ def test_compile_stats_count_this_process_compiles(monkeypatch):
     monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": "aot_eager"})
     before = fused_kernels.compile_stats()
     f = fused_kernels.compiled(lambda x: torch.sin(x) * 2 + 1)
-    f(torch.randn(4))
+    y = f(torch.randn(4, requires_grad=True))
     counters["inductor"]["fxgraph_cache_hit"] += 3  # what a warm restart's Inductor records
     after = fused_kernels.compile_stats()
-    assert after["perf/compiled_graphs"] == before["perf/compiled_graphs"] + 1
-    assert after["perf/compile_s"] > before["perf/compile_s"]
-    assert after["perf/compile_cache_hits"] == before["perf/compile_cache_hits"] + 3
+    grew = {k: after[k] - before[k] for k in after}
+    assert grew["perf/compiled_graphs"] == 1
+    assert grew["perf/compile_s"] > 0 and grew["perf/compile_cache_hits"] == 3
+    # the split: tracing and the backend are parts of compile_s; the backward is not compiled yet
+    assert 0 < grew["perf/compile_trace_s"] < grew["perf/compile_s"], grew
+    assert 0 < grew["perf/compile_backend_s"] < grew["perf/compile_s"], grew
+    assert grew["perf/compile_trace_s"] + grew["perf/compile_backend_s"] <= grew["perf/compile_s"], grew
+    assert grew["perf/compile_lazy_backward_s"] == 0, grew
+    y.sum().backward()  # aot_eager compiles the backward graph at its first backward, once
+    lazy = fused_kernels.compile_stats()["perf/compile_lazy_backward_s"] - before["perf/compile_lazy_backward_s"]
+    f(torch.randn(4, requires_grad=True)).sum().backward()
+    assert 0 < lazy == fused_kernels.compile_stats()["perf/compile_lazy_backward_s"] - before["perf/compile_lazy_backward_s"]
     line = fused_kernels.compile_line(after)
     assert line.startswith(f"torch.compile so far: {after['perf/compiled_graphs']:.0f} graphs in ") and " hits, " in line
+    assert f"tracing {after['perf/compile_trace_s']:.1f}s" in line and f"Inductor {after['perf/compile_backend_s']:.1f}s" in line
 
 
 def _step_with_compiled_head_body(rank, world, base):
