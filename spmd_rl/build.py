@@ -170,9 +170,11 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
     if cfg.use_reference:
         # frozen, never checkpointed: always from the model directory. Stored in the compute dtype
         # (forward numerics are the same as fp32 masters cast to it for every forward, at half or a
-        # quarter of the memory)
+        # quarter of the memory). Frozen by use, not by flag: it is in no optimizer and runs only
+        # under torch.no_grad (actor.per_token_outputs). Its parameters keep requires_grad, because
+        # torch.compile guards on it: with the flag off, its layers would compile a graph of their
+        # own instead of reusing the actor's no-grad one (a graph more per start and per restart).
         ref = sharded(policy_model(compute), False, gradient_checkpointing=False)
-        ref.requires_grad_(False)
     critic = critic_opt = critic_sched = None
     if cfg.use_critic:
         critic_dir, critic_key = (c.path, "critic.path") if c.path else (model_dir, model_key)

@@ -245,3 +245,31 @@ def _step_with_compiled_head_body(rank, world, base):
 def test_a_step_with_compile_reports_its_compile_metrics(tmp_path):
     """A trainer step with model.fused_logprob_head = "compile" carries the compile metrics."""
     run_distributed(_step_with_compiled_head_body, 1, str(tmp_path))
+
+
+def _graphs_of_one_step_body(rank, world, base, use_reference):
+    from test_old_logprobs import _trainer
+
+    fused_kernels.COMPILE_OPTIONS = {"backend": "aot_eager"}  # this worker process only
+    trainer = _trainer(f"{base}/run", f"{base}/data", [
+        "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size_per_gpu=4",
+        "model.remove_padding=true", 'model.fused_kernels="compile"', 'model.fused_logprob_head="compile"',
+        "actor.force_old_logprob_pass=true", f"actor.use_kl_loss={str(use_reference).lower()}"], rank)
+    m = trainer.train_step()
+    trainer.close()
+    assert ("time/ref_logprob" in m) == use_reference, sorted(m)
+    with open(f"{base}/graphs", "w") as f:
+        f.write(str(fused_kernels.compiled_graphs()))
+
+
+def test_the_reference_model_compiles_no_graph_of_its_own(tmp_path):
+    """The reference model's no-grad pass reuses the graphs the actor's no-grad log-prob pass
+    compiled (spmd_rl/build.py: the reference keeps requires_grad, which torch.compile guards on):
+    a step with a reference model compiles as many graphs as the same step without one. Each
+    process starts with no graphs."""
+    graphs = {}
+    for use_reference in (False, True):
+        base = tmp_path / str(use_reference)
+        run_distributed(_graphs_of_one_step_body, 1, str(base), use_reference)
+        graphs[use_reference] = int((base / "graphs").read_text())
+    assert graphs[False] > 0 and graphs[True] == graphs[False], graphs
