@@ -229,15 +229,22 @@ def test_compile_stats_count_this_process_compiles(monkeypatch):
     assert f"tracing {after['perf/compile_trace_s']:.1f}s" in line and f"Inductor {after['perf/compile_backend_s']:.1f}s" in line
 
 
-def _step_with_compiled_head_body(rank, world, base):
+def _one_compiled_step(rank, base, overrides):
+    """The metrics of one trainer step on a small packed batch, compiled with aot_eager (dynamo and
+    AOTAutograd without Inductor), with `overrides` on top."""
     from test_old_logprobs import _trainer
 
     fused_kernels.COMPILE_OPTIONS = {"backend": "aot_eager"}  # this worker process only
-    trainer = _trainer(f"{base}/run", f"{base}/data", ["data.train_batch_size=4", "rollout.n=2",
-                                                       "actor.ppo_mini_batch_size=4", "actor.micro_batch_size_per_gpu=4", "model.remove_padding=true",
-                                                       'model.fused_logprob_head="compile"'], rank)
+    trainer = _trainer(f"{base}/run", f"{base}/data", [
+        "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size_per_gpu=4",
+        "model.remove_padding=true", *overrides], rank)
     m = trainer.train_step()
     trainer.close()
+    return m
+
+
+def _step_with_compiled_head_body(rank, world, base):
+    m = _one_compiled_step(rank, base, ['model.fused_logprob_head="compile"'])
     assert m["perf/compiled_graphs"] >= 1 and m["perf/compile_s"] > 0, m
     assert m["perf/compile_cache_hits"] == m["perf/compile_cache_misses"] == 0  # aot_eager: no Inductor
 
@@ -248,15 +255,9 @@ def test_a_step_with_compile_reports_its_compile_metrics(tmp_path):
 
 
 def _graphs_of_one_step_body(rank, world, base, use_reference):
-    from test_old_logprobs import _trainer
-
-    fused_kernels.COMPILE_OPTIONS = {"backend": "aot_eager"}  # this worker process only
-    trainer = _trainer(f"{base}/run", f"{base}/data", [
-        "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size_per_gpu=4",
-        "model.remove_padding=true", 'model.fused_kernels="compile"', 'model.fused_logprob_head="compile"',
-        "actor.force_old_logprob_pass=true", f"actor.use_kl_loss={str(use_reference).lower()}"], rank)
-    m = trainer.train_step()
-    trainer.close()
+    m = _one_compiled_step(rank, base, ['model.fused_kernels="compile"', 'model.fused_logprob_head="compile"',
+                                        "actor.force_old_logprob_pass=true",
+                                        f"actor.use_kl_loss={str(use_reference).lower()}"])
     assert ("time/ref_logprob" in m) == use_reference, sorted(m)
     with open(f"{base}/graphs", "w") as f:
         f.write(str(fused_kernels.compiled_graphs()))
