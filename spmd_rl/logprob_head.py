@@ -38,8 +38,12 @@ from spmd_rl import fused_kernels
 HEAD_MODES = ("none", "compile")
 
 # Positions per chunk are chosen so a chunk's float32 [positions, vocab] temporaries stay near
-# this many elements (256 MiB each), whatever the vocabulary.
-CHUNK_ELEMENTS = 1 << 26
+# this many elements (1 GiB each; the compiled head's bf16 logits and gradient half that),
+# whatever the vocabulary: 1766 positions at Qwen2's 152k. Fewer, longer chunks make the head's
+# weight-gradient matmul (inner dimension: the chunk's positions) compute-bound and its float32
+# accumulation rarer: at 2**26 (441 positions) the 0.5B step's update spent 15% of its kernel
+# time adding each chunk's gradient into the float32 buffer (1xH100, docs/performance.md).
+CHUNK_ELEMENTS = 1 << 28
 
 
 def chunk_positions(vocab_size: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
@@ -128,7 +132,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 if need_h:
                     grad_h[s:e] = g @ weight
                 if need_w:
-                    grad_w += g.t() @ h
+                    _accumulate(grad_w, g.t(), h)
                 del g
                 continue
             log_p = _scaled_logits(h, weight, t).sub_(lse[s:e, None])
@@ -146,9 +150,44 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if need_h:
                 grad_h[s:e] = g @ weight
             if need_w:
-                grad_w += g.t() @ h
+                _accumulate(grad_w, g.t(), h)
             del g
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, acc float32 and a, b of the head's dtype. On CUDA with bf16/fp16 operands, one
+    cuBLAS call that adds the float32 product into acc in place (`addmm` with `out_dtype`): no
+    bf16 rounding of the product and no separate pass over acc. Elsewhere, a matmul and an add."""
+    if a.dtype != acc.dtype and _fused_accumulate_ok(a, acc):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += a @ b
+
+
+_FUSED_ACCUMULATE: dict[tuple, bool] = {}
+
+
+def _fused_accumulate_ok(a: torch.Tensor, acc: torch.Tensor) -> bool:
+    """Whether this torch accumulates a bf16/fp16 product into a float32 tensor in one addmm on
+    a's device (CUDA only; torch versions differ in the dtypes of `self` they accept): tried once
+    per (device, dtypes) on small matrices against the plain matmul and add."""
+    key = (a.device, a.dtype, acc.dtype)
+    if key not in _FUSED_ACCUMULATE:
+        ok = a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+        if ok:
+            g = torch.Generator(device=a.device).manual_seed(0)
+            x, y = (torch.randn(16, 16, device=a.device, generator=g).to(a.dtype) for _ in range(2))
+            acc0 = torch.randn(16, 16, device=a.device, dtype=acc.dtype, generator=g)
+            want = acc0 + (x.to(acc.dtype) @ y.to(acc.dtype))
+            try:
+                got = acc0.clone()
+                torch.addmm(got, x, y, out_dtype=acc.dtype, out=got)
+                ok = bool(torch.allclose(got, want, rtol=1e-3, atol=1e-3))
+            except (RuntimeError, TypeError):
+                ok = False
+        _FUSED_ACCUMULATE[key] = ok
+    return _FUSED_ACCUMULATE[key]
 
 
 # --------------------------------------------------------------------------- compiled chunk math

@@ -98,3 +98,24 @@ def test_fused_kernels_match_the_unfused_path_on_gpu(env):
         assert de.mean() < 1.5 * base_de.mean() + 1e-3, (name, de.mean(), base_de.mean())
         assert cos > 0.99 and abs(rel - 1) < 0.02, (name, cos, rel)
     assert not any(recompiles.values()), f"compiled again for a batch of other lengths: {recompiles}"
+
+
+def test_head_weight_gradient_accumulates_in_one_float32_addmm_per_chunk_on_gpu():
+    """On CUDA the head adds each chunk's weight gradient into its float32 buffer with one addmm
+    (`out_dtype` float32: spmd_rl.logprob_head._accumulate), eager and compiled head alike, and
+    the gradient is as close to the float64 formula as the CPU's matmul-and-add path gets
+    (tests/test_packing.py)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from test_packing import head_weight_grad_error
+
+    from spmd_rl import logprob_head
+
+    for fused in ("none", "compile"):
+        err = head_weight_grad_error("cuda", fused)
+        print(f"head={fused}: weight gradient vs float64, relative error {err:.5f}")
+        assert err < 1.5e-2, (fused, err)
+    assert logprob_head._FUSED_ACCUMULATE == {(torch.device("cuda", 0), torch.bfloat16, torch.float32): True}, \
+        logprob_head._FUSED_ACCUMULATE
