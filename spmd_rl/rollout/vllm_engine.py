@@ -19,7 +19,9 @@ CUDA-graph buffers from expandable segments) and the prefix cache reset after ev
 Facts this module relies on (vLLM 0.26; checked on H100/H200, see tests/gpu/):
 - `load_format="dummy"`: start-up reads no checkpoint; the first `load_weights` gives the weights.
 - `sleep(level=2)` drops weights and KV cache; until the next `load_weights` the weights are
-  garbage, so `generate` refuses to run (sleep level 1 keeps a CPU copy instead).
+  garbage, so `generate` refuses to run (sleep level 1 keeps a CPU copy instead). vLLM's check
+  that a sleep freed memory reads the whole device's free memory; spmd_rl/rollout/vllm_sleep.py
+  keeps a sleep that another process on the GPU made look like a leak.
 - `logprobs_mode="processed_logprobs"`: the returned log-prob of a sampled token is taken after
   temperature (and after top-k/top-p, which renormalise over the kept tokens), i.e. what the actor
   computes from logits / temperature when top_p = 1 and top_k = -1. Greedy requests get
@@ -58,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.gpu_memory import engine_build_allocator, expandable_segments_requested, set_expandable_segments
+from spmd_rl.rollout import vllm_sleep
 from spmd_rl.rollout.base import Completion, SamplingParams
 from spmd_rl.rollout.vllm_model_inspection import in_process_inspection
 from spmd_rl.rollout.vllm_outputs import completion, logprob_request, paused_gc, supports_flat_logprobs
@@ -333,7 +336,7 @@ class VLLMEngine:
         weights). No-op when already asleep."""
         if not self._awake:
             return
-        self.llm.sleep(level=self.sleep_level)
+        vllm_sleep.sleep(self.llm, self.sleep_level)  # survives vLLM's check on a shared GPU
         self._awake.clear()
         if self.sleep_level >= 2:
             self._weights_valid = False

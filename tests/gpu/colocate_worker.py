@@ -11,7 +11,10 @@ Steps (random-weight model written once to --model-root, no hub):
      compute) against a plain `from_pretrained` bf16 model on the same sequences;
   E. our VLLMEngine (load_format="dummy", sleep mode): `--cycles` rounds of
      wake(weights) -> load_weights(iter_weights(actor)) -> wake(kv) -> checks -> sleep, with the
-     actor's weights perturbed between rounds; free device memory recorded at every stage.
+     actor's weights perturbed between rounds; free device memory recorded at every stage. The
+     second round's sleep sees the device's free memory drop as if another process allocated
+     during it (vLLM 0.26's freed-memory assertion fires: spmd_rl/rollout/vllm_sleep.py); the
+     rounds after it must wake, sync and free as before.
   T. (--train-steps > 0) the actor is trained (AdamW, cross-entropy) to answer every prompt with
      one fixed 16-token continuation, synced into the engine, and the engine's greedy answers are
      compared with the trained actor's own greedy decoding (no KV cache, fixed step count).
@@ -20,6 +23,7 @@ Steps (random-weight model written once to --model-root, no hub):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -41,10 +45,31 @@ from spmd_rl.config import Config  # noqa: E402
 from spmd_rl.distributed import init_distributed  # noqa: E402
 from spmd_rl.gpu_memory import GiB  # noqa: E402
 from spmd_rl.models import build_sharded, load_causal_lm, materialize_random_model, random_model_config  # noqa: E402
+from spmd_rl.rollout import vllm_sleep  # noqa: E402
 from spmd_rl.rollout.base import SamplingParams  # noqa: E402
 from spmd_rl.weight_sync import iter_weights  # noqa: E402
 
 QWEN_EOS = 151643  # <|endoftext|> of the Qwen2 tokenizer
+
+
+@contextlib.contextmanager
+def other_process_allocates_during():
+    """vLLM's reading of the device's free memory (`torch.accelerator.get_memory_info`) drops by
+    the device's total after its first call in the block, as when another process allocates
+    meanwhile: vLLM's freed-memory check must fail whatever the engine frees."""
+    real = torch.accelerator.get_memory_info
+    seen = {"readings": 0}
+
+    def reading(*a, **k):
+        free, total = real(*a, **k)
+        seen["readings"] += 1
+        return (free - total if seen["readings"] > 1 else free), total
+
+    torch.accelerator.get_memory_info = reading
+    try:
+        yield seen
+    finally:
+        torch.accelerator.get_memory_info = real
 
 
 def free_gib() -> float:
@@ -265,7 +290,11 @@ def run(args, env, res: dict) -> None:
             row["engine_change_vs_cycle0"] = absdiff(vlp, base_lp).mean().item()
         torch.cuda.synchronize()
         dist.barrier()
-        t = time.perf_counter(); eng.sleep(); torch.cuda.synchronize(); row["t_sleep"] = time.perf_counter() - t
+        with (other_process_allocates_during() if c == 1 else contextlib.nullcontext()) as seen:
+            t = time.perf_counter(); eng.sleep(); torch.cuda.synchronize(); row["t_sleep"] = time.perf_counter() - t
+        if c == 1:
+            row["sleep_readings_under_other_process"] = seen["readings"]
+            row["sleeps_survived"] = vllm_sleep.survived
         row["free_asleep"] = free_gib()
         res["cycles"].append(row)
         log(json.dumps(row))
