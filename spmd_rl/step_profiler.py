@@ -11,8 +11,11 @@ each profiled step N every rank R writes
     <run_dir>/profile/step_<N>_rank<R>.txt       per phase: wall ms, GPU busy ms and %, ms of
                                                  garbage collection; for a phase whose GPU
                                                  idles, the host ops it idled in
-                                                 (`idle_host_ops`); then the ops with the most
-                                                 self device time (CPU time without CUDA)
+                                                 (`idle_host_ops`); for a phase whose GPU
+                                                 works, its kernels by device time
+                                                 (`phase_kernels`); then the step's ops with
+                                                 the most self device time (CPU time without
+                                                 CUDA)
 
 Every collection of Python's cyclic garbage collector inside a profiled step, on a thread the
 profiler records (the main thread, autograd's backward threads), is a host range
@@ -198,6 +201,40 @@ def idle_table(timeline, times: dict[str, tuple[float, float]], top: int = 12) -
     return lines
 
 
+def phase_kernels(events, phase: str) -> dict[str, tuple[int, float]]:
+    """Device op name (kernel, copy, memset) -> (calls, ms of device time) over the device activity
+    that starts inside the phase's ranges, largest first. Overlapping kernels each count their own
+    time here (unlike GPU busy), so the rows add up to the phase's kernel time."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == DeviceType.CPU and e.name == PHASE + phase)
+    starts = [a for a, _ in spans]
+    out: dict[str, list] = {}
+    for e in events:
+        if e.device_type == DeviceType.CPU or getattr(e, "is_user_annotation", False):
+            continue
+        t = e.time_range.start
+        i = bisect.bisect_right(starts, t) - 1
+        if i >= 0 and t <= spans[i][1]:
+            row = out.setdefault(e.name, [0, 0.0])
+            row[0] += 1
+            row[1] += (e.time_range.end - t) / 1e3
+    return {name: (n, ms) for name, (n, ms) in sorted(out.items(), key=lambda kv: -kv[1][1])}
+
+
+def kernel_table(events, times: dict[str, tuple[float, float]], top: int = 15) -> list[str]:
+    """For each phase whose GPU is busy 50 ms or more: its kernels by device time (phase_kernels)."""
+    lines = []
+    for name, (_, busy) in times.items():
+        if busy < 50.0:
+            continue
+        kernels = phase_kernels(events, name)
+        total = sum(ms for _, ms in kernels.values()) or 1.0
+        lines += ["", f"Kernels in {name}: {total:.0f} ms of device time, {sum(n for n, _ in kernels.values())} "
+                  "launches; the largest:", "", "| kernel | calls | ms | % |", "|---|---|---|---|"]
+        lines += [f"| {k[:100]} | {n} | {ms:.1f} | {100 * ms / total:.0f}% |" for k, (n, ms) in list(kernels.items())[:top]]
+    return lines
+
+
 def gc_ms(timeline) -> dict[str, float]:
     """Phase name -> ms of garbage collection (the `gc_ranges` ranges) inside its ranges."""
     ranges, _, host = timeline
@@ -214,7 +251,7 @@ def summary(events, cuda: bool) -> str:
         busy = f"{100 * busy_ms / wall:.0f}%" if cuda and wall > 0 else "-"
         lines.append(f"| {name} | {wall:.1f} | {busy_ms:.1f} | {busy} | {collected[name]:.1f} |")
     if cuda:
-        lines += idle_table(timeline, times)
+        lines += idle_table(timeline, times) + kernel_table(events, times)
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
     lines += ["", events.key_averages().table(sort_by=sort_by, row_limit=TOP_OPS)]
     return "\n".join(lines) + "\n"

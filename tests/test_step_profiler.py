@@ -163,3 +163,28 @@ def test_idle_time_is_given_to_the_innermost_host_op_running_then():
     text = "\n".join(step_profiler.idle_table(step_profiler._timeline(long), step_profiler.phase_times(long)))
     assert "GPU idle in generate: 100 ms" in text and "| sampler | 90.0 | 90% |" in text, text
     assert "| (host code between ops) | 10.0 | 10% |" in text and "update_actor" not in text, text
+
+
+def test_each_phase_lists_the_kernels_it_started_by_device_time():
+    """Hand-made events: a kernel counts in the phase whose range holds its start (also when it
+    runs past the phase's end, and when the phase has two ranges), overlapping kernels each count
+    their own time, the phase's device-side annotation is no kernel. By hand: update_actor has
+    add 3 calls 0.5+1.0+2.0 ms, mm 1 call 4.0 ms; generate has decode 2 ms."""
+    events = [
+        _Event("phase/generate", 0, 10_000), _Event("phase/update_actor", 10_000, 20_000),
+        _Event("phase/update_actor", 30_000, 40_000),
+        _Event("phase/update_actor", 10_100, 19_000, device=True, annotation=True),
+        _Event("decode", 1_000, 3_000, device=True),
+        _Event("add", 10_500, 11_000, device=True), _Event("mm", 12_000, 16_000, device=True),
+        _Event("add", 13_000, 14_000, device=True),  # overlaps mm: both count
+        _Event("add", 19_500, 21_500, device=True),  # starts in the phase, ends after it
+        _Event("idle_kernel", 25_000, 26_000, device=True),  # between ranges: no phase
+        _Event("aten::add", 10_500, 10_600),  # host op: not a kernel
+    ]
+    assert step_profiler.phase_kernels(events, "update_actor") == {"mm": (1, 4.0), "add": (3, 3.5)}
+    assert step_profiler.phase_kernels(events, "generate") == {"decode": (1, 2.0)}
+    assert step_profiler.phase_kernels(events, "reward") == {}
+    times = {"update_actor": (20.0, 60.0), "generate": (10.0, 2.0)}  # only phases busy >= 50 ms get a table
+    text = "\n".join(step_profiler.kernel_table(events, times))
+    assert "Kernels in update_actor: 8 ms of device time, 4 launches" in text and "generate" not in text, text
+    assert text.index("| mm | 1 | 4.0 | 53% |") < text.index("| add | 3 | 3.5 | 47% |"), text
