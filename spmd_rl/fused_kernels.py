@@ -255,11 +255,15 @@ def compiled_graphs() -> int:
 
 
 # Where torch.compile's seconds go, from dynamo's timers (torch._dynamo.utils.compilation_time_metrics):
-# metric name -> the timer it sums. "backend" holds AOTAutograd and Inductor, cache loads included;
-# "load" is the part of it spent importing compiled modules (freshly written or from Inductor's cache);
-# "lazy_backward" is a backward graph compiled at its first backward, outside compile_inner's seconds.
+# metric name -> the timer it sums. "guards": building the compiled frames' guards, after tracing;
+# "backend" holds AOTAutograd and Inductor, cache loads included; "cache_load" is the part of it
+# spent loading a graph AOTAutograd's cache hit (Inductor's graph and kernels); "load" the part
+# spent importing compiled modules (freshly written or from the cache); "lazy_backward" is a backward
+# graph compiled at its first backward, outside compile_inner's seconds.
 COMPILE_TIMERS = {"perf/compile_trace_s": "bytecode_tracing",
+                  "perf/compile_guards_s": "build_guards",
                   "perf/compile_backend_s": "OutputGraph.call_user_compiler",
+                  "perf/compile_cache_load_s": "AOTAutogradCache.inductor_load",
                   "perf/compile_load_s": "PyCodeCache.load_by_key_path",
                   "perf/compile_lazy_backward_s": "backward._backward_impl"}
 
@@ -283,8 +287,9 @@ def compile_stats() -> dict[str, float]:
 def compile_line(metrics: dict[str, float]) -> str:
     """One log line from a step's `compile_stats()` metrics."""
     return (f"torch.compile so far: {metrics['perf/compiled_graphs']:.0f} graphs in {metrics['perf/compile_s']:.1f}s "
-            f"(tracing {metrics['perf/compile_trace_s']:.1f}s, AOTAutograd + Inductor {metrics['perf/compile_backend_s']:.1f}s "
-            f"of which loading compiled modules {metrics['perf/compile_load_s']:.1f}s; "
+            f"(tracing {metrics['perf/compile_trace_s']:.1f}s, guards {metrics['perf/compile_guards_s']:.1f}s, "
+            f"AOTAutograd + Inductor {metrics['perf/compile_backend_s']:.1f}s of which loading cached graphs "
+            f"{metrics['perf/compile_cache_load_s']:.1f}s and importing compiled modules {metrics['perf/compile_load_s']:.1f}s; "
             f"backward compiled at first use {metrics['perf/compile_lazy_backward_s']:.1f}s more; "
             f"Inductor's cache: {metrics['perf/compile_cache_hits']:.0f} hits, "
             f"{metrics['perf/compile_cache_misses']:.0f} misses)")

@@ -219,6 +219,8 @@ def test_compile_stats_count_this_process_compiles(monkeypatch):
     assert 0 < grew["perf/compile_trace_s"] < grew["perf/compile_s"], grew
     assert 0 < grew["perf/compile_backend_s"] < grew["perf/compile_s"], grew
     assert grew["perf/compile_trace_s"] + grew["perf/compile_backend_s"] <= grew["perf/compile_s"], grew
+    assert 0 < grew["perf/compile_guards_s"] < grew["perf/compile_s"] - grew["perf/compile_trace_s"], grew
+    assert grew["perf/compile_cache_load_s"] == 0, grew  # aot_eager: no AOTAutograd cache to load from
     assert grew["perf/compile_lazy_backward_s"] == 0, grew
     y.sum().backward()  # aot_eager compiles the backward graph at its first backward, once
     lazy = fused_kernels.compile_stats()["perf/compile_lazy_backward_s"] - before["perf/compile_lazy_backward_s"]
@@ -227,6 +229,7 @@ def test_compile_stats_count_this_process_compiles(monkeypatch):
     line = fused_kernels.compile_line(after)
     assert line.startswith(f"torch.compile so far: {after['perf/compiled_graphs']:.0f} graphs in ") and " hits, " in line
     assert f"tracing {after['perf/compile_trace_s']:.1f}s" in line and f"Inductor {after['perf/compile_backend_s']:.1f}s" in line
+    assert f"guards {after['perf/compile_guards_s']:.1f}s" in line and "loading cached graphs" in line
 
 
 def _one_compiled_step(rank, base, overrides):
