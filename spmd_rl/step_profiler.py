@@ -201,33 +201,35 @@ def idle_table(timeline, times: dict[str, tuple[float, float]], top: int = 12) -
     return lines
 
 
-def phase_kernels(events, phase: str) -> dict[str, tuple[int, float]]:
-    """Device op name (kernel, copy, memset) -> (calls, ms of device time) over the device activity
-    that starts inside the phase's ranges, largest first. Overlapping kernels each count their own
-    time here (unlike GPU busy), so the rows add up to the phase's kernel time."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == DeviceType.CPU and e.name == PHASE + phase)
-    starts = [a for a, _ in spans]
-    out: dict[str, list] = {}
+def phase_kernels(events) -> dict[str, dict[str, tuple[int, float]]]:
+    """Phase name -> device op name (kernel, copy, memset) -> (calls, ms of device time), over the
+    device activity that starts inside the phase's ranges, largest first; one pass over the step's
+    events (the phases of a step follow one another, PhaseTimer). Overlapping kernels each count
+    their own time here (unlike GPU busy), so a phase's rows add up to its kernel time."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[len(PHASE):]) for e in events
+                   if e.device_type == DeviceType.CPU and e.name.startswith(PHASE))
+    starts = [a for a, _, _ in spans]
+    out: dict[str, dict[str, list]] = {}
     for e in events:
         if e.device_type == DeviceType.CPU or getattr(e, "is_user_annotation", False):
             continue
         t = e.time_range.start
         i = bisect.bisect_right(starts, t) - 1
         if i >= 0 and t <= spans[i][1]:
-            row = out.setdefault(e.name, [0, 0.0])
+            row = out.setdefault(spans[i][2], {}).setdefault(e.name, [0, 0.0])
             row[0] += 1
             row[1] += (e.time_range.end - t) / 1e3
-    return {name: (n, ms) for name, (n, ms) in sorted(out.items(), key=lambda kv: -kv[1][1])}
+    return {phase: {name: (n, ms) for name, (n, ms) in sorted(rows.items(), key=lambda kv: -kv[1][1])}
+            for phase, rows in out.items()}
 
 
 def kernel_table(events, times: dict[str, tuple[float, float]], top: int = 15) -> list[str]:
     """For each phase whose GPU is busy 50 ms or more: its kernels by device time (phase_kernels)."""
-    lines = []
+    by_phase, lines = phase_kernels(events), []
     for name, (_, busy) in times.items():
         if busy < 50.0:
             continue
-        kernels = phase_kernels(events, name)
+        kernels = by_phase.get(name, {})
         total = sum(ms for _, ms in kernels.values()) or 1.0
         lines += ["", f"Kernels in {name}: {total:.0f} ms of device time, {sum(n for n, _ in kernels.values())} "
                   "launches; the largest:", "", "| kernel | calls | ms | % |", "|---|---|---|---|"]
