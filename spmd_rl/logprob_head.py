@@ -96,7 +96,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             e = min(s + chunk, n)
             if compiled:
                 logits = _dynamic_rows(hidden[s:e] @ weight.t())
-                out = _compiled_stats()(logits, _dynamic_rows(targets[s:e]), temperature, want_entropy)
+                out = _compiled_stats()(logits, _dynamic_rows(targets[s:e]), temperature)
                 lse[s:e], logp[s:e] = out[0], out[1]
                 if want_entropy:
                     entropy[s:e] = out[2]
@@ -193,15 +193,17 @@ def _fused_accumulate_ok(a: torch.Tensor, acc: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------- compiled chunk math
 
 
-def _stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float, want_entropy: bool):
-    """(lse, log p(target), entropy or None) of one chunk's logits: `_chunk_stats` + `_entropy`."""
+def _stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """(lse, log p(target), entropy) of one chunk's logits: `_chunk_stats` + `_entropy`. The entropy
+    is computed whether or not the caller keeps it: passes without it (the reference's, the old
+    log-probs') then run the update's graph instead of compiling one of their own, which a restart
+    would trace again (docs/performance.md, session 15); the extra reduction over a chunk already
+    in cache costs far less than that."""
     z = _upcast(logits)
     if temperature != 1.0:
         z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets[:, None])[:, 0] - lse
-    if not want_entropy:
-        return lse, logp
     return lse, logp, lse - ((z - lse[:, None]).exp() * z).sum(-1)
 
 

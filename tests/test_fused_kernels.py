@@ -277,3 +277,27 @@ def test_the_reference_model_compiles_no_graph_of_its_own(tmp_path):
         run_distributed(_graphs_of_one_step_body, 1, str(base), use_reference)
         graphs[use_reference] = int((base / "graphs").read_text())
     assert graphs[False] > 0 and graphs[True] == graphs[False], graphs
+
+
+def test_head_passes_with_and_without_entropy_share_one_statistics_graph(monkeypatch):
+    """The compiled head's statistics are one graph whether a pass keeps the entropy (the update)
+    or not (the reference's and the old log-prob pass): a warm restart traces one graph fewer.
+    Both passes still give the eager numbers."""
+    from spmd_rl.logprob_head import token_logprobs
+
+    monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": "aot_eager"})
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(23, 16, generator=g), torch.randn(97, 16, generator=g)
+    targets = torch.randint(0, 97, (23,), generator=g)
+    before = fused_kernels.compiled_graphs()
+    counts = []
+    for with_entropy in (False, True):
+        got = token_logprobs(hidden, weight, targets, 0.7, with_entropy=with_entropy, chunk=10, fused="compile")
+        want = token_logprobs(hidden, weight, targets, 0.7, with_entropy=with_entropy, chunk=10)
+        counts.append(fused_kernels.compiled_graphs() - before)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        assert (got[1] is None) == (not with_entropy)
+        if with_entropy:
+            torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert counts == [1, 1], counts
