@@ -101,7 +101,7 @@ def phase_times(events) -> dict[str, tuple[float, float]]:
 
 
 def _phase_times(timeline) -> dict[str, tuple[float, float]]:
-    ranges, busy, _ = timeline
+    ranges, busy, _, _ = timeline
     return {name: (sum(b - a for a, b in spans) / 1e3, sum(_overlap(busy, a, b) for a, b in spans) / 1e3)
             for name, spans in ranges.items()}
 
@@ -115,7 +115,7 @@ def idle_host_ops(events, phase: str, sample_us: float = 200.0) -> dict[str, flo
 
 
 def _idle_in(timeline, phase: str, sample_us: float = 200.0) -> dict[str, float]:
-    ranges, busy, host = timeline
+    ranges, busy, host, _ = timeline
     samples = sorted(p for a, b in ranges.get(phase, []) for lo, hi in _gaps(busy, a, b)
                      for p in _points(lo, hi, sample_us))
     times = [t for t, _ in samples]
@@ -133,20 +133,21 @@ def _idle_in(timeline, phase: str, sample_us: float = 200.0) -> dict[str, float]
 
 def _timeline(events):
     """(phase name -> its host ranges, the device's busy intervals (disjoint, sorted), the host
-    ops other than phases as (start, end, name)); times in us."""
+    ops other than phases as (start, end, name), the device's work (kernels, copies, memsets; not
+    the phases' device-side annotations) as (start, end, name)); times in us."""
     ranges: dict[str, list[tuple[float, float]]] = {}
-    activity: list[tuple[float, float]] = []
+    device: list[tuple[float, float, str]] = []
     host: list[tuple[float, float, str]] = []
     for e in events:
         span = (e.time_range.start, e.time_range.end)
         if e.device_type != DeviceType.CPU:
             if not getattr(e, "is_user_annotation", False):
-                activity.append(span)
+                device.append((*span, e.name))
         elif e.name.startswith(PHASE):
             ranges.setdefault(e.name[len(PHASE):], []).append(span)
         else:
             host.append((*span, e.name))
-    return ranges, _union(activity), host
+    return ranges, _union([(a, b) for a, b, _ in device]), host, device
 
 
 def _gaps(disjoint: list[tuple[float, float]], a: float, b: float) -> list[tuple[float, float]]:
@@ -203,29 +204,29 @@ def idle_table(timeline, times: dict[str, tuple[float, float]], top: int = 12) -
 
 def phase_kernels(events) -> dict[str, dict[str, tuple[int, float]]]:
     """Phase name -> device op name (kernel, copy, memset) -> (calls, ms of device time), over the
-    device activity that starts inside the phase's ranges, largest first; one pass over the step's
-    events (the phases of a step follow one another, PhaseTimer). Overlapping kernels each count
-    their own time here (unlike GPU busy), so a phase's rows add up to its kernel time."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name[len(PHASE):]) for e in events
-                   if e.device_type == DeviceType.CPU and e.name.startswith(PHASE))
+    device activity that starts inside the phase's ranges, largest first. Overlapping kernels each
+    count their own time here (unlike GPU busy), so a phase's rows add up to its kernel time."""
+    return _phase_kernels(_timeline(events))
+
+
+def _phase_kernels(timeline) -> dict[str, dict[str, tuple[int, float]]]:
+    ranges, _, _, device = timeline
+    spans = sorted((a, b, name) for name, pairs in ranges.items() for a, b in pairs)  # phases follow one another
     starts = [a for a, _, _ in spans]
     out: dict[str, dict[str, list]] = {}
-    for e in events:
-        if e.device_type == DeviceType.CPU or getattr(e, "is_user_annotation", False):
-            continue
-        t = e.time_range.start
+    for t, end, kernel in device:
         i = bisect.bisect_right(starts, t) - 1
         if i >= 0 and t <= spans[i][1]:
-            row = out.setdefault(spans[i][2], {}).setdefault(e.name, [0, 0.0])
+            row = out.setdefault(spans[i][2], {}).setdefault(kernel, [0, 0.0])
             row[0] += 1
-            row[1] += (e.time_range.end - t) / 1e3
+            row[1] += (end - t) / 1e3
     return {phase: {name: (n, ms) for name, (n, ms) in sorted(rows.items(), key=lambda kv: -kv[1][1])}
             for phase, rows in out.items()}
 
 
-def kernel_table(events, times: dict[str, tuple[float, float]], top: int = 15) -> list[str]:
+def kernel_table(timeline, times: dict[str, tuple[float, float]], top: int = 15) -> list[str]:
     """For each phase whose GPU is busy 50 ms or more: its kernels by device time (phase_kernels)."""
-    by_phase, lines = phase_kernels(events), []
+    by_phase, lines = _phase_kernels(timeline), []
     for name, (_, busy) in times.items():
         if busy < 50.0:
             continue
@@ -239,7 +240,7 @@ def kernel_table(events, times: dict[str, tuple[float, float]], top: int = 15) -
 
 def gc_ms(timeline) -> dict[str, float]:
     """Phase name -> ms of garbage collection (the `gc_ranges` ranges) inside its ranges."""
-    ranges, _, host = timeline
+    ranges, _, host, _ = timeline
     collections = _union([(a, b) for a, b, name in host if name.startswith(GC)])
     return {name: sum(_overlap(collections, a, b) for a, b in spans) / 1e3 for name, spans in ranges.items()}
 
@@ -253,7 +254,7 @@ def summary(events, cuda: bool) -> str:
         busy = f"{100 * busy_ms / wall:.0f}%" if cuda and wall > 0 else "-"
         lines.append(f"| {name} | {wall:.1f} | {busy_ms:.1f} | {busy} | {collected[name]:.1f} |")
     if cuda:
-        lines += idle_table(timeline, times) + kernel_table(events, times)
+        lines += idle_table(timeline, times) + kernel_table(timeline, times)
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
     lines += ["", events.key_averages().table(sort_by=sort_by, row_limit=TOP_OPS)]
     return "\n".join(lines) + "\n"

@@ -184,6 +184,6 @@ def test_each_phase_lists_the_kernels_it_started_by_device_time():
     assert step_profiler.phase_kernels(events) == {"update_actor": {"mm": (1, 4.0), "add": (3, 3.5)},
                                                    "generate": {"decode": (1, 2.0)}}
     times = {"update_actor": (20.0, 60.0), "generate": (10.0, 2.0)}  # only phases busy >= 50 ms get a table
-    text = "\n".join(step_profiler.kernel_table(events, times))
+    text = "\n".join(step_profiler.kernel_table(step_profiler._timeline(events), times))
     assert "Kernels in update_actor: 8 ms of device time, 4 launches" in text and "generate" not in text, text
     assert text.index("| mm | 1 | 4.0 | 53% |") < text.index("| add | 3 | 3.5 | 47% |"), text
