@@ -15,8 +15,9 @@ activations). Two ways to fuse them, switched per model instance by `apply(model
   torchtitan does): one compiled function per layer class, shared by all its layers (same code;
   the parameters are graph inputs), with dynamic shapes from the first call, since the packed
   length changes every micro-batch (`dynamic=True`; the hidden sizes become static again by
-  meeting the parameters' static shapes, the token count and the sequence boundaries stay
-  symbolic). Compiled graphs are counted by `compiled_graphs()`.
+  meeting the parameters' static shapes, the token count, the sequence boundaries and the longest
+  sequence stay symbolic, the modules' own ints are constants: `_call_compiled_layer`). Compiled
+  graphs are counted by `compiled_graphs()`.
 
 Both keep packed rows working (one row, position ids restarting per sequence, the boundaries as
 `cu_seq_lens_*` for spmd_rl.varlen_attention) and FSDP2: they replace module `forward`s, and
@@ -240,10 +241,20 @@ def _apply_compile(model: torch.nn.Module, patches: list) -> None:
 def _call_compiled_layer(forward, layer, *args, **kwargs):
     """The compiled layer, traced without duck sizing: every input size gets a symbol of its own, so
     a packed row's sequence count that happens to equal the head size (or two lengths that happen
-    to be equal) is not made one symbol, then specialized and compiled again when they differ. The
-    layer's float attributes (RMSNorm's eps, the attention scale) stay constants (dynamic=True would
-    make them graph inputs, and the attention kernel takes its scale as a Python float)."""
-    with torch.fx.experimental._config.patch(use_duck_shape=False), torch._dynamo.config.patch(specialize_float=True):
+    to be equal) is not made one symbol, then specialized and compiled again when they differ.
+
+    The layer's float attributes (RMSNorm's eps, the attention scale) and int attributes (head_dim,
+    the head counts) stay constants: dynamic=True would make the floats graph inputs (the attention
+    kernel takes its scale as a Python float), and under FSDP2 the ints symbols. Dynamo keeps a
+    plain module's ints constant, but reads an FSDP-managed module's attributes without guards
+    (skip_fsdp_guards), and so as symbols: head_dim became one, which every view and the rotary
+    embedding's slices turned into floor-division guards. Reasoning about those was most of a
+    compile (the 0.5B preset's restart with Inductor's cache warm: 16.7 s -> 2.3 s on an H100,
+    docs/performance.md). skip_fsdp_guards=False treats the layer's modules as plain ones (their
+    attributes guarded as usual). The ints the layer takes as arguments (the longest sequence,
+    max_length_q) stay symbolic."""
+    with torch.fx.experimental._config.patch(use_duck_shape=False), \
+            torch._dynamo.config.patch(specialize_float=True, skip_fsdp_guards=False):
         return forward(layer, *args, **kwargs)
 
 

@@ -177,6 +177,42 @@ def test_compiled_layer_on_cuda_is_one_graph_with_the_varlen_kernel(monkeypatch)
     assert f", {(config.hidden_size // config.num_attention_heads) ** -0.5}, " in code, code  # the scale, a constant
 
 
+def _layer_symbols_under_fsdp_body(rank, world, base):
+    from spmd_rl.distributed import fsdp_mesh
+    from spmd_rl.models import apply_fsdp
+
+    symbols = []
+
+    def record(gm, example_inputs):  # the symbols of each graph dynamo makes, by where they come from
+        shape_env = torch._guards.detect_fake_mode(example_inputs).shape_env
+        symbols.append(sorted(s.name for sources in shape_env.var_to_sources.values() for s in sources))
+        return gm.forward
+
+    fused_kernels.COMPILE_OPTIONS = {"backend": record}  # this worker process only
+    model = prepare_policy(tiny_model(), True, True, fused_kernels="compile")
+    apply_fsdp(model, fsdp_mesh("cpu", world), torch.float32)
+    graphs = []
+    for lens in ([5, 9, 3], [7, 4, 8, 2, 6]):
+        run(model, lens)
+        graphs.append(len(symbols))
+    assert graphs[1] == graphs[0], f"a second micro-batch of other lengths compiled again: {graphs}"
+    layer_graphs = [names for names in symbols if any("hidden_states" in n for n in names)]
+    assert layer_graphs, symbols
+    from_the_module = sorted({n for names in layer_graphs for n in names if n.startswith("L['self']")})
+    assert not from_the_module, f"module attributes became symbols of the compiled layer: {from_the_module}"
+
+
+def test_compiled_layer_under_fsdp_keeps_the_modules_ints_constant(tmp_path):
+    """Decoder layers wrapped by FSDP2's fully_shard, compiled with dynamic shapes: no symbol of their
+    graphs comes from the layer itself (head_dim, the head counts), only from its inputs (dynamo
+    keeps a plain module's ints constant but not an FSDP-managed one's: a symbolic head_dim made
+    every view and rotary slice a chain of floor-division guards, most of a warm restart's
+    compile), and a micro-batch of other lengths compiles nothing new (here, on CPU, the graphs
+    on either side of the attention's graph break). That the longest sequence stays symbolic on
+    CUDA: test_compiled_layer_on_cuda_is_one_graph_with_the_varlen_kernel."""
+    run_distributed(_layer_symbols_under_fsdp_body, 1, str(tmp_path))
+
+
 def test_compiled_layers_under_gradient_checkpointing_match_eager(monkeypatch):
     """configs/qwen7b.toml checkpoints activations and compiles its layers: each compiled layer runs
     inside transformers' checkpoint region (forward, then again in the backward's recompute). Same
