@@ -204,12 +204,10 @@ def _layer_symbols_under_fsdp_body(rank, world, base):
 
 def test_compiled_layer_under_fsdp_keeps_the_modules_ints_constant(tmp_path):
     """Decoder layers wrapped by FSDP2's fully_shard, compiled with dynamic shapes: no symbol of their
-    graphs comes from the layer itself (head_dim, the head counts), only from its inputs (dynamo
-    keeps a plain module's ints constant but not an FSDP-managed one's: a symbolic head_dim made
-    every view and rotary slice a chain of floor-division guards, most of a warm restart's
-    compile), and a micro-batch of other lengths compiles nothing new (here, on CPU, the graphs
-    on either side of the attention's graph break). That the longest sequence stays symbolic on
-    CUDA: test_compiled_layer_on_cuda_is_one_graph_with_the_varlen_kernel."""
+    graphs comes from the layer itself (head_dim, the head counts), only from its inputs (why:
+    fused_kernels._call_compiled_layer), and a micro-batch of other lengths compiles nothing new
+    (here, on CPU, the graphs on either side of the attention's graph break). That the longest
+    sequence stays symbolic on CUDA: test_compiled_layer_on_cuda_is_one_graph_with_the_varlen_kernel."""
     run_distributed(_layer_symbols_under_fsdp_body, 1, str(tmp_path))
 
 
