@@ -79,7 +79,7 @@ class LaunchSpec:
 
 def check(spec: LaunchSpec) -> None:
     """Refuse layouts and configs that cannot work, before anything is queued."""
-    from spmd_rl.config import load_config
+    from spmd_rl.config.run_config import load_config
 
     if spec.mode not in MODES:
         raise LaunchError(f"--mode {spec.mode!r} is not one of {', '.join(MODES)}")
@@ -189,7 +189,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchSpec:
 def main(argv: list[str] | None = None) -> int:
     from submitit.core.utils import FailedJobError
 
-    from spmd_rl.config import ConfigError
+    from spmd_rl.errors import ConfigError
 
     spec = parse_args(argv)
     try:

@@ -9,7 +9,7 @@ process unpickles a `TrainerTask` and calls it. Two layouts:
 * ``torchrun``: one task per node, which runs torchrun with a c10d rendezvous on the first node;
   torchrun passes stop signals on to its workers and waits for their checkpoint.
 
-Preemption (see spmd_rl/preemption.py and docs/multinode.md): submitit installs a SIGUSR2 handler
+Preemption (see spmd_rl/runtime/preemption.py and docs/multinode.md): submitit installs a SIGUSR2 handler
 that checkpoints and requeues *immediately*. That would kill a half-done step, so the task installs
 `StopFlag` over it first. The trainer then stops after the step, writes its checkpoint and returns
 EXIT_PREEMPTED; only then does the first task hand over to submitit's handler, which dumps
@@ -34,7 +34,7 @@ from typing import NoReturn
 import submitit
 from submitit.core.job_environment import JobEnvironment
 
-from spmd_rl.preemption import EXIT_PREEMPTED, EXIT_STATUS_DIR_ENV, StopFlag, recorded_exit_statuses
+from spmd_rl.runtime.preemption import EXIT_PREEMPTED, EXIT_STATUS_DIR_ENV, StopFlag, recorded_exit_statuses
 
 log = logging.getLogger("launch")
 
@@ -228,7 +228,7 @@ def node_exit_status(torchrun_rc: int, ranks: dict[int, int], stopped: bool) -> 
     A rank's own failure wins (EXIT_NOT_SAVED above all: a stop whose checkpoint was not written
     must not be requeued, the requeue would only repeat it); then EXIT_PREEMPTED when a rank
     recorded it or the task was stopped (torchrun exits on the signal too); else torchrun's."""
-    from spmd_rl.checkpoint import EXIT_NOT_SAVED  # imports torch: only when the trainer failed or stopped
+    from spmd_rl.checkpoint.checkpointer import EXIT_NOT_SAVED  # imports torch: only when the trainer failed or stopped
 
     if torchrun_rc == 0:
         return 0

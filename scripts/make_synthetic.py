@@ -12,7 +12,7 @@ import sys
 # Run from a checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spmd_rl.synthetic import TASKS, write_synthetic  # noqa: E402
+from spmd_rl.data.synthetic import TASKS, write_synthetic  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

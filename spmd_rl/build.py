@@ -19,18 +19,18 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from spmd_rl import sequence_parallel
-from spmd_rl.checkpoint import CheckpointError, Checkpointer
-from spmd_rl.config import Config
-from spmd_rl.data import PromptDataset, ShardedSampler
-from spmd_rl.distributed import DistEnv
-from spmd_rl.model_files import check_vocab, model_vocab_size
-from spmd_rl.models import (ARCH_PRESETS, DTYPES, allocate_meta_model, build_sharded, count_parameters, load_causal_lm,
+from spmd_rl.batching import sequence_parallel
+from spmd_rl.checkpoint.checkpointer import CheckpointError, Checkpointer
+from spmd_rl.config.run_config import Config
+from spmd_rl.data.prompts import PromptDataset, ShardedSampler
+from spmd_rl.runtime.distributed import DistEnv
+from spmd_rl.model.files import check_vocab, model_vocab_size
+from spmd_rl.model.loading import (ARCH_PRESETS, DTYPES, allocate_meta_model, build_sharded, count_parameters, load_causal_lm,
                             load_value_model, materialize_random_model, random_model_config)
-from spmd_rl.optim import make_optimizer, make_scheduler
-from spmd_rl.rewards import RewardFunction
-from spmd_rl.startup import StartupClock
-from spmd_rl.tokenizer import load_tokenizer
+from spmd_rl.train.optim import make_optimizer, make_scheduler
+from spmd_rl.data.rewards import RewardFunction
+from spmd_rl.telemetry.startup import StartupClock
+from spmd_rl.model.tokenizer import load_tokenizer
 
 log = logging.getLogger("spmd_rl")
 
@@ -76,7 +76,7 @@ def build_data(cfg: Config, env: DistEnv, reward_fn: RewardFunction) -> Data:
         # rank 0 alone looks: a rank looking after rank 0 wrote the files would skip the barrier,
         # and its next collective would meet rank 0's barrier
         if env.is_main and not all(os.path.isfile(f) for f in d.train_files):
-            from spmd_rl.synthetic import write_synthetic
+            from spmd_rl.data.synthetic import write_synthetic
 
             out_dir = os.path.dirname(d.train_files[0]) or "."
             train, val = write_synthetic(d.synthetic_task, out_dir, d.synthetic_size,
@@ -197,7 +197,7 @@ def build_engine(cfg: Config, env: DistEnv, model_dir: str, model_key: str, toke
     eos = tokenizer.eos_token_id
     dtype = torch.float32 if (r.engine == "hf" and device.type == "cpu") else DTYPES[r.dtype]
     if r.engine == "vllm":
-        from spmd_rl.rollout.vllm_engine import VLLMEngine, use_cache_root
+        from spmd_rl.rollout.vllm.engine import VLLMEngine, use_cache_root
 
         use_cache_root(r.compile_cache_dir or os.path.join(cfg.run_dir, "compile_cache"))
         engine = VLLMEngine(cfg, model_dir, env.rank, env.world_size, env.local_rank, env.local_world_size)

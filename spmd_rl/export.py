@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from spmd_rl.checkpoint import run_dir_of
+from spmd_rl.checkpoint.checkpointer import run_dir_of
 from spmd_rl.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class ExportError(UserError):
 
 def source_model_dir(checkpoint: str) -> str:
     """The model directory the run started from (config.json, tokenizer, generation config)."""
-    from spmd_rl.config import load_config
+    from spmd_rl.config.run_config import load_config
 
     run_dir = run_dir_of(checkpoint)
     config_file = os.path.join(run_dir, "config.toml")

@@ -10,7 +10,7 @@ Exit status: 0 finished, 1 crashed, 2 user error, 3 stopped on a signal after wr
 checkpoint (EXIT_PREEMPTED: requeue), 4 ended (finished, or stopped on a signal) without its last
 checkpoint: no disk space for it, or its write failed (checkpoint.EXIT_NOT_SAVED; the log says why
 and names the latest complete checkpoint), 130 interrupted. Whatever the outcome, everything the run
-started is stopped in the order spmd_rl/lifecycle.py describes before the process exits.
+started is stopped in the order spmd_rl/runtime/lifecycle.py describes before the process exits.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import os
 import sys
 import time
 
-from spmd_rl.config import load_config
+from spmd_rl.config.run_config import load_config
 from spmd_rl.errors import UserError, let_rank0_report_first, report
-from spmd_rl.presets import describe_presets, resolve_config
+from spmd_rl.config.presets import describe_presets, resolve_config
 
 log = logging.getLogger("spmd_rl")
 
@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> int:
     """Run the trainer; the exit status (the module docstring), also written where a launcher asks
     for it (preemption.EXIT_STATUS_DIR_ENV: under torchrun the SLURM task cannot see it otherwise)."""
-    from spmd_rl.preemption import record_exit_status
+    from spmd_rl.runtime.preemption import record_exit_status
 
     code = _main(argv)
     record_exit_status(code)
@@ -58,7 +58,7 @@ def _main(argv: list[str] | None) -> int:
         cfg = load_config(resolve_config(args.config), args.overrides)
         # Training tensors of changing shapes (packed rows) fragment the caching allocator; expandable
         # segments let empty_cache() give every free page back before the engine wakes. The vLLM engine
-        # switches them off while it is awake (spmd_rl/gpu_memory.py). A user's own setting wins. Set
+        # switches them off while it is awake (spmd_rl/runtime/gpu_memory.py). A user's own setting wins. Set
         # before validation, which imports vLLM when rollout.engine_kwargs are set (their names).
         if cfg.rollout.engine == "vllm" and not any(v in os.environ for v in ("PYTORCH_CUDA_ALLOC_CONF",
                                                                               "PYTORCH_ALLOC_CONF")):
@@ -69,14 +69,14 @@ def _main(argv: list[str] | None) -> int:
         let_rank0_report_first()
         return code
 
-    from spmd_rl import lifecycle
+    from spmd_rl.runtime import lifecycle
 
     lifecycle.die_with_launcher()
     try:
         code = _train(cfg)
     finally:
         # 3. The trainer and its env went with _train's frame: collect the process group now,
-        #    joining its threads while the interpreter is fully alive (see spmd_rl/lifecycle.py).
+        #    joining its threads while the interpreter is fully alive (see spmd_rl/runtime/lifecycle.py).
         lifecycle.destroy_process_group()
         # 4. Threads libraries started for us; 5. nothing of ours may be left.
         lifecycle.stop_library_threads()
@@ -90,13 +90,13 @@ def _main(argv: list[str] | None) -> int:
 def _train(cfg) -> int:
     """Lock the run directory, check a resumed config, set up, train, export (trainer.export_hf_dir)
     and close the trainer (steps 1-2 of the teardown); the exit status."""
-    from spmd_rl.checkpoint import EXIT_NOT_SAVED, CheckpointError
-    from spmd_rl.distributed import init_distributed, raise_together, seed_everything, setup_logging
-    from spmd_rl.lifecycle import EXIT_CRASHED, EXIT_OK
-    from spmd_rl.preemption import EXIT_PREEMPTED
-    from spmd_rl.resume_check import check_resume_config
-    from spmd_rl.run_lock import RunDirLock
-    from spmd_rl.startup import startup_clock
+    from spmd_rl.checkpoint.checkpointer import EXIT_NOT_SAVED, CheckpointError
+    from spmd_rl.runtime.distributed import init_distributed, raise_together, seed_everything, setup_logging
+    from spmd_rl.runtime.lifecycle import EXIT_CRASHED, EXIT_OK
+    from spmd_rl.runtime.preemption import EXIT_PREEMPTED
+    from spmd_rl.config.resume_check import check_resume_config
+    from spmd_rl.runtime.run_lock import RunDirLock
+    from spmd_rl.telemetry.startup import startup_clock
     from spmd_rl.trainer import Trainer
 
     clock = startup_clock()

@@ -27,33 +27,35 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from spmd_rl import algorithms as algos
-from spmd_rl import fused_kernels, sequence_parallel
-from spmd_rl.actor import actor_loss_fn, compute_logprobs
-from spmd_rl.batch import Batch, build_rollout_batch, response_token_ids
+from spmd_rl.algo import algorithms as algos
+from spmd_rl.model import fused_kernels
+from spmd_rl.batching import sequence_parallel
+from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
+from spmd_rl.batching.batch import Batch, build_rollout_batch, response_token_ids
 from spmd_rl.build import build_data, build_engine, build_models, resume_target
-from spmd_rl.checkpoint import EXIT_NOT_SAVED, Checkpointer, ModelAndOptimizer, saved_world_size
-from spmd_rl.config import Config, to_toml
-from spmd_rl.critic import compute_values, critic_loss_fn
-from spmd_rl.data import iter_eval_batches
-from spmd_rl.distributed import DistEnv, all_reduce_mean, all_reduce_sum
-from spmd_rl.gpu_memory import PhaseMemory
-from spmd_rl.dynamic_sampling import collect_informative_groups
-from spmd_rl.metrics import MetricsLogger, summary_line
-from spmd_rl.offload import move_train_state
-from spmd_rl.old_logprobs import UpdateLogprobs
-from spmd_rl.preemption import StopFlag
-from spmd_rl.rank_balance import balance_ranks, mini_batch_block_rows
-from spmd_rl.rewards import RewardFunction, extract_answer
+from spmd_rl.checkpoint.checkpointer import EXIT_NOT_SAVED, Checkpointer, ModelAndOptimizer, saved_world_size
+from spmd_rl.config.run_config import Config
+from spmd_rl.config.toml_io import to_toml
+from spmd_rl.train.critic import compute_values, critic_loss_fn
+from spmd_rl.data.prompts import iter_eval_batches
+from spmd_rl.runtime.distributed import DistEnv, all_reduce_mean, all_reduce_sum
+from spmd_rl.runtime.gpu_memory import PhaseMemory
+from spmd_rl.algo.dynamic_sampling import collect_informative_groups
+from spmd_rl.telemetry.metrics import MetricsLogger, summary_line
+from spmd_rl.train.offload import move_train_state
+from spmd_rl.train.old_logprobs import UpdateLogprobs
+from spmd_rl.runtime.preemption import StopFlag
+from spmd_rl.batching.rank_balance import balance_ranks, mini_batch_block_rows
+from spmd_rl.data.rewards import RewardFunction, extract_answer
 from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.rollout.multiturn import MultiTurnRollout, merge_trajectory_metrics
-from spmd_rl.rollout_correction import actor_update_batch, mismatch_metrics
-from spmd_rl.startup import startup_clock
-from spmd_rl.step_profiler import phase_range, profiled_step
-from spmd_rl.tokenizer import decode_response
-from spmd_rl.update import ppo_update
-from spmd_rl.val_metrics import prompt_means, prompt_sums
-from spmd_rl.weight_sync import iter_weights
+from spmd_rl.algo.rollout_correction import actor_update_batch, mismatch_metrics
+from spmd_rl.telemetry.startup import startup_clock
+from spmd_rl.telemetry.step_profiler import phase_range, profiled_step
+from spmd_rl.model.tokenizer import decode_response
+from spmd_rl.train.update import ppo_update
+from spmd_rl.algo.val_metrics import prompt_means, prompt_sums
+from spmd_rl.rollout.weight_sync import iter_weights
 
 log = logging.getLogger("spmd_rl")
 
@@ -458,7 +460,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def _profiled(self, step: int):
-        """torch.profiler around the step when trainer.profile_steps names it (spmd_rl/step_profiler.py)."""
+        """torch.profiler around the step when trainer.profile_steps names it (spmd_rl/telemetry/step_profiler.py)."""
         if step not in self.cfg.trainer.profile_steps:
             return contextlib.nullcontext()
         return profiled_step(step, os.path.join(self.cfg.run_dir, "profile"), self.env.rank, self.device)

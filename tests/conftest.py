@@ -37,12 +37,12 @@ def tiny_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def env():
     """GPU tests: one process, a world of one (NCCL default group) on the current GPU, per module."""
-    from spmd_rl.distributed import init_distributed
-    from spmd_rl.lifecycle import destroy_process_group
+    from spmd_rl.runtime.distributed import init_distributed
+    from spmd_rl.runtime.lifecycle import destroy_process_group
 
     env = init_distributed("cuda")
     yield env
-    destroy_process_group()  # the ordered teardown of spmd_rl.lifecycle, as a run's
+    destroy_process_group()  # the ordered teardown of spmd_rl.runtime.lifecycle, as a run's
 
 
 class SmallFilesystem:

@@ -1,5 +1,5 @@
 """Run a test body in N gloo processes (CPU), the way torchrun would, ending each the way a rank
-of `spmd_rl.ppo` ends (spmd_rl.lifecycle's ordered teardown: the process group destroyed and its
+of `spmd_rl.ppo` ends (spmd_rl.runtime.lifecycle's ordered teardown: the process group destroyed and its
 gloo threads joined while the interpreter is fully alive; a plain destroy_process_group() left them
 to interpreter shutdown, where a late one aborted the process now and then with SIGABRT)."""
 
@@ -8,7 +8,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from spmd_rl.distributed import free_port
+from spmd_rl.runtime.distributed import free_port
 
 
 def _entry(rank, world, port, fn, args, errors):
@@ -26,7 +26,7 @@ def _entry(rank, world, port, fn, args, errors):
         raise
     finally:
         fn = args = None  # the body's objects (models, meshes) let go of the group before it is destroyed
-        from spmd_rl.lifecycle import destroy_process_group, stop_library_threads
+        from spmd_rl.runtime.lifecycle import destroy_process_group, stop_library_threads
 
         destroy_process_group()
         stop_library_threads()

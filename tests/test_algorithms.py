@@ -1,4 +1,4 @@
-"""spmd_rl.algorithms against independent float64 references written as plain Python loops.
+"""spmd_rl.algo.algorithms against independent float64 references written as plain Python loops.
 
 Inputs are random [B, L] batches laid out like the trainer's: per-row prompt lengths, response
 lengths and right padding differ, so response start columns differ per row. Each reference
@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from spmd_rl import algorithms as alg
-from spmd_rl.distributed import free_port
+from spmd_rl.algo import algorithms as alg
+from spmd_rl.model import logprob_head
+from spmd_rl.runtime.distributed import free_port
 
 SEEDS = [0, 1, 2]
 DTYPES = [torch.float32, torch.float64]
@@ -371,7 +372,7 @@ def test_value_loss(seed, dtype, mode, cliprange):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_entropy_from_logits(seed, dtype, chunked, monkeypatch):
     if chunked:
-        monkeypatch.setattr(alg, "_ENTROPY_CHUNK_ELEMENTS", 20)  # 2 positions of 11 logits per chunk
+        monkeypatch.setattr(logprob_head, "_ENTROPY_CHUNK_ELEMENTS", 20)  # 2 positions of 11 logits per chunk
     logits = randn((3, 5, 11), seed, 3.0).to(dtype)
     expected = []
     for row in logits.double().tolist():
@@ -380,14 +381,14 @@ def test_entropy_from_logits(seed, dtype, chunked, monkeypatch):
             total = sum(math.exp(v) for v in z)
             p = [math.exp(v) / total for v in z]
             expected[-1].append(-sum(pi * math.log(pi) for pi in p))
-    out = alg.entropy_from_logits(logits)
+    out = logprob_head.entropy_from_logits(logits)
     assert out.shape == (3, 5) and out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     close(out, expected, torch.float64 if dtype == torch.float64 else torch.float32)
 
 
 def test_entropy_gradient_matches_reference():
     logits = randn((2, 7), 3).requires_grad_(True)
-    alg.entropy_from_logits(logits.float()).sum().backward()  # .float() is differentiable
+    logprob_head.entropy_from_logits(logits.float()).sum().backward()  # .float() is differentiable
     ref = logits.detach().clone().requires_grad_(True)
     for z in ref:
         p = torch.softmax(z, -1)

@@ -1,4 +1,4 @@
-"""scripts/bench_generation.py on CPU: its arguments, the processes it plans, the numbers it derives
+"""scripts/bench/bench_generation.py on CPU: its arguments, the processes it plans, the numbers it derives
 (floors, GPU time of a trace, vLLM's start-up lines, the model's shape), the profiled window's step
 hook, and the whole orchestration with a stand-in for the GPU processes, down to the printed table."""
 
@@ -14,7 +14,7 @@ import torch
 
 from conftest import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))
 
 import bench_generation as bg  # noqa: E402
 

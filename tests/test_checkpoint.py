@@ -17,8 +17,8 @@ import torch
 
 from dist_utils import run_distributed
 
-from spmd_rl.preemption import EXIT_PREEMPTED
-from spmd_rl.checkpoint import MANIFEST, CheckpointError, Checkpointer, ModelAndOptimizer, verify
+from spmd_rl.runtime.preemption import EXIT_PREEMPTED
+from spmd_rl.checkpoint.checkpointer import MANIFEST, CheckpointError, Checkpointer, ModelAndOptimizer, verify
 
 
 def make_model(seed: int = 0):
@@ -100,7 +100,7 @@ def test_a_save_failing_in_the_background_is_one_errno_line_and_the_next_save_wo
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(FileSystemWriter, "write_data", broken_write)
-    with caplog.at_level(logging.INFO, logger="spmd_rl.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="spmd_rl.checkpoint.checkpointer"):
         assert ck.save(2, models, {"step": 2}) is not None  # returns: the failure happens in the background
         assert ck.wait() is False
     # ours only: torch 2.11's DCP also logs the exception to its own logger (c10d's, a NullHandler that
@@ -123,7 +123,7 @@ def test_several_async_saves_in_one_process_reuse_their_buffers_and_resume_from_
     of its step, and every save after the first copies into the host buffers of the first. On torch
     2.11, torch's DefaultStager closed its inner stager after each save and the second one failed
     (KeyError: <class 'type'>); checkpoint_staging.HostStager keeps it for the run."""
-    from spmd_rl.checkpoint_staging import HostStager
+    from spmd_rl.checkpoint.staging import HostStager
 
     staged_ptrs = []
     stage = HostStager.stage
@@ -183,7 +183,7 @@ def test_a_broken_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, cap
             f.truncate(10)
     assert verify(str(broken)) is not None and verify(str(tmp_path / "step_2")) is None
     ck = Checkpointer(str(tmp_path), keep_last=2)
-    with caplog.at_level(logging.WARNING, logger="spmd_rl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="spmd_rl.checkpoint.checkpointer"):
         path = ck.find_resume("auto")
     assert path == str(tmp_path / "step_2")
     assert f"checkpoint {broken} is broken" in caplog.text and "resuming from" in caplog.text
@@ -245,7 +245,7 @@ def _failure_on_one_rank(rank, world, root):
     ck.save(1, models, {"step": 1})
     ck.wait()
     if rank == 0:
-        import spmd_rl.checkpoint as mod
+        import spmd_rl.checkpoint.checkpointer as mod
 
         mod.verify = lambda path, world_size=None: "__0_0.distcp is truncated (injected)"
     ck.save(2, models, {"step": 2})
@@ -267,7 +267,7 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
 
 def launch_ranks(run_dir, logs, overrides, fault=""):
     """The trainer's 2 ranks with torchrun's environment, each with its own exit status."""
-    from spmd_rl.distributed import free_port
+    from spmd_rl.runtime.distributed import free_port
     from test_e2e import ROOT, TINY
 
     port = free_port()
@@ -346,7 +346,7 @@ def test_preemption_waits_for_the_save_in_flight_and_broken_checkpoints_are_a_on
 def test_a_rank_writes_its_shards_in_several_files_and_they_load_back(tmp_path, monkeypatch, async_save):
     """checkpoint.WRITE_THREADS threads per rank, each writing a file of its own (DCP's default of
     one thread bounded a 7B save at ~1.1 GB/s); the checkpoint verifies and resumes bit for bit."""
-    import spmd_rl.checkpoint as ckpt
+    import spmd_rl.checkpoint.checkpointer as ckpt
 
     monkeypatch.setattr(ckpt, "WRITE_THREADS", 3)
     snaps = save_steps(tmp_path, [1], async_save)

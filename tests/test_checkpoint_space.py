@@ -20,9 +20,9 @@ import torch.distributed.checkpoint as dcp
 from conftest import ROOT
 from dist_utils import run_distributed
 
-from spmd_rl import checkpoint_space as space
-from spmd_rl.checkpoint import WRITE_THREADS, Checkpointer, ModelAndOptimizer
-from spmd_rl.checkpoint_writes import os_error
+from spmd_rl.checkpoint import space as space
+from spmd_rl.checkpoint.checkpointer import WRITE_THREADS, Checkpointer, ModelAndOptimizer
+from spmd_rl.checkpoint.writes import os_error
 
 MB = 2**20
 
@@ -76,7 +76,7 @@ def test_with_several_writer_threads_a_full_disk_is_an_error_or_a_metadata_witho
     depends on which thread fills the disk: the zip writer's error, or a plain ENOSPC from a file's
     last flush, or -- when only an extra thread failed -- nothing at all: its thread dies, and the
     .metadata DCP writes lists items without data (verify() catches that)."""
-    from spmd_rl.checkpoint import verify
+    from spmd_rl.checkpoint.checkpointer import verify
 
     root = small_filesystem.mount(4 * MB)
     error = save_into(root, max(2, WRITE_THREADS), async_save=False)
@@ -190,7 +190,7 @@ def _estimate_on_two_ranks(rank, world, root):
 def _estimate_sharded(rank, world, root, fsdp_size):
     from torch.distributed.fsdp import fully_shard
 
-    from spmd_rl.distributed import fsdp_mesh
+    from spmd_rl.runtime.distributed import fsdp_mesh
 
     mesh = fsdp_mesh("cpu", world, fsdp_size)
     model, opt = make_model(width=256, step=False)
@@ -254,8 +254,8 @@ def test_the_qwen_1_5b_preset_on_a_disk_with_34_gb_free():
     lm_head.weight as well as the embedding: 19.5 GB a save, not the 18.5 GB of 12 bytes a parameter."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from spmd_rl.config import load_config
-    from spmd_rl.models import ARCH_PRESETS
+    from spmd_rl.config.run_config import load_config
+    from spmd_rl.model.loading import ARCH_PRESETS
 
     cfg = load_config(os.path.join(ROOT, "configs", "qwen1.5b-gsm8k.toml"))
     with torch.device("meta"):
@@ -297,7 +297,7 @@ def test_a_save_that_does_not_fit_is_skipped_with_one_line_and_the_next_one_trie
     assert ck.save(1, models, trainer_state(1)) is not None and ck.wait()
     saved = snapshot(model)
     train_step(model, opt)
-    with caplog.at_level(logging.INFO, logger="spmd_rl.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="spmd_rl.checkpoint.checkpointer"):
         assert ck.save(2, models, trainer_state(2)) is None
     lines = log_lines(caplog)
     assert len(lines) == 1, lines
@@ -335,7 +335,7 @@ def test_a_save_short_of_room_first_removes_what_it_replaces_never_the_latest(
     for step in range(1, keep_last + 1):
         assert ck.save(step, models, trainer_state(step)) is not None
     train_step(model, opt)
-    with caplog.at_level(logging.INFO, logger="spmd_rl.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="spmd_rl.checkpoint.checkpointer"):
         written = ck.save(keep_last + 1, models, trainer_state(keep_last + 1))
     lines = [line for line in log_lines(caplog, logging.INFO) if "removed before writing" in line]
     if keep_last == 1:
@@ -388,7 +388,7 @@ def test_a_write_that_fails_on_a_full_disk_is_one_errno_line_and_no_partial_dire
     assert save_and_settle(ck, 1, models)
     disk.budget = 2 * MB  # of about 3 MB
     capfd.readouterr()
-    with caplog.at_level(logging.INFO, logger="spmd_rl.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="spmd_rl.checkpoint.checkpointer"):
         assert save_and_settle(ck, 2, models) is None
     assert_failed_write(caplog, capfd, root, ck)
     disk.budget = float("inf")
@@ -411,7 +411,7 @@ def test_a_write_that_fills_a_real_filesystem_is_one_errno_line_and_no_partial_d
     measure = space.measure
     monkeypatch.setattr(space, "measure", lambda *a: measure(*a)._replace(total=size.total // 10))
     capfd.readouterr()
-    with caplog.at_level(logging.INFO, logger="spmd_rl.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="spmd_rl.checkpoint.checkpointer"):
         assert save_and_settle(ck, 2, models) is None
     assert_failed_write(caplog, capfd, root, ck)
     ck.close()
@@ -422,8 +422,8 @@ def test_a_write_failing_only_in_an_extra_writer_thread_is_caught(tmp_path, monk
     """DCP does not see a failure in its extra writer threads (FileSystemWriter(thread_count > 1)):
     the thread dies, the save returns, its .metadata lists items without data -- verify() says so.
     The checkpointer's writer records the failure: the save is not written, one errno line."""
-    import spmd_rl.checkpoint as ckpt
-    from spmd_rl.checkpoint import verify
+    import spmd_rl.checkpoint.checkpointer as ckpt
+    from spmd_rl.checkpoint.checkpointer import verify
 
     disk = InjectedFullDisk(monkeypatch, budget=0, extra_threads_only=True)
     assert save_into(str(tmp_path / "torch"), 2, async_save=False) is None  # DCP: no error
@@ -439,7 +439,7 @@ def test_a_write_failing_only_in_an_extra_writer_thread_is_caught(tmp_path, monk
     assert save_and_settle(ck, 1, models)
     disk.budget = 0
     capfd.readouterr()
-    with caplog.at_level(logging.INFO, logger="spmd_rl.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="spmd_rl.checkpoint.checkpointer"):
         assert save_and_settle(ck, 2, models) is None
     assert_failed_write(caplog, capfd, root, ck)
 
@@ -449,7 +449,7 @@ def test_the_zip_writers_error_is_a_write_error_even_when_its_os_error_is_lost()
     writer's error: it still counts as a failed write, and its line does not repeat it."""
     import pickle
 
-    from spmd_rl.checkpoint_writes import describe, is_write_error
+    from spmd_rl.checkpoint.writes import describe, is_write_error
 
     try:
         try:
@@ -473,8 +473,8 @@ def _write_fails_on_rank_1(rank, world, root):
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    logging.getLogger("spmd_rl.checkpoint").addHandler(handler)
-    logging.getLogger("spmd_rl.checkpoint").setLevel(logging.INFO)
+    logging.getLogger("spmd_rl.checkpoint.checkpointer").addHandler(handler)
+    logging.getLogger("spmd_rl.checkpoint.checkpointer").setLevel(logging.INFO)
     disk = InjectedFullDisk(mp)
     model, opt = make_model(width=256)
     models = {"actor": ModelAndOptimizer(model, opt)}
@@ -517,8 +517,8 @@ def test_the_last_save_not_written_ends_the_run_as_not_saved(monkeypatch, caplog
     checkpoint, never "finished" or "preempted" (the requeue status). Periodic saves that are not
     written (steps 2 and 4 here) change nothing: training goes on."""
     import spmd_rl.trainer as trainer_module
-    from spmd_rl.checkpoint import EXIT_NOT_SAVED
-    from spmd_rl.config import Config
+    from spmd_rl.checkpoint.checkpointer import EXIT_NOT_SAVED
+    from spmd_rl.config.run_config import Config
 
     cfg = Config()
     cfg.trainer.total_steps, cfg.trainer.save_every = 5, 2
@@ -553,7 +553,7 @@ def tiny_checkpoint_bytes() -> int:
     """The tiny-cpu preset's checkpoint on one rank, as its start-up line measures it."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from spmd_rl.models import ARCH_PRESETS
+    from spmd_rl.model.loading import ARCH_PRESETS
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(Qwen2Config(**ARCH_PRESETS["tiny"]), dtype=torch.float32)
@@ -570,8 +570,9 @@ def test_a_run_whose_checkpoints_do_not_fit_warns_goes_on_exits_4_and_resumes(tm
     from conftest import run_cmd, tiny_cmd
 
     from launch.task import node_exit_status
-    from spmd_rl.checkpoint import EXIT_NOT_SAVED
-    from spmd_rl.preemption import EXIT_STATUS_DIR_ENV, recorded_exit_statuses
+
+    from spmd_rl.checkpoint.checkpointer import EXIT_NOT_SAVED
+    from spmd_rl.runtime.preemption import EXIT_STATUS_DIR_ENV, recorded_exit_statuses
 
     size = tiny_checkpoint_bytes()
     ckpt = small_filesystem.mount(int(1.6 * size))

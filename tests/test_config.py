@@ -3,8 +3,10 @@ import os
 
 import pytest
 
-from spmd_rl.config import Config, ConfigError, field_docs, load_config, markdown_reference
-from spmd_rl.model_files import ModelFilesError
+from spmd_rl.config.reference import field_docs, markdown_reference
+from spmd_rl.config.run_config import Config, load_config
+from spmd_rl.errors import ConfigError
+from spmd_rl.model.files import ModelFilesError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +35,7 @@ def test_every_key_is_documented():
 
 def test_docs_config_md_is_current():
     with open(os.path.join(ROOT, "docs", "config.md")) as f:
-        assert f.read().strip() == markdown_reference().strip(), "regenerate: python -m spmd_rl.config --markdown > docs/config.md"
+        assert f.read().strip() == markdown_reference().strip(), "regenerate: python -m spmd_rl.config.reference --markdown > docs/config.md"
 
 
 def test_toml_and_overrides_with_types(tmp_path):
@@ -89,7 +91,7 @@ def test_validation_errors(tmp_path, overrides, world, needle):
 
 
 def test_tp_group_may_not_span_nodes(tmp_path, monkeypatch):
-    from spmd_rl import vllm_kwargs
+    from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
 
     monkeypatch.setattr(vllm_kwargs, "vllm_import_problem", lambda: None)  # engine = "vllm" without vLLM here
     cfg = valid_cfg(tmp_path, ['rollout.engine="vllm"', "rollout.tensor_parallel_size=4",

@@ -9,11 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from spmd_rl.data import DataError, PromptDataset, ShardedSampler, iter_eval_batches
-from spmd_rl.rewards import RewardFunction
-from spmd_rl.config import RewardConfig
-from spmd_rl.synthetic import write_synthetic
-from spmd_rl.tokenizer import build_char_tokenizer
+from spmd_rl.data.prompts import DataError, PromptDataset, ShardedSampler, iter_eval_batches
+from spmd_rl.data.rewards import RewardFunction
+from spmd_rl.config.reward import RewardConfig
+from spmd_rl.data.synthetic import write_synthetic
+from spmd_rl.model.tokenizer import build_char_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -118,7 +118,7 @@ def test_kill_and_resume_continues_identically(tmp_path):
 def test_balance_ranks_keeps_the_update_and_evens_the_ranks_tokens(tmp_path):
     """2 ranks with trainer.balance_ranks on and off: the first step trains on the same rollouts and
     gives the same update either way; on, the metrics show the busiest rank's tokens before and after."""
-    from spmd_rl.synthetic import write_synthetic
+    from spmd_rl.data.synthetic import write_synthetic
 
     # written once for both runs, so they read the same prompts
     write_synthetic("successor", str(tmp_path / "data"), 256, 64, 1)

@@ -3,7 +3,7 @@
 vLLM's sleep-mode allocator switches expandable segments back on after its pools whenever
 PYTORCH_CUDA_ALLOC_CONF names them, so CUDA graphs captured during engine start-up got buffers
 from VMM segments, and custom all-reduce (tensor parallel >= 2) died registering them through
-legacy CUDA IPC (`custom_all_reduce.cuh:455 'invalid argument'`; spmd_rl/gpu_memory.py). These
+legacy CUDA IPC (`custom_all_reduce.cuh:455 'invalid argument'`; spmd_rl/runtime/gpu_memory.py). These
 tests run the real VLLMEngine constructor on CPU with a stand-in `vllm.LLM` that records what it
 saw; the GPU proof is configs/qwen7b.toml (TP=2, CUDA graphs, custom all-reduce) in
 scripts/gpu_check.py.
@@ -16,9 +16,9 @@ import types
 import pytest
 import torch.distributed as dist
 
-from spmd_rl import gpu_memory
-from spmd_rl.config import load_config
-from spmd_rl.distributed import free_port
+from spmd_rl.runtime import gpu_memory
+from spmd_rl.config.run_config import load_config
+from spmd_rl.runtime.distributed import free_port
 
 
 @pytest.mark.parametrize("conf, hidden", [
@@ -79,7 +79,7 @@ def test_vllm_engine_is_built_with_expandable_segments_hidden(monkeypatch, tmp_p
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(k, v)
-    from spmd_rl.rollout import vllm_engine
+    from spmd_rl.rollout.vllm import engine as vllm_engine
 
     monkeypatch.setattr(vllm_engine, "set_expandable_segments", _switches.append)
     monkeypatch.setattr(gpu_memory, "set_expandable_segments", _switches.append)

@@ -12,11 +12,13 @@ import tomllib
 
 import pytest
 
-from spmd_rl import vllm_kwargs
-from spmd_rl.config import Config, ConfigError, config_from_dict, load_config, to_dict, to_toml
-from spmd_rl.resume_check import check_resume_config, config_changes
-from spmd_rl.rollout.vllm_engine import engine_kwargs, step_capture_sizes
-from spmd_rl.vllm_kwargs import FIXED, ROLLOUT_KEYS, check_engine_kwargs
+from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
+from spmd_rl.config.run_config import Config, config_from_dict, load_config
+from spmd_rl.config.toml_io import to_dict, to_toml
+from spmd_rl.errors import ConfigError
+from spmd_rl.config.resume_check import check_resume_config, config_changes
+from spmd_rl.rollout.vllm.engine import engine_kwargs, step_capture_sizes
+from spmd_rl.rollout.vllm.kwargs import FIXED, ROLLOUT_KEYS, check_engine_kwargs
 
 VLLM_0_26_NAMES = frozenset("""
     _api_process_count _api_process_rank additional_config aggregate_engine_logging all2all_backend

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 from safetensors.torch import load_file
 
 from spmd_rl.export import ExportError, export_checkpoint
-from spmd_rl.models import ARCH_PRESETS
+from spmd_rl.model.loading import ARCH_PRESETS
 
 
 def logprobs(model, ids):
@@ -66,7 +66,7 @@ def test_export_untied_model(tmp_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(tmp_path / "model")
-    from spmd_rl.tokenizer import build_char_tokenizer
+    from spmd_rl.model.tokenizer import build_char_tokenizer
 
     build_char_tokenizer().save_pretrained(tmp_path / "model")
     with torch.no_grad():

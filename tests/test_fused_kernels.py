@@ -13,11 +13,11 @@ import torch
 from dist_utils import run_distributed
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from spmd_rl import fused_kernels
-from spmd_rl.actor import forward_logprobs
-from spmd_rl.batch import Batch
-from spmd_rl.config import ConfigError
-from spmd_rl.models import prepare_policy
+from spmd_rl.model import fused_kernels
+from spmd_rl.train.actor import forward_logprobs
+from spmd_rl.batching.batch import Batch
+from spmd_rl.errors import ConfigError
+from spmd_rl.model.loading import prepare_policy
 from test_config import valid_cfg
 
 
@@ -46,7 +46,7 @@ def run(model, lens, seed=0):
 
 
 def fallback_warnings(caplog):
-    return [r for r in caplog.records if r.name == "spmd_rl.fused_kernels" and r.levelno == logging.WARNING]
+    return [r for r in caplog.records if r.name == "spmd_rl.model.fused_kernels" and r.levelno == logging.WARNING]
 
 
 def test_config_keys(tmp_path):
@@ -77,7 +77,7 @@ def test_liger_falls_back_with_one_warning_and_the_unfused_numbers(caplog, devic
     base = tiny_model()
     plain = prepare_policy(copy.deepcopy(base), remove_padding=True)
     want = run(plain, [5, 9, 3])
-    with caplog.at_level(logging.WARNING, logger="spmd_rl.fused_kernels"):
+    with caplog.at_level(logging.WARNING, logger="spmd_rl.model.fused_kernels"):
         models = []
         for _ in range(2):  # actor and reference, say
             model = prepare_policy(copy.deepcopy(base), remove_padding=True)
@@ -140,7 +140,7 @@ def test_compiled_layer_on_cuda_is_one_graph_with_the_varlen_kernel(monkeypatch)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
-    from spmd_rl import varlen_attention
+    from spmd_rl.model import varlen_attention
 
     config = tiny_model().config
     config._attn_implementation = varlen_attention.register()
@@ -178,8 +178,8 @@ def test_compiled_layer_on_cuda_is_one_graph_with_the_varlen_kernel(monkeypatch)
 
 
 def _layer_symbols_under_fsdp_body(rank, world, base):
-    from spmd_rl.distributed import fsdp_mesh
-    from spmd_rl.models import apply_fsdp
+    from spmd_rl.runtime.distributed import fsdp_mesh
+    from spmd_rl.model.loading import apply_fsdp
 
     symbols = []
 
@@ -215,7 +215,7 @@ def test_compiled_layers_under_gradient_checkpointing_match_eager(monkeypatch):
     """configs/qwen7b.toml checkpoints activations and compiles its layers: each compiled layer runs
     inside transformers' checkpoint region (forward, then again in the backward's recompute). Same
     log-probs, entropy and gradients as the eager model without checkpointing (float32 tolerance)."""
-    from spmd_rl.models import set_gradient_checkpointing
+    from spmd_rl.model.loading import set_gradient_checkpointing
 
     monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": "aot_eager"})
     base = tiny_model()
@@ -317,7 +317,7 @@ def test_head_passes_with_and_without_entropy_share_one_statistics_graph(monkeyp
     """The compiled head's statistics are one graph whether a pass keeps the entropy (the update)
     or not (the reference's and the old log-prob pass): a warm restart traces one graph fewer.
     Both passes still give the eager numbers."""
-    from spmd_rl.logprob_head import token_logprobs
+    from spmd_rl.model.logprob_head import token_logprobs
 
     monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": "aot_eager"})
     torch._dynamo.reset()

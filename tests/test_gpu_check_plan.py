@@ -40,8 +40,8 @@ def test_gpu_check_plan_runs_every_preset_check():
 def test_preset_check_overrides_validate_on_its_gpus(name, monkeypatch, tmp_path):
     """The check's overrides on the preset (the model as a random one of the same shape: the check's
     model directory only exists on the GPU machine) are a valid config for its GPU count."""
-    from spmd_rl import vllm_kwargs
-    from spmd_rl.config import load_config
+    from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
+    from spmd_rl.config.run_config import load_config
 
     monkeypatch.setattr(vllm_kwargs, "vllm_import_problem", lambda: None)  # no vLLM on the CI machine
     p = PRESETS[name]

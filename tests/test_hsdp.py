@@ -81,13 +81,13 @@ def reference_steps(model_dir: str, batch) -> tuple[dict[str, torch.Tensor], lis
 def _layouts_body(rank, world, model_dir, root, reference):
     import torch.distributed as dist
 
-    from spmd_rl.actor import actor_loss_fn
-    from spmd_rl.checkpoint import Checkpointer, ModelAndOptimizer
-    from spmd_rl.config import ActorConfig
-    from spmd_rl.distributed import all_reduce_mean, fsdp_mesh
-    from spmd_rl.models import apply_fsdp, build_sharded, load_causal_lm
-    from spmd_rl.optim import make_optimizer
-    from spmd_rl.update import ppo_update
+    from spmd_rl.train.actor import actor_loss_fn
+    from spmd_rl.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer
+    from spmd_rl.config.actor import ActorConfig
+    from spmd_rl.runtime.distributed import all_reduce_mean, fsdp_mesh
+    from spmd_rl.model.loading import apply_fsdp, build_sharded, load_causal_lm
+    from spmd_rl.train.optim import make_optimizer
+    from spmd_rl.train.update import ppo_update
 
     want_params, want_losses, want_norms = reference
     load = functools.partial(load_causal_lm, model_dir, torch.float32)
@@ -139,7 +139,7 @@ def check_weight_sync(model, mesh, shard_ranks: int, what: str) -> None:
     bytes go to the other replicas: with a node per shard group, none cross nodes)."""
     import torch.distributed as dist
 
-    from spmd_rl.weight_sync import iter_weights
+    from spmd_rl.rollout.weight_sync import iter_weights
 
     group_sizes = []
     gather = dist.all_gather_into_tensor
@@ -162,9 +162,9 @@ def check_weight_sync(model, mesh, shard_ranks: int, what: str) -> None:
 
 def load_checkpoint(load, mesh, path: str) -> dict[str, torch.Tensor]:
     """A resume: the model built on the meta device over `mesh`, filled by the checkpoint."""
-    from spmd_rl.checkpoint import Checkpointer, ModelAndOptimizer
-    from spmd_rl.models import build_sharded
-    from spmd_rl.optim import make_optimizer
+    from spmd_rl.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer
+    from spmd_rl.model.loading import build_sharded
+    from spmd_rl.train.optim import make_optimizer
 
     model = build_sharded(load, mesh, torch.float32, from_checkpoint=True)
     opt = make_optimizer(model, 1e-2, 0.01)
@@ -174,7 +174,7 @@ def load_checkpoint(load, mesh, path: str) -> dict[str, torch.Tensor]:
 
 
 def test_fsdp_sizes_give_the_same_update_and_checkpoints_reshard_across_them(tmp_path):
-    from spmd_rl.models import materialize_random_model
+    from spmd_rl.model.loading import materialize_random_model
 
     model_dir = materialize_random_model(str(tmp_path / "model"), tiny_config(), seed=5, dtype=torch.float32)
     reference = reference_steps(model_dir, make_batch(seed=2, rows=ROWS * WORLD))
@@ -183,7 +183,7 @@ def test_fsdp_sizes_give_the_same_update_and_checkpoints_reshard_across_them(tmp
 
 
 def test_mesh_shapes():
-    from spmd_rl.distributed import fsdp_mesh_shape
+    from spmd_rl.runtime.distributed import fsdp_mesh_shape
 
     assert fsdp_mesh_shape(8, 0) == fsdp_mesh_shape(8, 8) == (8,)
     assert fsdp_mesh_shape(8, 4) == (2, 4) and fsdp_mesh_shape(8, 1) == (8, 1) and fsdp_mesh_shape(1, 0) == (1,)

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from spmd_rl.distributed import free_port
-from spmd_rl.startup import StartupClock
+from spmd_rl.runtime.distributed import free_port
+from spmd_rl.telemetry.startup import StartupClock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
@@ -30,7 +30,8 @@ TEARDOWN_WORKER = textwrap.dedent("""
     import sys, time
     import torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from spmd_rl import lifecycle
+
+    from spmd_rl.runtime import lifecycle
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
@@ -81,9 +82,9 @@ def test_teardown_joins_the_process_group_threads_a_mesh_keeps_alive():
 
 @pytest.mark.parametrize("mode,n", [("finish", 1), ("preempt", 1), ("config", 2)])  # N=200 by hand (issue 13)
 def test_stress_exit_each_mode_exits_with_its_documented_code(tmp_path, mode, n):
-    """scripts/stress_exit.sh: 0 finished, 3 (EXIT_PREEMPTED) on SIGTERM, 2 on a config error;
+    """scripts/probes/stress_exit.sh: 0 finished, 3 (EXIT_PREEMPTED) on SIGTERM, 2 on a config error;
     every run, and no process left behind. (200 runs of a mode: run the script by hand.)"""
-    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "stress_exit.sh"), "--mode", mode, "--keep", str(n)],
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "probes", "stress_exit.sh"), "--mode", mode, "--keep", str(n)],
                        cwd=ROOT, env=dict(ENV, STRESS_DIR=str(tmp_path)), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0 and f"mode={mode} runs={n} failures=0" in p.stdout, p.stdout + p.stderr[-3000:]
     if mode == "finish":  # the start-up phases reach the first step's metrics, and the log
@@ -174,7 +175,7 @@ def test_release_meshes_passes_over_dead_weak_proxies():
 
     import torch.distributed.device_mesh  # noqa: F401  (what _release_meshes looks for)
 
-    from spmd_rl import lifecycle
+    from spmd_rl.runtime import lifecycle
 
     class Referent:
         pass

@@ -12,11 +12,12 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from conftest import ROOT
+
 from spmd_rl.build import check_tokenizer_vocab
-from spmd_rl.config import load_config
-from spmd_rl.model_files import ModelFilesError, check_vocab, loading, safetensors_problem
-from spmd_rl.models import ARCH_PRESETS, load_causal_lm, load_value_model
-from spmd_rl.tokenizer import build_char_tokenizer, load_tokenizer
+from spmd_rl.config.run_config import load_config
+from spmd_rl.model.files import ModelFilesError, check_vocab, loading, safetensors_problem
+from spmd_rl.model.loading import ARCH_PRESETS, load_causal_lm, load_value_model
+from spmd_rl.model.tokenizer import build_char_tokenizer, load_tokenizer
 
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
 

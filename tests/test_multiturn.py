@@ -14,9 +14,10 @@ from transformers import PreTrainedTokenizerFast
 
 from dist_utils import run_distributed
 
-from spmd_rl.batch import build_rollout_batch, response_token_ids
-from spmd_rl.config import ConfigError, config_from_dict
-from spmd_rl.data import PromptRecord
+from spmd_rl.batching.batch import build_rollout_batch, response_token_ids
+from spmd_rl.config.run_config import config_from_dict
+from spmd_rl.errors import ConfigError
+from spmd_rl.data.prompts import PromptRecord
 from spmd_rl.rollout.base import Completion, SamplingParams
 from spmd_rl.rollout.multiturn import MultiTurnRollout
 from spmd_rl.rollout.multiturn.bridge import Bridge, TemplateError
@@ -141,7 +142,7 @@ def test_two_tool_calls_give_the_exact_row_and_mask():
     assert batch["rollout_logprobs"][0, len(prompt):].tolist() == pytest.approx(c.logprobs)
     assert int(batch["response_lens"][0]) == len(c.token_ids) and response_token_ids(batch, 0) == c.token_ids
     # the score sits on the last model token, the end of the row
-    from spmd_rl.algorithms import scores_to_token_rewards
+    from spmd_rl.algo.algorithms import scores_to_token_rewards
 
     rewards = scores_to_token_rewards(torch.tensor([1.5]), batch["response_mask"])
     assert rewards[0, -1] == 1.5 and rewards.sum() == 1.5
@@ -195,7 +196,7 @@ def test_bridge_leaves_the_sampled_end_of_turn_to_the_model_and_refuses_history_
 
 
 def test_char_template_renders_tool_messages_and_keeps_single_turn_bytes():
-    from spmd_rl.tokenizer import build_char_tokenizer
+    from spmd_rl.model.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     chat = [{"role": "user", "content": "384"}]
@@ -355,9 +356,9 @@ def test_masked_loss_packed_equals_padded_and_bridge_tokens_do_not_count(tmp_pat
     packed and padded, and equal the reference computed from the model tokens alone."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from spmd_rl.actor import forward_logprobs
-    from spmd_rl.algorithms import agg_loss
-    from spmd_rl.models import load_causal_lm
+    from spmd_rl.train.actor import forward_logprobs
+    from spmd_rl.algo.algorithms import agg_loss
+    from spmd_rl.model.loading import load_causal_lm
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=48,
@@ -434,7 +435,7 @@ def test_merged_metrics_of_two_calls_are_those_of_all_their_trajectories():
 
 
 def _dynamic_sampling_body(rank, world, base):
-    import spmd_rl.dynamic_sampling as ds
+    import spmd_rl.algo.dynamic_sampling as ds
     import spmd_rl.rollout.multiturn as mt
     from test_multiturn_e2e import HIDDEN
     from test_old_logprobs import _trainer

@@ -1,4 +1,4 @@
-"""The on-policy shortcut (spmd_rl/old_logprobs.py): old log-probs from the update's own forward.
+"""The on-policy shortcut (spmd_rl/train/old_logprobs.py): old log-probs from the update's own forward.
 
 - where it is taken, it gives the update of the separate no-grad pass: per policy loss and IS
   level on one process (the losses, metrics, gradients), and the whole trainer on 2 ranks for two
@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from spmd_rl.batch import Batch
-from spmd_rl.config import Config
-from spmd_rl.old_logprobs import UpdateLogprobs
+
+from spmd_rl.batching.batch import Batch
+from spmd_rl.config.run_config import Config
+from spmd_rl.train.old_logprobs import UpdateLogprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
@@ -93,8 +94,8 @@ def test_start_up_line_names_the_path():
 
 def test_masks_cannot_be_deferred_to_the_update():
     """actor_update_batch without old log-probs (the shortcut) refuses a correction that changes the mask."""
-    from spmd_rl.config import AlgorithmConfig
-    from spmd_rl.rollout_correction import actor_update_batch
+    from spmd_rl.config.algorithm import AlgorithmConfig
+    from spmd_rl.algo.rollout_correction import actor_update_batch
     from test_update import make_batch
 
     batch = make_batch()
@@ -128,11 +129,12 @@ def _update(batch, policy_loss, is_level, shortcut, pass_tokens):
     log-probs from a pass of `pass_tokens`-token micro-batches, or from the update's forward."""
     from transformers import Qwen2ForCausalLM
 
-    from spmd_rl.actor import actor_loss_fn, compute_logprobs
-    from spmd_rl.config import ActorConfig, AlgorithmConfig
-    from spmd_rl.models import prepare_policy
-    from spmd_rl.rollout_correction import actor_update_batch
-    from spmd_rl.update import ppo_update
+    from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
+    from spmd_rl.config.actor import ActorConfig
+    from spmd_rl.config.algorithm import AlgorithmConfig
+    from spmd_rl.model.loading import prepare_policy
+    from spmd_rl.algo.rollout_correction import actor_update_batch
+    from spmd_rl.train.update import ppo_update
     from test_update import tiny_config
 
     torch.manual_seed(0)
@@ -169,7 +171,7 @@ def test_update_from_its_own_forward_equals_the_update_after_a_pass(policy_loss,
     everything must be equal bit for bit. With the trainer's default pass budget (twice the
     update's: rows packed with other rows) kernels may round differently (float32: ~1e-7; on this
     CPU they do not): the losses, metrics and gradients must agree to 1e-5."""
-    from spmd_rl.batch import plan_micro_batches
+    from spmd_rl.batching.batch import plan_micro_batches
 
     batch = _batch_with_engine_logprobs()
     lengths = batch["attention_mask"].sum(-1).tolist()
@@ -198,10 +200,11 @@ def test_rows_seen_twice_are_an_error():
     after an optimizer step) cannot hand back old log-probs."""
     from transformers import Qwen2ForCausalLM
 
-    from spmd_rl.actor import actor_loss_fn
-    from spmd_rl.config import ActorConfig, AlgorithmConfig
-    from spmd_rl.models import prepare_policy
-    from spmd_rl.update import ppo_update
+    from spmd_rl.train.actor import actor_loss_fn
+    from spmd_rl.config.actor import ActorConfig
+    from spmd_rl.config.algorithm import AlgorithmConfig
+    from spmd_rl.model.loading import prepare_policy
+    from spmd_rl.train.update import ppo_update
     from test_update import tiny_config
 
     batch = _batch_with_engine_logprobs()
@@ -218,9 +221,9 @@ def test_rows_seen_twice_are_an_error():
 
 
 def _trainer(run_dir, data_dir, overrides, rank):
-    from spmd_rl.config import load_config
-    from spmd_rl.distributed import init_distributed, seed_everything
-    from spmd_rl.preemption import StopFlag
+    from spmd_rl.config.run_config import load_config
+    from spmd_rl.runtime.distributed import init_distributed, seed_everything
+    from spmd_rl.runtime.preemption import StopFlag
     from spmd_rl.trainer import Trainer
 
     cfg = load_config(TINY, [f"trainer.run_dir={run_dir}", f'data.train_files=["{data_dir}/train.parquet"]',

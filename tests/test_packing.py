@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dist_utils import run_distributed
 
-from spmd_rl.batch import Batch, balanced_partition, plan_micro_batches
+from spmd_rl.batching.batch import Batch, balanced_partition, plan_micro_batches
 
 
 def tiny_config(**kw):
@@ -36,7 +36,7 @@ def plain_logprobs_entropy(hidden, weight, targets, temperature):
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
 def test_chunked_logprobs_and_entropy_match_full_formula_with_gradients(entropy_grad):
-    from spmd_rl.logprob_head import token_logprobs
+    from spmd_rl.model.logprob_head import token_logprobs
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 13, 8, dtype=torch.float64, generator=g, requires_grad=True)
@@ -68,7 +68,7 @@ def head_weight_grad_error(device: str, fused: str = "none", chunks: int = 30) -
     bf16 compute weight gets it, against the float64 formula: log-probs and an entropy bonus over
     `chunks` chunks, so the float32 accumulation over chunks (`logprob_head._accumulate`) is what
     is tested. Shared with tests/gpu/test_fused_gpu.py (CUDA: one addmm per chunk)."""
-    from spmd_rl.logprob_head import token_logprobs
+    from spmd_rl.model.logprob_head import token_logprobs
 
     g = torch.Generator().manual_seed(0)
     n, vocab, width, chunk = 40 * chunks, 1000, 64, 40
@@ -92,14 +92,14 @@ def test_head_weight_gradient_in_bf16_is_accumulated_over_chunks_to_bf16_precisi
 
 
 def test_chunk_size_bounds_float32_temporaries():
-    from spmd_rl.logprob_head import CHUNK_ELEMENTS, chunk_positions
+    from spmd_rl.model.logprob_head import CHUNK_ELEMENTS, chunk_positions
 
     assert chunk_positions(151936) * 151936 <= CHUNK_ELEMENTS
     assert chunk_positions(10) * 10 <= CHUNK_ELEMENTS and chunk_positions(10**9) == 1
 
 
 def test_head_refuses_softcapped_models():
-    from spmd_rl.logprob_head import install
+    from spmd_rl.model.logprob_head import install
 
     model = Qwen2ForCausalLM(tiny_config())
     model.config.final_logit_softcapping = 30.0
@@ -126,8 +126,8 @@ def param_grads(model):
 def test_packed_chunked_actor_equals_padded_full_logits(model_dir):
     """Log-probs, entropy and every parameter's gradient: packed rows + chunked head vs the plain
     padded batch with full logits (both float64)."""
-    from spmd_rl.actor import forward_logprobs
-    from spmd_rl.models import load_causal_lm
+    from spmd_rl.train.actor import forward_logprobs
+    from spmd_rl.model.loading import load_causal_lm
 
     mb = ragged_batch([5, 11, 2, 8, 11])
     keep = mb["attention_mask"].bool()
@@ -148,8 +148,8 @@ def test_packed_chunked_actor_equals_padded_full_logits(model_dir):
 
 
 def test_packed_critic_values_and_gradients_equal_padded(model_dir):
-    from spmd_rl.critic import forward_values
-    from spmd_rl.models import load_value_model
+    from spmd_rl.train.critic import forward_values
+    from spmd_rl.model.loading import load_value_model
 
     mb = ragged_batch([7, 3, 12, 1 + 1], seed=1)
     keep = mb["attention_mask"].bool()
@@ -170,7 +170,7 @@ def test_packed_critic_values_and_gradients_equal_padded(model_dir):
 
 def test_varlen_backend_runs_padded_batches_like_sdpa(model_dir):
     """The backend a packed model is loaded with gives sdpa's numbers on a padded batch too."""
-    from spmd_rl.models import load_causal_lm
+    from spmd_rl.model.loading import load_causal_lm
 
     mb = ragged_batch([4, 9, 6])
     a = load_causal_lm(model_dir, torch.float64)
@@ -216,8 +216,8 @@ def test_token_budget_micro_batch_count_is_agreed_across_ranks():
 
 
 def test_token_budget_logprobs_equal_fixed_size_logprobs(model_dir):
-    from spmd_rl.actor import compute_logprobs
-    from spmd_rl.models import load_causal_lm
+    from spmd_rl.train.actor import compute_logprobs
+    from spmd_rl.model.loading import load_causal_lm
 
     batch = ragged_batch([3, 12, 7, 9, 2, 11, 5, 6])
     batch.tensors["response_mask"] = batch["attention_mask"].double()
@@ -229,7 +229,8 @@ def test_token_budget_logprobs_equal_fixed_size_logprobs(model_dir):
 
 
 def test_token_budget_config_needs_remove_padding_and_room_for_the_longest_sequence():
-    from spmd_rl.config import ConfigError, config_from_dict
+    from spmd_rl.config.run_config import config_from_dict
+    from spmd_rl.errors import ConfigError
 
     base = {"model": {"init": "random", "arch": "tiny", "tokenizer": "char"},
             "data": {"train_files": ["x.parquet"], "synthetic_task": "successor", "max_prompt_length": 100,
@@ -265,9 +266,9 @@ def test_gradient_checkpointing_really_saves_activations_and_dropout_is_off(tmp_
     deterministic. Checked by what autograd saves for backward."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from spmd_rl.actor import forward_logprobs
-    from spmd_rl.distributed import free_port
-    from spmd_rl.models import apply_fsdp, load_causal_lm
+    from spmd_rl.train.actor import forward_logprobs
+    from spmd_rl.runtime.distributed import free_port
+    from spmd_rl.model.loading import apply_fsdp, load_causal_lm
 
     import os
 
@@ -299,8 +300,8 @@ def test_a_share_of_checkpointed_layers_saves_in_proportion_with_the_same_gradie
     """model.gradient_checkpointing_layers: with 2 of 4 layers checkpointed, autograd keeps half of
     what checkpointing all 4 saves over keeping every layer's activations; the log-probs and every
     gradient are those of no checkpointing (float64)."""
-    from spmd_rl.actor import forward_logprobs
-    from spmd_rl.models import checkpointed_layers, decoder_layers, load_causal_lm, set_gradient_checkpointing
+    from spmd_rl.train.actor import forward_logprobs
+    from spmd_rl.model.loading import checkpointed_layers, decoder_layers, load_causal_lm, set_gradient_checkpointing
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=4)).save_pretrained(tmp_path)
@@ -333,8 +334,8 @@ def test_packed_rows_equal_padded_for_other_model_families(family):
     family must take as made: Llama and Qwen3 shapes give the padded path's log-probs (float64)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from spmd_rl.actor import forward_logprobs
-    from spmd_rl.models import prepare_policy
+    from spmd_rl.train.actor import forward_logprobs
+    from spmd_rl.model.loading import prepare_policy
 
     cls, config_cls = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen3": (Qwen3ForCausalLM, Qwen3Config)}[family]
     config = config_cls(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

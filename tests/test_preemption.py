@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from spmd_rl.distributed import free_port
-from spmd_rl.preemption import EXIT_PREEMPTED, REQUEUE_SIGNALS, StopFlag
+from spmd_rl.runtime.distributed import free_port
+from spmd_rl.runtime.preemption import EXIT_PREEMPTED, REQUEUE_SIGNALS, StopFlag
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,7 +68,8 @@ def test_install_keeps_the_handlers_it_replaced():
 WORKER = textwrap.dedent("""
     import json, os, random, sys, time
     import torch.distributed as dist
-    from spmd_rl.preemption import StopFlag
+
+    from spmd_rl.runtime.preemption import StopFlag
 
     stop = StopFlag.install()
     dist.init_process_group("gloo")

@@ -9,14 +9,15 @@ import sys
 import pytest
 
 from conftest import ROOT
-from spmd_rl.config import ConfigError
+
+from spmd_rl.errors import ConfigError
 
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
 
 
 def test_presets_are_found_by_name_and_listed(tmp_path, monkeypatch):
     from spmd_rl.ppo import main
-    from spmd_rl.presets import describe_presets, resolve_config
+    from spmd_rl.config.presets import describe_presets, resolve_config
 
     monkeypatch.chdir(tmp_path)  # not the repository root: configs/X.toml is not a relative path here
     assert resolve_config("tiny-cpu.toml") == resolve_config("tiny-cpu") == TINY
@@ -49,7 +50,7 @@ def test_non_editable_install_ships_the_presets(tmp_path):
     shutil.rmtree(src)  # nothing may come from the source tree any more
     missing = [p for p in packages if not (target / p / "__init__.py").is_file()]
     assert not missing, f"packages not installed (add them to pyproject.toml's packages): {missing}"
-    code = ("from spmd_rl.presets import resolve_config, describe_presets; "
+    code = ("from spmd_rl.config.presets import resolve_config, describe_presets; "
             "print(resolve_config('tiny-cpu')); print(describe_presets())")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(target)),
                          check=True, capture_output=True, text=True).stdout

@@ -1,4 +1,4 @@
-"""scripts/probe_update_gap.py --with-engine on CPU, with a stand-in for spmd_rl's VLLMEngine: the
+"""scripts/probes/probe_update_gap.py --with-engine on CPU, with a stand-in for spmd_rl's VLLMEngine: the
 engine gets bench_step's settings and the actor's weights, generates bench_step's rollout (64
 prompts x 8 samples x 512 tokens, log-probs of every 8th prompt) and is asleep before the update."""
 
@@ -11,16 +11,18 @@ import sys
 from conftest import ROOT
 from dist_utils import run_distributed
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "scripts", "probes"))
+sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))
 
 
 def _body(rank, world, base):
     import torch
 
     import probe_update_gap
-    from spmd_rl.distributed import init_distributed
-    from spmd_rl.models import apply_fsdp, load_causal_lm, materialize_random_model, random_model_config
-    from spmd_rl.rollout import vllm_engine
+
+    from spmd_rl.runtime.distributed import init_distributed
+    from spmd_rl.model.loading import apply_fsdp, load_causal_lm, materialize_random_model, random_model_config
+    from spmd_rl.rollout.vllm import engine as vllm_engine
     from spmd_rl.rollout.base import Completion
 
     calls = []

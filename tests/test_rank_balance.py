@@ -1,4 +1,4 @@
-"""Balancing rows across ranks (spmd_rl.rank_balance): the plan evens out tokens and keeps every
+"""Balancing rows across ranks (spmd_rl.batching.rank_balance): the plan evens out tokens and keeps every
 row, group and mini-batch; the exchange delivers every field intact; the update with balancing
 is the update without it, for every loss aggregation mode."""
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from spmd_rl.rank_balance import (block_bounds, identity_placement, karmarkar_karp, max_over_mean,
+
+from spmd_rl.batching.rank_balance import (block_bounds, identity_placement, karmarkar_karp, max_over_mean,
                                   plan_placement)
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -78,7 +79,7 @@ def test_blocks_that_cannot_be_dealt_evenly_or_are_even_already_stay_in_place():
 
 def rank_batch(rank, rows=8, pad_id=7):
     """A batch shaped like the trainer's, wider on rank 0, with a field of every kind."""
-    from spmd_rl.batch import Batch
+    from spmd_rl.batching.batch import Batch
 
     g = torch.Generator().manual_seed(rank)
     width = 14 if rank == 0 else 9
@@ -97,7 +98,7 @@ def rank_batch(rank, rows=8, pad_id=7):
 
 
 def balance_config(**kw):
-    from spmd_rl.config import Config
+    from spmd_rl.config.run_config import Config
 
     cfg = Config()
     cfg.rollout.n = 2
@@ -112,7 +113,7 @@ def balance_config(**kw):
 def _exchange_body(rank, world):
     import torch.distributed as dist
 
-    from spmd_rl.rank_balance import balance_ranks
+    from spmd_rl.batching.rank_balance import balance_ranks
 
     pad_id = 7
     mine = rank_batch(rank, pad_id=pad_id)
@@ -169,7 +170,7 @@ def test_exchange_delivers_every_row_and_field_intact():
 
 def update_batch(rank, rows=8):
     """Rank 0's responses are long, rank 1's short; groups of 2 rows; two mini-batches."""
-    from spmd_rl.batch import Batch
+    from spmd_rl.batching.batch import Batch
 
     g = torch.Generator().manual_seed(10 + rank)
     L = 16
@@ -191,11 +192,11 @@ def _update_body(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from spmd_rl.actor import actor_loss_fn
-    from spmd_rl.config import ActorConfig
-    from spmd_rl.models import apply_fsdp, prepare_policy
-    from spmd_rl.rank_balance import balance_ranks
-    from spmd_rl.update import ppo_update
+    from spmd_rl.train.actor import actor_loss_fn
+    from spmd_rl.config.actor import ActorConfig
+    from spmd_rl.model.loading import apply_fsdp, prepare_policy
+    from spmd_rl.batching.rank_balance import balance_ranks
+    from spmd_rl.train.update import ppo_update
 
     mesh = init_device_mesh("cpu", (world,))
     mine = update_batch(rank)

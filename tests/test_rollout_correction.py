@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from spmd_rl import algorithms as alg
-from spmd_rl import rollout_correction as rc
+from spmd_rl.algo import algorithms as alg
+from spmd_rl.algo import rollout_correction as rc
 from test_algorithms import MODES, SEEDS, close, make_mask, randn, ref_agg, rows_cols
 
 LEVELS = ["", "token", "sequence", "geometric"]
@@ -181,16 +181,16 @@ def test_engine_different_from_actor_weights_are_exact_ratios_and_mask_is_exact(
     exp(actor - engine) token by token, and mask exactly the tokens outside the bounds."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from spmd_rl.actor import compute_logprobs
-    from spmd_rl.batch import build_rollout_batch
-    from spmd_rl.config import AlgorithmConfig
+    from spmd_rl.train.actor import compute_logprobs
+    from spmd_rl.batching.batch import build_rollout_batch
+    from spmd_rl.config.algorithm import AlgorithmConfig
     from spmd_rl.rollout.base import SamplingParams
     from spmd_rl.rollout.hf_engine import HFEngine
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    from spmd_rl.models import prepare_policy
+    from spmd_rl.model.loading import prepare_policy
 
     actor = prepare_policy(Qwen2ForCausalLM(cfg).eval())
     engine_model = Qwen2ForCausalLM(cfg).eval()
@@ -243,10 +243,10 @@ def _masked_update_body(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import Qwen2ForCausalLM
 
-    from spmd_rl.actor import actor_loss_fn
-    from spmd_rl.config import ActorConfig
-    from spmd_rl.models import apply_fsdp, prepare_policy
-    from spmd_rl.update import ppo_update
+    from spmd_rl.train.actor import actor_loss_fn
+    from spmd_rl.config.actor import ActorConfig
+    from spmd_rl.model.loading import apply_fsdp, prepare_policy
+    from spmd_rl.train.update import ppo_update
     from test_update import make_batch, tiny_config
 
     mesh = init_device_mesh("cpu", (world,))

@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from spmd_rl.batch import build_rollout_batch
-from spmd_rl.config import Config, ConfigError
+
+from spmd_rl.batching.batch import build_rollout_batch
+from spmd_rl.config.run_config import Config
+from spmd_rl.errors import ConfigError
 from spmd_rl.rollout.base import Completion, SamplingParams
-from spmd_rl.rollout_correction import mismatch_metrics
+from spmd_rl.algo.rollout_correction import mismatch_metrics
 from test_config import valid_cfg
 
 
@@ -146,7 +148,7 @@ def test_rows_without_logprobs_leave_the_mismatch_metrics():
 
 
 def build_with_all_flags(batch):
-    from spmd_rl.batch import Batch
+    from spmd_rl.batching.batch import Batch
 
     return Batch({**batch.tensors, "has_rollout_logprobs": torch.ones(len(batch), dtype=torch.bool)}, batch.meta)
 
@@ -174,8 +176,8 @@ def test_mismatch_metrics_are_token_means_over_every_ranks_rows():
 
 
 def test_the_correction_refuses_rows_without_logprobs():
-    from spmd_rl.config import AlgorithmConfig
-    from spmd_rl.rollout_correction import actor_update_batch
+    from spmd_rl.config.algorithm import AlgorithmConfig
+    from spmd_rl.algo.rollout_correction import actor_update_batch
 
     batch, _ = rollout_rows(2, prompts=2, n=2, asks=[True, False])
     with pytest.raises(RuntimeError, match="needs every row's rollout log-probs"):

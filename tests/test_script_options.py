@@ -15,7 +15,7 @@ from torch.distributed.run import get_args_parser
 
 from conftest import ROOT
 
-SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "*.py")) + glob.glob(os.path.join(ROOT, "tests", "gpu", "*.py"))
+SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "*.py")) + glob.glob(os.path.join(ROOT, "scripts", "*", "*.py")) + glob.glob(os.path.join(ROOT, "tests", "gpu", "*.py"))
                  + [os.path.join(ROOT, "spmd_rl", "ppo.py"), os.path.join(ROOT, "spmd_rl", "export.py")])
 
 

@@ -62,7 +62,7 @@ def assert_same_model(got, want, what: str) -> None:
 
 
 def ragged_batch():
-    from spmd_rl.batch import Batch
+    from spmd_rl.batching.batch import Batch
 
     lens = [5, 11, 3, 8]
     g = torch.Generator().manual_seed(0)
@@ -73,8 +73,8 @@ def ragged_batch():
 
 def forward(model, value: bool) -> torch.Tensor:
     """The critic's values, or the policy's token log-probs at temperature 0.7."""
-    from spmd_rl.actor import forward_logprobs
-    from spmd_rl.critic import forward_values
+    from spmd_rl.train.actor import forward_logprobs
+    from spmd_rl.train.critic import forward_values
 
     return forward_values(model, ragged_batch()) if value else forward_logprobs(model, ragged_batch(), 0.7)[0]
 
@@ -89,7 +89,7 @@ def outputs(model, value: bool) -> torch.Tensor:
 
 def train_once(model, value: bool):
     """One AdamW step, so the checkpoint differs from the model directory and holds Adam moments."""
-    from spmd_rl.optim import make_optimizer
+    from spmd_rl.train.optim import make_optimizer
 
     opt = make_optimizer(model, 1e-2, 0.0)
     forward(model, value).pow(2).mean().backward()
@@ -101,9 +101,9 @@ def train_once(model, value: bool):
 def _build_paths(rank, world, dirs, ckpt_root):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from spmd_rl.checkpoint import Checkpointer, ModelAndOptimizer
-    from spmd_rl.models import apply_fsdp, build_sharded, load_causal_lm, load_value_model
-    from spmd_rl.optim import make_optimizer
+    from spmd_rl.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer
+    from spmd_rl.model.loading import apply_fsdp, build_sharded, load_causal_lm, load_value_model
+    from spmd_rl.train.optim import make_optimizer
 
     mesh = init_device_mesh("cpu", (world,))
     calls = count_weight_loads()
@@ -152,7 +152,7 @@ def test_sharded_builds_equal_the_per_rank_from_pretrained_model(tmp_path):
 def test_unsharded_meta_model_filled_by_a_state_dict_equals_from_pretrained(tmp_path, tied):
     """The HF rollout engine's start (no weights until the first sync): to_empty alone unties a
     plain model's embeddings and leaves inv_freq garbage."""
-    from spmd_rl.models import allocate_meta_model, load_causal_lm
+    from spmd_rl.model.loading import allocate_meta_model, load_causal_lm
     from spmd_rl.rollout.hf_engine import HFEngine
 
     path = model_dir(tmp_path, tied)
@@ -165,9 +165,9 @@ def test_unsharded_meta_model_filled_by_a_state_dict_equals_from_pretrained(tmp_
 
 
 def _trainer_reads_weights_on_rank_0_only(rank, world, run_dir, data_dir):
-    from spmd_rl.config import load_config
-    from spmd_rl.distributed import init_distributed
-    from spmd_rl.preemption import StopFlag
+    from spmd_rl.config.run_config import load_config
+    from spmd_rl.runtime.distributed import init_distributed
+    from spmd_rl.runtime.preemption import StopFlag
     from spmd_rl.trainer import Trainer
 
     calls = count_weight_loads()
@@ -209,7 +209,7 @@ def test_random_model_dir_drawn_on_another_device_is_kept(tmp_path):
 
     import torch
 
-    from spmd_rl.models import materialize_random_model, random_model_config
+    from spmd_rl.model.loading import materialize_random_model, random_model_config
 
     out = tmp_path / "m"
     materialize_random_model(str(out), random_model_config("tiny"), 3, torch.float32)

@@ -1,4 +1,4 @@
-"""trainer.profile_steps (spmd_rl/step_profiler.py): the profiled step's files, its phase table
+"""trainer.profile_steps (spmd_rl/telemetry/step_profiler.py): the profiled step's files, its phase table
 against the phases' own timers, and the key's check."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from spmd_rl import step_profiler
+
+from spmd_rl.telemetry import step_profiler
 from spmd_rl.errors import ConfigError
 
 

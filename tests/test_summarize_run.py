@@ -61,7 +61,7 @@ def test_run_without_steps_is_an_error(tmp_path):
 
 
 def test_runs_with_and_without_the_old_logprob_pass_share_a_table(tmp_path):
-    """An on-policy run logs no time/old_logprob (spmd_rl/old_logprobs.py): its cell is "–", the
+    """An on-policy run logs no time/old_logprob (spmd_rl/train/old_logprobs.py): its cell is "–", the
     other run's column stays."""
     with_pass = write_rows(tmp_path / "a.jsonl", [{"step": s, "time/step": 5.0, "time/old_logprob": 1.0}
                                                   for s in (1, 2)])

@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from spmd_rl.tokenizer import build_char_tokenizer, decode_response, load_tokenizer
+from spmd_rl.model.tokenizer import build_char_tokenizer, decode_response, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (trainer.ulysses_size, spmd_rl/sequence_parallel.py) on gloo ranks.
+"""Ulysses sequence parallelism (trainer.ulysses_size, spmd_rl/batching/sequence_parallel.py) on gloo ranks.
 
 The reference is the same update without sequence parallelism (ulysses_size = 1) on the same
 ranks and rows: that path is itself checked against float64 single-process references written
@@ -48,7 +48,7 @@ CPU = torch.device("cpu")
 def odd_batch(world: int, seed: int = 0, vocab: int = 50):
     """ROWS rows per rank, each with an odd number of real tokens (prompt + response), right
     padding, and the PPO / critic inputs; `row_id` follows a row wherever it travels."""
-    from spmd_rl.batch import Batch
+    from spmd_rl.batching.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
     rows, width = ROWS * world, 15
@@ -108,8 +108,9 @@ class Setup:
     and this rank's rows (shared within its SP group)."""
 
     def __init__(self, world: int, size: int, fsdp_size: int, checkpointing: bool, batch):
-        from spmd_rl import sequence_parallel, sp_groups
-        from spmd_rl.distributed import fsdp_mesh
+        from spmd_rl.batching import sequence_parallel
+        from spmd_rl.runtime import sp_groups
+        from spmd_rl.runtime.distributed import fsdp_mesh
 
         self.sp = sp_groups.make_groups(size)
         self.mesh = fsdp_mesh("cpu", world, fsdp_size)
@@ -120,8 +121,8 @@ class Setup:
         self.mini = MINI * size  # a mini-batch's rows per data-parallel rank (the trainer's ppo_mini * n / dp)
 
     def model(self, load, trainable: bool = True):
-        from spmd_rl import sequence_parallel
-        from spmd_rl.models import build_sharded
+        from spmd_rl.batching import sequence_parallel
+        from spmd_rl.model.loading import build_sharded
 
         model = build_sharded(load, self.mesh, torch.float64, from_checkpoint=False,
                               gradient_checkpointing=self.checkpointing and trainable)
@@ -129,8 +130,8 @@ class Setup:
 
     def update(self, model, loss_fn, mode: str, clip: float, max_tokens: int = 0, micro: int = 1):
         """Two optimizer steps; (all-rank mean of the metrics, how much each parameter moved)."""
-        from spmd_rl.distributed import all_reduce_mean
-        from spmd_rl.update import ppo_update
+        from spmd_rl.runtime.distributed import all_reduce_mean
+        from spmd_rl.train.update import ppo_update
 
         before = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -151,9 +152,9 @@ def _compare_updates(ref, got, what: str, keys=("grad_norm",)):
 
 
 def _actor_body(rank, world, model_dir, size, fsdp_size):
-    from spmd_rl.actor import actor_loss_fn, compute_logprobs
-    from spmd_rl.config import ActorConfig
-    from spmd_rl.models import load_causal_lm
+    from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
+    from spmd_rl.config.actor import ActorConfig
+    from spmd_rl.model.loading import load_causal_lm
 
     load = functools.partial(load_causal_lm, model_dir, torch.float64, remove_padding=True)
     batch = odd_batch(world, seed=1)
@@ -189,10 +190,10 @@ def _actor_body(rank, world, model_dir, size, fsdp_size):
 
 
 def _critic_body(rank, world, model_dir, size, fsdp_size):
-    from spmd_rl import algorithms as algos
-    from spmd_rl.config import CriticConfig
-    from spmd_rl.critic import compute_values, critic_loss_fn
-    from spmd_rl.models import load_value_model
+    from spmd_rl.algo import algorithms as algos
+    from spmd_rl.config.critic import CriticConfig
+    from spmd_rl.train.critic import compute_values, critic_loss_fn
+    from spmd_rl.model.loading import load_value_model
 
     load = functools.partial(load_value_model, model_dir, torch.float64, remove_padding=True)
     batch = odd_batch(world, seed=2)
@@ -217,7 +218,7 @@ LAYOUTS = {"2ranks-ulysses2": (2, 2, 0), "4ranks-dp2-ulysses2-hsdp": (4, 2, 2)} 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from spmd_rl.models import materialize_random_model
+    from spmd_rl.model.loading import materialize_random_model
 
     path = str(tmp_path_factory.mktemp("ulysses_model"))
     return materialize_random_model(path, tiny_config(), seed=7, dtype=torch.float32)
@@ -238,10 +239,11 @@ def test_critic_and_gae_equal_ulysses_1(model_dir, layout):
 def _replicated_kv_body(rank, world, model_dir):
     """One KV head, an SP group of 2: each rank gets a copy of it. Log-probs, entropy and the
     gradients of the sliced FSDP model against the same model unsliced on one rank."""
-    from spmd_rl import sequence_parallel, sp_groups
-    from spmd_rl.actor import forward_logprobs
-    from spmd_rl.distributed import fsdp_mesh
-    from spmd_rl.models import apply_fsdp, load_causal_lm
+    from spmd_rl.batching import sequence_parallel
+    from spmd_rl.runtime import sp_groups
+    from spmd_rl.train.actor import forward_logprobs
+    from spmd_rl.runtime.distributed import fsdp_mesh
+    from spmd_rl.model.loading import apply_fsdp, load_causal_lm
 
     sp = sp_groups.make_groups(2)
     plain = load_causal_lm(model_dir, torch.float64, remove_padding=True)
@@ -263,7 +265,7 @@ def _replicated_kv_body(rank, world, model_dir):
 
 
 def test_kv_heads_fewer_than_the_group_are_replicated(tmp_path):
-    from spmd_rl.models import materialize_random_model
+    from spmd_rl.model.loading import materialize_random_model
 
     config = tiny_config()
     config.num_key_value_heads = 1
@@ -274,8 +276,8 @@ def test_kv_heads_fewer_than_the_group_are_replicated(tmp_path):
 
 
 def test_sp_groups_are_consecutive_ranks_inside_shard_groups():
-    from spmd_rl.distributed import fsdp_mesh_shape
-    from spmd_rl.sp_groups import sp_group_ranks
+    from spmd_rl.runtime.distributed import fsdp_mesh_shape
+    from spmd_rl.runtime.sp_groups import sp_group_ranks
 
     sp, dp = sp_group_ranks(8, 2)
     assert sp == [[0, 1], [2, 3], [4, 5], [6, 7]] and dp == [[0, 2, 4, 6], [1, 3, 5, 7]]
@@ -308,7 +310,7 @@ def valid_cfg(tmp_path, extra=()):
      "(data.max_prompt_length + data.max_response_length = 768): raise it to at least 384"),
 ])
 def test_config_refuses_in_one_line(tmp_path, overrides, world, message):
-    from spmd_rl.config import ConfigError
+    from spmd_rl.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
         valid_cfg(tmp_path, overrides).validate(world_size=world)
@@ -316,7 +318,7 @@ def test_config_refuses_in_one_line(tmp_path, overrides, world, message):
 
 
 def test_config_refuses_kv_heads_that_neither_divide_nor_split(tmp_path):
-    from spmd_rl.config import ConfigError
+    from spmd_rl.errors import ConfigError
 
     model = tmp_path / "model"
     config = tiny_config()
@@ -342,7 +344,7 @@ def test_config_batch_sizes_count_data_parallel_ranks(tmp_path):
                              "micro-batch) | per step: 8 prompts x n=4 = 32 sequences (8 per rank)"), layout
     assert "actor: 1 optimizer steps x 1 epochs, 16 sequences per SP group per mini-batch packed into " \
            "micro-batches of <= 2000 tokens (<= 3000 without gradients)" in layout, layout
-    from spmd_rl.config import ConfigError
+    from spmd_rl.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"actor.micro_batch_size_per_gpu = 32 must divide the 16 sequences per "
                                           r"rank of a mini-batch \(actor.ppo_mini_batch_size \* rollout.n / "
@@ -388,8 +390,9 @@ def test_long_response_preset_validates_on_2_4_and_8_gpus(tmp_path, monkeypatch)
     ulysses_size 2, a group's micro-batch holds the longest prompt + response, DAPO's switches."""
     import os
 
-    from spmd_rl import vllm_kwargs
-    from spmd_rl.config import ConfigError, load_config
+    from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
+    from spmd_rl.config.run_config import load_config
+    from spmd_rl.errors import ConfigError
 
     from conftest import ROOT
 

@@ -7,7 +7,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dist_utils import run_distributed
-from spmd_rl.batch import Batch
+
+from spmd_rl.batching.batch import Batch
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -19,7 +20,7 @@ def tiny_config():
 
 def make_batch(seed=0, rows=8):
     """Rows with different prompt/response lengths and right padding, plus PPO inputs."""
-    from spmd_rl.batch import Batch
+    from spmd_rl.batching.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
     L = 12
@@ -71,10 +72,10 @@ LAYOUTS = {"padded-full-logits": (False, False, 0), "packed-chunked-token-budget
 def _update_body(rank, world, layout):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from spmd_rl.actor import actor_loss_fn
-    from spmd_rl.config import ActorConfig
-    from spmd_rl.models import apply_fsdp, prepare_policy
-    from spmd_rl.update import ppo_update
+    from spmd_rl.train.actor import actor_loss_fn
+    from spmd_rl.config.actor import ActorConfig
+    from spmd_rl.model.loading import apply_fsdp, prepare_policy
+    from spmd_rl.train.update import ppo_update
 
     remove_padding, chunked, max_tokens = LAYOUTS[layout]
     mesh = init_device_mesh("cpu", (world,))
@@ -108,8 +109,8 @@ def test_distributed_micro_batched_update_matches_full_batch_reference(layout):
 def _fsdp_logprobs_body(rank, world, model_dir):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from spmd_rl.actor import compute_logprobs
-    from spmd_rl.models import apply_fsdp, load_causal_lm
+    from spmd_rl.train.actor import compute_logprobs
+    from spmd_rl.model.loading import apply_fsdp, load_causal_lm
 
     mesh = init_device_mesh("cpu", (world,))
     batch = make_batch(seed=1)
@@ -125,7 +126,7 @@ def _fsdp_logprobs_body(rank, world, model_dir):
 
 
 def test_fsdp_actor_logprobs_match_plain_from_pretrained(tmp_path):
-    from spmd_rl.models import materialize_random_model
+    from spmd_rl.model.loading import materialize_random_model
 
     materialize_random_model(str(tmp_path), tiny_config(), seed=3, dtype=torch.float32)
     run_distributed(_fsdp_logprobs_body, 2, str(tmp_path))
@@ -174,8 +175,8 @@ def _caller() -> str:
 @pytest.fixture
 def device_stand_in(monkeypatch):
     """What `Batch.to` and the packed layout put on the device becomes OnDevice."""
-    from spmd_rl import packing
-    from spmd_rl.batch import Batch
+    from spmd_rl.batching import packing
+    from spmd_rl.batching.batch import Batch
 
     def on_device(tensor):
         return tensor.as_subclass(OnDevice)
@@ -200,11 +201,12 @@ def test_update_reads_device_values_once_whatever_its_micro_batches(device_stand
     the device once per update (the metrics, MetricSums.read), never per micro-batch: no read in the
     layout, the model, the loss or the on-policy log-probs, which on a GPU would each wait for the
     queued forward and backward and leave the GPU idle while the host launches the next work."""
-    from spmd_rl.actor import actor_loss_fn
-    from spmd_rl.config import ActorConfig, AlgorithmConfig
-    from spmd_rl.models import prepare_policy
-    from spmd_rl.old_logprobs import UpdateLogprobs
-    from spmd_rl.update import ppo_update
+    from spmd_rl.train.actor import actor_loss_fn
+    from spmd_rl.config.actor import ActorConfig
+    from spmd_rl.config.algorithm import AlgorithmConfig
+    from spmd_rl.model.loading import prepare_policy
+    from spmd_rl.train.old_logprobs import UpdateLogprobs
+    from spmd_rl.train.update import ppo_update
 
     batch = make_batch(rows=8)
     reads = {}
@@ -227,7 +229,7 @@ def test_update_reads_device_values_once_whatever_its_micro_batches(device_stand
 
 def test_metric_sums_match_per_micro_batch_reads():
     """MetricSums' sums of tensors and floats, read once, against the same sums read one by one in float64."""
-    from spmd_rl.update import MetricSums
+    from spmd_rl.train.update import MetricSums
 
     g = torch.Generator().manual_seed(0)
     values = [(torch.rand((), generator=g, dtype=torch.float32), float(torch.rand((), generator=g)), 0.1 + i / 7)
@@ -249,11 +251,11 @@ def test_log_prob_pass_and_critic_update_read_no_device_value_per_micro_batch(de
     """The no-grad log-prob pass (actor.compute_logprobs: old and reference log-probs) reads nothing
     from the device until its queued copies have all landed (HostColumns.result); the critic's update
     reads once, as the actor's. Its log-probs equal the plain padded model's."""
-    from spmd_rl.actor import compute_logprobs
-    from spmd_rl.config import CriticConfig
-    from spmd_rl.critic import critic_loss_fn
-    from spmd_rl.models import load_value_model, prepare_policy
-    from spmd_rl.update import ppo_update
+    from spmd_rl.train.actor import compute_logprobs
+    from spmd_rl.config.critic import CriticConfig
+    from spmd_rl.train.critic import critic_loss_fn
+    from spmd_rl.model.loading import load_value_model, prepare_policy
+    from spmd_rl.train.update import ppo_update
 
     batch = make_batch(rows=8)
     torch.manual_seed(0)

@@ -17,8 +17,11 @@ import pytest
 
 from conftest import ROOT, run_cmd, tiny_cmd
 from dist_utils import run_distributed
-from spmd_rl.config import SECTIONS, ConfigError, RewardConfig, load_config
-from spmd_rl.rewards import RewardError, RewardFunction
+
+from spmd_rl.config.reward import RewardConfig
+from spmd_rl.config.run_config import SECTIONS, load_config
+from spmd_rl.errors import ConfigError
+from spmd_rl.data.rewards import RewardError, RewardFunction
 
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
 
@@ -153,10 +156,10 @@ def test_unimportable_reward_module_is_one_line(tmp_path):
 
 
 def test_run_dir_lock_refuses_a_second_holder_and_dies_with_its_process(tmp_path):
-    from spmd_rl.run_lock import RunDirInUse, RunDirLock
+    from spmd_rl.runtime.run_lock import RunDirInUse, RunDirLock
 
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-                               "from spmd_rl.run_lock import RunDirLock; lock = RunDirLock(sys.argv[2]); lock.acquire(); "
+                               "from spmd_rl.runtime.run_lock import RunDirLock; lock = RunDirLock(sys.argv[2]); lock.acquire(); "
                                "print('locked', flush=True); time.sleep(600)", ROOT, str(tmp_path)],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -172,7 +175,7 @@ def test_run_dir_lock_refuses_a_second_holder_and_dies_with_its_process(tmp_path
 
 
 def test_changed_config_at_resume_is_listed_or_refused(tiny_run):
-    from spmd_rl.resume_check import check_resume_config
+    from spmd_rl.config.resume_check import check_resume_config
 
     run_dir, data_dir, _ = tiny_run
     base = [f"trainer.run_dir={run_dir}", f'data.train_files=["{data_dir}/train.parquet"]',
@@ -261,8 +264,8 @@ def test_torchrun_tokenizer_larger_than_the_model_vocabulary_stops_before_models
     before the random model is built, TensorBoard starts or the config is written."""
     from transformers import Qwen2Config
 
-    from spmd_rl.models import ARCH_PRESETS
-    from spmd_rl.tokenizer import build_char_tokenizer
+    from spmd_rl.model.loading import ARCH_PRESETS
+    from spmd_rl.model.tokenizer import build_char_tokenizer
 
     model_dir, run_dir = tmp_path / "config_only", tmp_path / "run"
     Qwen2Config(**{**ARCH_PRESETS["tiny"], "vocab_size": 40}).save_pretrained(model_dir)

@@ -1,4 +1,4 @@
-"""The in-process model inspection adapter (spmd_rl/rollout/vllm_model_inspection.py) on a stand-in
+"""The in-process model inspection adapter (spmd_rl/rollout/vllm/model_inspection.py) on a stand-in
 for vLLM 0.26's registry module; tests/gpu/test_colocate.py checks it inside the real vLLM."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from spmd_rl.rollout import vllm_model_inspection as vmi
+from spmd_rl.rollout.vllm import model_inspection as vmi
 
 
 def _registry():

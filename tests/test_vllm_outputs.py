@@ -1,4 +1,4 @@
-"""The vLLM output adapter (spmd_rl/rollout/vllm_outputs.py) on stand-ins for vLLM 0.26's objects,
+"""The vLLM output adapter (spmd_rl/rollout/vllm/outputs.py) on stand-ins for vLLM 0.26's objects,
 and the engine's generate wiring it in with a stand-in `vllm.LLM` (as tests/test_engine_allocator.py
 does): which requests ask for log-probs and in which container, the collector paused during the
 call only, and the Completions that come out."""
@@ -13,9 +13,9 @@ import types
 import pytest
 import torch.distributed as dist
 
-from spmd_rl.config import load_config
-from spmd_rl.distributed import free_port
-from spmd_rl.rollout import vllm_outputs as vo
+from spmd_rl.config.run_config import load_config
+from spmd_rl.runtime.distributed import free_port
+from spmd_rl.rollout.vllm import outputs as vo
 from spmd_rl.rollout.base import SamplingParams
 
 
@@ -179,7 +179,7 @@ def engine(monkeypatch, tmp_path):
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(k, v)
-    from spmd_rl.rollout import vllm_engine
+    from spmd_rl.rollout.vllm import engine as vllm_engine
 
     monkeypatch.setattr(vllm_engine, "set_expandable_segments", lambda on: None)
     cfg = load_config(None, ['rollout.engine="vllm"'])

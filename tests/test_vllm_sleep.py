@@ -1,4 +1,4 @@
-"""spmd_rl/rollout/vllm_sleep.py against a stand-in for vLLM 0.26's sleep path (LLM.sleep ->
+"""spmd_rl/rollout/vllm/sleep.py against a stand-in for vLLM 0.26's sleep path (LLM.sleep ->
 executor.sleep -> worker.sleep, executor state as vllm/v1/executor/abstract.py keeps it): a sleep
 whose device-wide freed-memory check fails because another process allocated still leaves an
 engine that the next wake_up brings back."""
@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from spmd_rl.rollout import vllm_sleep
+from spmd_rl.rollout.vllm import sleep as vllm_sleep
 
 
 class Worker:

@@ -16,9 +16,9 @@ def tiny(tie: bool, vocab: int = 67):
 def _sync_body(rank, world, tie):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from spmd_rl.models import apply_fsdp
+    from spmd_rl.model.loading import apply_fsdp
     from spmd_rl.rollout.hf_engine import HFEngine
-    from spmd_rl.weight_sync import iter_weight_buckets, iter_weights
+    from spmd_rl.rollout.weight_sync import iter_weight_buckets, iter_weights
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
@@ -64,8 +64,8 @@ def _reshard_body(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from spmd_rl.actor import reshard
-    from spmd_rl.models import apply_fsdp
+    from spmd_rl.train.actor import reshard
+    from spmd_rl.model.loading import apply_fsdp
 
     model = apply_fsdp(Qwen2ForCausalLM(tiny(True)), init_device_mesh("cpu", (world,)), torch.float32)
     with torch.no_grad():

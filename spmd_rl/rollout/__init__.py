@@ -1,5 +1,5 @@
 """Rollout engines: the interface (base.py), transformers generate (hf_engine.py, CPU/tests) and the
-colocated vLLM engine (vllm_engine.py, GPU). vLLM is imported only when a vLLM engine is built
+colocated vLLM engine (vllm/, GPU). vLLM is imported only when a vLLM engine is built
 (build.build_engine picks the engine `rollout.engine` names)."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Token ids in; token ids, per-token sampled log-probs (of the prompts that ask for them) and a
 finish reason out. The engine owns a copy of the policy weights that the trainer refreshes every
-step with `load_weights`, streamed from the FSDP shards (spmd_rl/weight_sync.py). Engines that
+step with `load_weights`, streamed from the FSDP shards (spmd_rl/rollout/weight_sync.py). Engines that
 share the GPU with training (vLLM) free their memory in `sleep()` and take it back in `wake_up()`.
 
 The trainer's call order each step, for every engine:

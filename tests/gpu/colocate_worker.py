@@ -6,14 +6,14 @@ layout in one process, results as JSON (one file per rank) for the pytest side t
 Steps (random-weight model written once to --model-root, no hub):
   R. a plain vLLM engine loads the checkpoint from disk: prompt log-probs of fixed sequences and
      greedy continuations (the reference), then it is shut down in-process;
-  A. the FSDP2 actor built as the trainer builds it (spmd_rl.models.build_sharded: with several
+  A. the FSDP2 actor built as the trainer builds it (spmd_rl.model.loading.build_sharded: with several
      ranks, rank 0's weights broadcast into shards built on the meta device; fp32 masters, bf16
      compute) against a plain `from_pretrained` bf16 model on the same sequences;
   E. our VLLMEngine (load_format="dummy", sleep mode): `--cycles` rounds of
      wake(weights) -> load_weights(iter_weights(actor)) -> wake(kv) -> checks -> sleep, with the
      actor's weights perturbed between rounds; free device memory recorded at every stage. The
      second round's sleep sees the device's free memory drop as if another process allocated
-     during it (vLLM 0.26's freed-memory assertion fires: spmd_rl/rollout/vllm_sleep.py); the
+     during it (vLLM 0.26's freed-memory assertion fires: spmd_rl/rollout/vllm/sleep.py); the
      rounds after it must wake, sync and free as before.
   T. (--train-steps > 0) the actor is trained (AdamW, cross-entropy) to answer every prompt with
      one fixed 16-token continuation, synced into the engine, and the engine's greedy answers are
@@ -40,14 +40,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from spmd_rl.actor import reshard  # noqa: E402  (the trainer's own: checked by root_sharded below)
-from spmd_rl.config import Config  # noqa: E402
-from spmd_rl.distributed import init_distributed  # noqa: E402
-from spmd_rl.gpu_memory import GiB  # noqa: E402
-from spmd_rl.models import build_sharded, load_causal_lm, materialize_random_model, random_model_config  # noqa: E402
-from spmd_rl.rollout import vllm_sleep  # noqa: E402
+from spmd_rl.train.actor import reshard  # noqa: E402  (the trainer's own: checked by root_sharded below)
+from spmd_rl.config.run_config import Config  # noqa: E402
+from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
+from spmd_rl.runtime.gpu_memory import GiB  # noqa: E402
+from spmd_rl.model.loading import build_sharded, load_causal_lm, materialize_random_model, random_model_config  # noqa: E402
+from spmd_rl.rollout.vllm import sleep as vllm_sleep  # noqa: E402
 from spmd_rl.rollout.base import SamplingParams  # noqa: E402
-from spmd_rl.weight_sync import iter_weights  # noqa: E402
+from spmd_rl.rollout.weight_sync import iter_weights  # noqa: E402
 
 QWEN_EOS = 151643  # <|endoftext|> of the Qwen2 tokenizer
 
@@ -160,7 +160,7 @@ def main() -> None:
 def run(args, env, res: dict) -> None:
     from vllm import LLM
 
-    from spmd_rl.rollout.vllm_engine import VLLMEngine, engine_kwargs, prompt_logprobs, shutdown_llm, to_vllm_sampling
+    from spmd_rl.rollout.vllm.engine import VLLMEngine, engine_kwargs, prompt_logprobs, shutdown_llm, to_vllm_sampling
 
     rank, world, dev = env.rank, env.world_size, env.device
     tp = args.tp
@@ -233,12 +233,12 @@ def run(args, env, res: dict) -> None:
     dist.barrier()
     res["free_before_engine"] = free_gib()
     res_torch_before = (torch.cuda.memory_allocated() / GiB, torch.cuda.memory_reserved() / GiB)
-    # The model class must be inspected again, and in this process (vllm_model_inspection.py): the
+    # The model class must be inspected again, and in this process (rollout/vllm/model_inspection.py): the
     # reference engine above inspected it already (vLLM's in-memory and on-disk caches are cleared).
     from vllm import envs as vllm_envs
     from vllm.model_executor.models import registry as vllm_registry
 
-    from spmd_rl.rollout.vllm_model_inspection import InspectionCount
+    from spmd_rl.rollout.vllm.model_inspection import InspectionCount
 
     modelinfos = os.path.join(vllm_envs.VLLM_CACHE_ROOT, "modelinfos")
     dist.barrier()
@@ -318,7 +318,7 @@ def fixed_answer(V: int) -> list[int]:
 
 def train_fixed_answer(actor, prompts: list[list[int]], target: list[int], steps: int, dev) -> list[float]:
     """Cross-entropy on the answer tokens only; every rank trains on all prompts (same batch)."""
-    from spmd_rl.optim import make_optimizer
+    from spmd_rl.train.optim import make_optimizer
 
     opt = make_optimizer(actor, lr=5e-4, weight_decay=0.0)
     seqs = [p + target for p in prompts]
@@ -392,7 +392,7 @@ def check_generate(eng, actor, my_prompts, prompts, ref_greedy, tp, tp_rank, V, 
                            or (c.finish_reason == "stop" and c.token_ids[-1] == QWEN_EOS) for x in a for c in x)
     out["deterministic"] = all(c.token_ids == d.token_ids for x, y in zip(a, b) for c, d in zip(x, y))
     out["samples_differ_within_prompt"] = any(x[0].token_ids != x[1].token_ids for x in a)
-    # log-probs of every 2nd prompt only, in vLLM's dicts instead of the flat lists (vllm_outputs.py):
+    # log-probs of every 2nd prompt only, in vLLM's dicts instead of the flat lists (rollout/vllm/outputs.py):
     # the same tokens and numbers as b (also after a prefix-cache reset) where asked, none elsewhere
     flat, eng.flat_logprobs = eng.flat_logprobs, False
     eng.llm.reset_prefix_cache()

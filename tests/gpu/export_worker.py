@@ -27,17 +27,17 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from spmd_rl.checkpoint import ModelAndOptimizer  # noqa: E402
-from spmd_rl.config import load_config  # noqa: E402
-from spmd_rl.distributed import init_distributed  # noqa: E402
-from spmd_rl.models import DTYPES, apply_fsdp, load_causal_lm  # noqa: E402
-from spmd_rl.weight_sync import iter_weights  # noqa: E402
+from spmd_rl.checkpoint.checkpointer import ModelAndOptimizer  # noqa: E402
+from spmd_rl.config.run_config import load_config  # noqa: E402
+from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
+from spmd_rl.model.loading import DTYPES, apply_fsdp, load_causal_lm  # noqa: E402
+from spmd_rl.rollout.weight_sync import iter_weights  # noqa: E402
 
 
 def disk_logprobs(cfg, model_dir: str, seqs):
     from vllm import LLM
 
-    from spmd_rl.rollout.vllm_engine import engine_kwargs, prompt_logprobs, shutdown_llm
+    from spmd_rl.rollout.vllm.engine import engine_kwargs, prompt_logprobs, shutdown_llm
 
     llm = LLM(**engine_kwargs(cfg, model_dir, cfg.rollout.seed, dummy=False, sleep_mode=False))
     lp = prompt_logprobs(llm, seqs)
@@ -58,7 +58,7 @@ def meandiff(a, b) -> float:
 
 
 def run(args, res: dict) -> None:
-    from spmd_rl.rollout.vllm_engine import VLLMEngine
+    from spmd_rl.rollout.vllm.engine import VLLMEngine
 
     env = init_distributed("cuda")
     cfg = load_config(os.path.join(args.trained_run, "config.toml"))

@@ -125,11 +125,11 @@ def model_root() -> Path:
 
 
 def random_model_dir(arch: str) -> str:
-    """A Hugging Face directory of a random-weight model of shape `arch` (spmd_rl.models.ARCH_PRESETS)
+    """A Hugging Face directory of a random-weight model of shape `arch` (spmd_rl.model.loading.ARCH_PRESETS)
     with the character tokenizer, bfloat16 files (the presets' fp32 masters load them exactly),
     built once per machine under model_root(); concurrent callers wait for the first."""
-    from spmd_rl.models import materialize_random_model, random_model_config
-    from spmd_rl.tokenizer import build_char_tokenizer
+    from spmd_rl.model.loading import materialize_random_model, random_model_config
+    from spmd_rl.model.tokenizer import build_char_tokenizer
 
     root = model_root()
     root.mkdir(parents=True, exist_ok=True)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from spmd_rl.checkpoint import Checkpointer, ModelAndOptimizer, verify
-from spmd_rl.models import apply_fsdp
-from spmd_rl.optim import make_optimizer
+from spmd_rl.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer, verify
+from spmd_rl.model.loading import apply_fsdp
+from spmd_rl.train.optim import make_optimizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -127,7 +127,7 @@ def layout(request, tmp_path_factory):
 
 
 def test_fsdp_actor_matches_from_pretrained(layout):
-    """(a) spmd_rl.models' FSDP2 actor computes what a plain from_pretrained model computes."""
+    """(a) spmd_rl.model.loading' FSDP2 actor computes what a plain from_pretrained model computes."""
     name, results = layout
     for r in results:
         a = r["actor_vs_hf"]
@@ -151,7 +151,7 @@ def test_synced_engine_matches_engine_loaded_from_disk(layout):
 
 
 def test_engine_inspects_the_model_in_process(layout):
-    """vLLM's model inspection ran in the engine's own process (spmd_rl/rollout/vllm_model_inspection.py:
+    """vLLM's model inspection ran in the engine's own process (spmd_rl/rollout/vllm/model_inspection.py:
     not a new Python importing torch and vLLM, 20-27 s of a start) and still wrote vLLM's cache."""
     name, results = layout
     assert sum(r["inspections_in_process"] for r in results) >= 1, (name, [r["inspections_in_process"] for r in results])
@@ -170,7 +170,7 @@ def test_generate_contract(layout):
         assert g["n_results"] == g["n_prompts"] and g["n_per_prompt"] == [2], (name, g)
         assert g["lengths_ok"] and g["finish_ok"] and g["deterministic"], (name, g)
         assert g["samples_differ_within_prompt"], (name, g)
-        assert g["flat_logprobs_used"] and g["dicts_equal_flat"], (name, g)  # vllm_outputs.py on vLLM 0.26
+        assert g["flat_logprobs_used"] and g["dicts_equal_flat"], (name, g)  # rollout/vllm/outputs.py on vLLM 0.26
         assert g["sample_logprob_vs_actor_T_mean"] <= 0.15, (name, g)
         assert g["sample_logprob_vs_actor_T_mean"] < 0.5 * g["sample_logprob_vs_actor_T1_mean"], (name, g)
         assert g["greedy_copies_equal"], (name, g)

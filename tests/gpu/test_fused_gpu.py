@@ -31,9 +31,9 @@ def test_fused_kernels_match_the_unfused_path_on_gpu(env):
     import liger_kernel  # noqa: F401  -- must be installed on a GPU machine: an ImportError fails the test
     from transformers import AutoModelForCausalLM
 
-    from spmd_rl import fused_kernels
-    from spmd_rl.actor import forward_logprobs
-    from spmd_rl.models import apply_fsdp, prepare_policy, random_model_config
+    from spmd_rl.model import fused_kernels
+    from spmd_rl.train.actor import forward_logprobs
+    from spmd_rl.model.loading import apply_fsdp, prepare_policy, random_model_config
 
     dev = env.device
     config = random_model_config("qwen2-0.5b")
@@ -102,7 +102,7 @@ def test_fused_kernels_match_the_unfused_path_on_gpu(env):
 
 def test_head_weight_gradient_accumulates_in_one_float32_addmm_per_chunk_on_gpu():
     """On CUDA the head adds each chunk's weight gradient into its float32 buffer with one addmm
-    (`out_dtype` float32: spmd_rl.logprob_head._accumulate), eager and compiled head alike, and
+    (`out_dtype` float32: spmd_rl.model.logprob_head._accumulate), eager and compiled head alike, and
     the gradient is as close to the float64 formula as the CPU's matmul-and-add path gets
     (tests/test_packing.py)."""
     import os
@@ -111,7 +111,7 @@ def test_head_weight_gradient_accumulates_in_one_float32_addmm_per_chunk_on_gpu(
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from test_packing import head_weight_grad_error
 
-    from spmd_rl import logprob_head
+    from spmd_rl.model import logprob_head
 
     for fused in ("none", "compile"):
         err = head_weight_grad_error("cuda", fused)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from spmd_rl.models import apply_fsdp, random_model_config
-from spmd_rl.offload import move_train_state
-from spmd_rl.optim import make_optimizer
+from spmd_rl.model.loading import apply_fsdp, random_model_config
+from spmd_rl.train.offload import move_train_state
+from spmd_rl.train.optim import make_optimizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -19,7 +19,7 @@ def ragged_batch(lens, vocab, device, seed=0):
     attn = torch.zeros(len(lens), L, dtype=torch.long)
     for i, n in enumerate(lens):
         attn[i, :n] = 1
-    from spmd_rl.batch import Batch
+    from spmd_rl.batching.batch import Batch
 
     return Batch({"input_ids": (ids * attn).to(device), "attention_mask": attn.to(device)})
 
@@ -30,8 +30,8 @@ def test_packed_varlen_matches_padded_on_gpu(arch):
         pytest.skip("needs CUDA")
     from transformers import AutoModelForCausalLM
 
-    from spmd_rl.actor import forward_logprobs
-    from spmd_rl.models import prepare_policy, random_model_config
+    from spmd_rl.train.actor import forward_logprobs
+    from spmd_rl.model.loading import prepare_policy, random_model_config
 
     dev = torch.device("cuda")
     config = random_model_config(arch)

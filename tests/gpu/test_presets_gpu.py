@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd_rl.config import load_config
+from spmd_rl.config.run_config import load_config
 from runs import REPO, check_run, expected_saves, keep_logs, random_model_dir, skip_reason, summary, train
 
 pytestmark = pytest.mark.gpu
@@ -34,7 +34,7 @@ class Preset:
     gpus: int
     """The smallest machine it runs on (GPUs of one host)."""
     arch: str
-    """Its model's shape (spmd_rl.models.ARCH_PRESETS)."""
+    """Its model's shape (spmd_rl.model.loading.ARCH_PRESETS)."""
     changes: tuple[str, ...] = ()
     """Overrides beyond the model, the data and the steps, each for a stated reason (see PRESETS)."""
     steps: tuple[int, int] = (3, 5)
@@ -59,7 +59,7 @@ PRESETS: dict[str, Preset] = {  # configs/<name>.toml
     "qwen0.5b-gsm8k-tool": Preset(gpus=1, arch="qwen2-0.5b"),
     # 256 prompts would be 2048 responses on one TP=2 replica (8 GPUs make 4): 16 prompts in 2
     # mini-batches of 8 keep the preset's 2 optimizer steps per step. The random 7B shape's mismatch
-    # is 0.052 (bf16 at this shape, with NCCL or custom all-reduce alike: scripts/probe_mismatch.py).
+    # is 0.052 (bf16 at this shape, with NCCL or custom all-reduce alike: scripts/probes/probe_mismatch.py).
     "qwen7b": Preset(gpus=2, arch="qwen2-7b", changes=("data.train_batch_size=16", "actor.ppo_mini_batch_size=8"),
                      save_every=(0, -1), in_memory=True, max_mismatch=0.1, timeout=(540, 360)),
     # its overlong buffer (4096 tokens) must be shorter than the responses: 32 of the 128

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from spmd_rl.checkpoint import Checkpointer, ModelAndOptimizer
-from spmd_rl.models import ARCH_PRESETS, apply_fsdp, build_sharded, load_causal_lm
-from spmd_rl.optim import make_optimizer
+from spmd_rl.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer
+from spmd_rl.model.loading import ARCH_PRESETS, apply_fsdp, build_sharded, load_causal_lm
+from spmd_rl.train.optim import make_optimizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench"))
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -61,13 +61,14 @@ def test_the_sync_counter_sees_forward_and_backward_waits():
 def test_update_waits_as_often_over_8_micro_batches_as_over_1(env, fused):
     from bench_train import rollout_batch
 
-    from spmd_rl.actor import actor_loss_fn, compute_logprobs
-    from spmd_rl.batch import plan_micro_batches
-    from spmd_rl.config import ActorConfig, AlgorithmConfig
-    from spmd_rl.models import apply_fsdp, prepare_policy, random_model_config
-    from spmd_rl.old_logprobs import UpdateLogprobs
-    from spmd_rl.optim import make_optimizer
-    from spmd_rl.update import ppo_update
+    from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
+    from spmd_rl.batching.batch import plan_micro_batches
+    from spmd_rl.config.actor import ActorConfig
+    from spmd_rl.config.algorithm import AlgorithmConfig
+    from spmd_rl.model.loading import apply_fsdp, prepare_policy, random_model_config
+    from spmd_rl.train.old_logprobs import UpdateLogprobs
+    from spmd_rl.train.optim import make_optimizer
+    from spmd_rl.train.update import ppo_update
 
     config = random_model_config("qwen2-0.5b")
     config.num_hidden_layers = 4

@@ -76,7 +76,7 @@ class MultiTurnRollout:
 
     def generate(self, engine: RolloutEngine, records: list, sampling: SamplingParams,
                  budget: int) -> tuple[list[list[Completion]], dict[str, float]]:
-        """`sampling.n` trajectories per record (spmd_rl.data.PromptRecord), each within `budget`
+        """`sampling.n` trajectories per record (spmd_rl.data.prompts.PromptRecord), each within `budget`
         response tokens; and their metrics (per-rank means). Collective: every rank calls it."""
         rows = [dataclasses.asdict(rec) for rec in records]
         trajectories = new_trajectories([rec.prompt_ids for rec in records], rows, sampling, self.make_env)

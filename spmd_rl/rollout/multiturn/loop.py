@@ -21,11 +21,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from spmd_rl.distributed import all_reduce_max_int
+from spmd_rl.runtime.distributed import all_reduce_max_int
 from spmd_rl.rollout.base import Completion, RolloutEngine, SamplingParams
 from spmd_rl.rollout.multiturn.bridge import Bridge
 from spmd_rl.rollout.multiturn.environment import Environment, StepResult
-from spmd_rl.tokenizer import decode_response
+from spmd_rl.model.tokenizer import decode_response
 
 STOP_REASONS = ("answer", "max_turns", "length", "bridge_overflow", "env_error", "env_timeout")
 """Why a trajectory ended: the episode was over ("answer": the model answered without a tool call,

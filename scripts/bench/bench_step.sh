@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# End-to-end GRPO steps on ONE GPU on the peer-comparison work (../shared/device/peer-trl/README.md):
+# a random-weight Qwen2 shape, the character tokenizer, synthetic arithmetic prompts, 64 prompts x 8
+# samples, 512 new tokens, no reference model, one optimizer step per step. Prints the per-phase table.
+#
+#   bash scripts/bench/bench_step.sh OUT ARCH VARIANT [STEPS] [EXTRA OVERRIDES...]
+#   VARIANT: before = the old training path (padded micro-batches of 8, full fp32 logits, vLLM at
+#                     256 sequences, as measured against TRL before packing existed)
+#            after  = the shipped config's training settings (packing, token budget, chunked log-probs)
+#   e.g. bash scripts/bench/bench_step.sh $OUT qwen2-0.5b after 4
+#   EXTRA OVERRIDES go to spmd_rl.ppo last (they win); TAG names the variant's directory and row, so
+#   runs that differ only in overrides (vLLM engine arguments, say) are kept side by side:
+#   TAG=async bash scripts/bench/bench_step.sh $OUT qwen2-0.5b after 4 'rollout.engine_kwargs={async_scheduling=true}'
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=$1; ARCH=$2; VARIANT=$3; STEPS=${4:-4}; shift $(( $# < 4 ? $# : 4 ))
+case "$ARCH" in qwen2-0.5b) CONFIG=configs/qwen0.5b-gsm8k.toml ;; *) CONFIG=configs/qwen1.5b-gsm8k.toml ;; esac
+WORK=(model.init=\"random\" model.arch=\"$ARCH\" model.tokenizer=\"char\" model.path=\"\"
+      data.synthetic_task=\"arithmetic\" data.apply_chat_template=false data.max_prompt_length=128
+      data.max_response_length=512 "data.train_files=[\"$OUT/data/arith_train.parquet\"]" "data.val_files=[]"
+      actor.use_kl_loss=false actor.ppo_mini_batch_size=64 rollout.max_num_batched_tokens=4096
+      trainer.total_steps=$STEPS trainer.val_before_train=false trainer.val_every=0 trainer.save_every=0
+      trainer.resume=\"none\")
+case "$VARIANT" in
+  before) VAR=(model.remove_padding=false model.chunked_logprobs=false model.gradient_checkpointing=false
+               actor.micro_batch_size_per_gpu=8
+               actor.max_token_len_per_gpu=0 actor.logprob_max_token_len_per_gpu=0 rollout.max_num_seqs=256) ;;
+  after) VAR=() ;;
+  *) echo "VARIANT must be before or after"; exit 2 ;;
+esac
+NAME="$ARCH-$VARIANT${TAG:+-$TAG}"
+dir="$OUT/step-$NAME"; rm -rf "$dir"; mkdir -p "$dir"
+torchrun --standalone --nproc_per_node=1 -m spmd_rl.ppo --config "$CONFIG" "${WORK[@]}" "${VAR[@]}" \
+    trainer.run_dir=\"$dir/run\" "$@" > "$dir/log.txt" 2>&1
+echo "$ARCH $VARIANT${TAG:+ $TAG}: exit $? ($(grep -c '"time/step"' "$dir/run/metrics.jsonl" 2>/dev/null || echo 0) steps; log $dir/log.txt)"
+[ -s "$dir/run/metrics.jsonl" ] && python scripts/summarize_run.py "$NAME=$dir/run/metrics.jsonl"

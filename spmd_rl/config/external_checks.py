@@ -1,0 +1,70 @@
+"""The checks that need the world outside the config, called by validation (run_config.validate):
+the model and tokenizer directories on disk (no weights are read), the models' attention heads
+against trainer.ulysses_size, the user's tools, tool parser and environment (imported), and the
+arguments vLLM takes (imported only when rollout.engine_kwargs are set)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from spmd_rl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from spmd_rl.config.run_config import Config
+
+
+def check_model_files(cfg: Config) -> None:
+    """Every model directory the config names, as far as small files tell (no weights are read)."""
+    from spmd_rl.model.files import check_model_dir, check_tokenizer_dir
+
+    m = cfg.model
+    if m.path:
+        check_model_dir(m.path, "model.path", weights=m.init == "pretrained")
+    if m.tokenizer and m.tokenizer != "char":
+        check_tokenizer_dir(m.tokenizer, "model.tokenizer")
+    elif not m.tokenizer and m.path:
+        check_tokenizer_dir(m.path, "model.path")
+    if cfg.use_critic and cfg.critic.path:
+        check_model_dir(cfg.critic.path, "critic.path", weights=True)
+
+
+def check_attention_heads(cfg: Config, world_size: int) -> None:
+    """With trainer.ulysses_size > 1, every trained model's attention heads split over the group."""
+    sp, m = cfg.trainer.ulysses_size, cfg.model
+    if sp <= 1:
+        return
+    divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
+    from spmd_rl.model.files import model_attention_heads
+    from spmd_rl.runtime.sp_groups import head_problem
+
+    models = {}
+    if m.init == "random" and not m.path:
+        from spmd_rl.model.loading import ARCH_PRESETS
+
+        arch = ARCH_PRESETS[m.arch]
+        models[f"model.arch = {m.arch!r}"] = (arch["num_attention_heads"], arch["num_key_value_heads"])
+    else:
+        models[f"model.path = {m.path!r}"] = model_attention_heads(m.path, "model.path")
+    if cfg.use_critic and cfg.critic.path:
+        models[f"critic.path = {cfg.critic.path!r}"] = model_attention_heads(cfg.critic.path, "critic.path")
+    for model, (heads, kv_heads) in models.items():
+        problem = head_problem(heads, kv_heads, sp)
+        if problem:
+            fits = [k for k in divisors if not head_problem(heads, kv_heads, k)]
+            raise ConfigError(f"trainer.ulysses_size = {sp} does not fit the model ({model}): {problem}; use one of "
+                              f"{', '.join(map(str, fits))}")
+
+
+def check_multi_turn_code(cfg: Config) -> None:
+    """The tools, tool parser and environment the rollout keys name import and have what the loop needs."""
+    if cfg.rollout.multi_turn:
+        from spmd_rl.rollout.multiturn import check_config
+
+        check_config(cfg.rollout)
+
+
+def check_engine_kwargs(cfg: Config) -> None:
+    """rollout.engine_kwargs are arguments vLLM takes (vLLM is imported only when some are set)."""
+    from spmd_rl.rollout.vllm.kwargs import check_engine_kwargs as check
+
+    check(cfg.rollout)

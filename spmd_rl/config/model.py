@@ -1,0 +1,109 @@
+"""[model]: the policy model, its precision, and how its training side runs (packing, checkpointing,
+fused kernels). The files it names are checked in spmd_rl/config/external_checks.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from spmd_rl.config.checks import Rule, need
+
+if TYPE_CHECKING:
+    from spmd_rl.config.run_config import Config
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "init": ("pretrained", "random"),
+    "dtype": ("float32", "bfloat16"),
+    "compute_dtype": ("float32", "bfloat16"),
+    "attn_implementation": ("sdpa", "eager"),
+    "fused_kernels": ("none", "liger", "compile"),
+    "fused_logprob_head": ("none", "compile"),
+}
+"""Each key that takes one of a few values: its values (checked by Config.check_choices)."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Local Hugging Face model directory (config.json, safetensors, tokenizer). With
+    `init = "random"` it may hold only config.json (+ tokenizer); weights are then random. Checked
+    before anything loads: config.json, its model_type, the weight files' completeness."""
+    init: str = "pretrained"
+    """"pretrained": load the weights in `path`. "random": random weights from the architecture
+    (`path`'s config.json or the preset `arch`), built once by rank 0 and saved to
+    `<run_dir>/init_model`, then loaded by every rank exactly like a pretrained model."""
+    arch: str = ""
+    """With `init = "random"` and no `path`: a preset architecture, one of
+    tiny, small, qwen2-0.5b, qwen2-1.5b, qwen2-7b (see spmd_rl/model/loading.py ARCH_PRESETS)."""
+    tokenizer: str = ""
+    """Tokenizer directory; empty = `path`. "char" = the built-in character tokenizer used by the
+    synthetic tasks (digits, letters, punctuation; it carries a chat template). It may not have
+    more tokens than the model's vocab_size (fewer is normal: padded vocabularies)."""
+    dtype: str = "float32"
+    """Dtype of the master (optimizer) weights of actor/critic/reference: float32 or bfloat16."""
+    compute_dtype: str = "bfloat16"
+    """FSDP2 mixed-precision parameter dtype for forward/backward: bfloat16 or float32. On CPU
+    use float32 (bf16 matmuls are slow there)."""
+    attn_implementation: str = "sdpa"
+    """transformers attention backend for the training-side models: sdpa or eager."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (saves memory on long responses)."""
+    gradient_checkpointing_layers: float = 1.0
+    """With `gradient_checkpointing`: the share of the decoder layers that recompute, spread evenly
+    over the stack (0.5: every other layer); the others keep their activations for backward. Less
+    is faster and takes more memory: the 1.5B update alone at 16384-token micro-batches ran at
+    38.2% MFU with every layer checkpointed and 47.1% with none (1xH100, docs/performance.md).
+    Applies to actor and critic (the reference model has no backward). 1.0 = every layer."""
+    seed: int = 0
+    """Seed for random weights (`init = "random"`) and the critic's value head."""
+    remove_padding: bool = False
+    """Pack each micro-batch's sequences into one row without padding, for actor, reference and
+    critic, forward and backward: position ids restart per sequence and attention stays within a
+    sequence (PyTorch's variable-length FlashAttention kernel on CUDA, per-sequence SDPA on CPU).
+    No compute or memory goes to padding; needed for the token budgets (`*.max_token_len_per_gpu`)."""
+    chunked_logprobs: bool = True
+    """Compute token log-probs and entropy from the last hidden states in chunks, never holding the
+    [tokens, vocab] float32 logits (6 GB for 10k tokens of a 152k vocabulary); backward recomputes
+    each chunk. false = the plain full-logits path (more memory; kept for comparison)."""
+    fsdp_forward_prefetch: bool = False
+    """FSDP2: each decoder layer starts the all-gather of the next one explicitly in forward."""
+    fused_kernels: str = "none"
+    """Fused kernels in the decoder layers of actor, reference and critic (spmd_rl/model/fused_kernels.py).
+    "liger": liger-kernel's Triton RMSNorm, rotary embedding and SiLU-multiply on this model's
+    modules (Qwen2 models; CUDA; install the `gpu` extra). "compile": torch.compile of each decoder
+    layer (dynamic shapes: no recompile per packed length; compiling takes a minute or so at start).
+    "none": transformers' modules as they are. Without CUDA, Triton or liger-kernel, "liger" runs
+    unfused with one warning. Same numbers up to bf16 rounding."""
+    fused_logprob_head: str = "none"
+    """How the log-prob head (`chunked_logprobs`) computes each chunk's log-sum-exp, target log-prob,
+    entropy and, in backward, the logits' gradient: "none" = eager float32 passes over the
+    [chunk, vocab] logits; "compile" = torch.compile'd, one or two fused kernels per chunk reading
+    the bf16 logits (same formulas and chunks; needs `chunked_logprobs`). No liger-kernel op fits:
+    its fused linear losses take no temperature and give no per-token entropy."""
+
+    def check(self) -> None:
+        """The model keys together (the files they name: external_checks.check_model_files)."""
+        if self.init == "pretrained":
+            need(bool(self.path), 'model.path is empty: set it to a local model directory, or use model.init = "random" with model.arch')
+        else:
+            need(bool(self.path) or bool(self.arch), 'model.init = "random" needs model.arch (a preset) or model.path (a config.json)')
+            if not self.path:
+                from spmd_rl.model.loading import ARCH_PRESETS
+
+                need(self.arch in ARCH_PRESETS, f"model.arch = {self.arch!r} is not a preset: use one of {', '.join(ARCH_PRESETS)}")
+            need(bool(self.tokenizer) or bool(self.path),
+                  'model.init = "random" with a preset arch needs model.tokenizer (a directory, or "char")')
+        need(self.gradient_checkpointing or self.gradient_checkpointing_layers == 1.0,
+              f"model.gradient_checkpointing_layers = {self.gradient_checkpointing_layers} needs "
+              "model.gradient_checkpointing = true (without it no layer is checkpointed)")
+        need(self.fused_logprob_head == "none" or self.chunked_logprobs,
+              f"model.fused_logprob_head = {self.fused_logprob_head!r} fuses the chunked log-prob head: set "
+              "model.chunked_logprobs = true, or model.fused_logprob_head = \"none\"")
+
+    def ranges(self, cfg: Config) -> list[Rule]:
+        return [("seed", self.seed >= 0, ">= 0"),
+                ("gradient_checkpointing_layers", 0 < self.gradient_checkpointing_layers <= 1, "in (0, 1]")]
+
+    def checkpointed_share(self) -> float:
+        """The share of decoder layers the actor and critic checkpoint (0: none)."""
+        return self.gradient_checkpointing_layers if self.gradient_checkpointing else 0.0

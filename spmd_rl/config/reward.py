@@ -1,0 +1,49 @@
+"""[reward]: how responses are scored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from spmd_rl.config.checks import Rule, need
+
+if TYPE_CHECKING:
+    from spmd_rl.config.run_config import Config
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "gsm8k_method": ("strict", "flexible"),
+    "on_error": ("fail", "zero"),
+}
+"""Each key that takes one of a few values: its values (checked by Config.check_choices)."""
+
+
+@dataclass
+class RewardConfig:
+    custom_function: str = ""
+    """A user scorer "package.module:function" called as fn(data_source, response_text,
+    ground_truth, extra_info) -> float or dict with key "score"; empty = the built-in rule scorers
+    chosen by each row's data_source."""
+    gsm8k_method: str = "strict"
+    """GSM8K answer extraction: "strict" (the "#### N" line) or "flexible" (last number)."""
+    format_bonus: float = 0.0
+    """Added to the score when the response has the expected answer format (0 = off)."""
+    overlong_buffer: int = 0
+    """DAPO overlong reward shaping (Yu et al. 2025): responses longer than
+    data.max_response_length - overlong_buffer tokens get a penalty growing linearly to
+    -overlong_penalty_factor at the limit (0 = off)."""
+    overlong_penalty_factor: float = 1.0
+    """DAPO: the penalty at data.max_response_length tokens."""
+    on_error: str = "fail"
+    """What a scorer that raises or returns a non-number does: "fail" stops the run with one line
+    naming the data source, row and response; "zero" scores that response 0 and counts it in the
+    metric reward/errors."""
+
+    def check(self, max_response_length: int) -> None:
+        """DAPO's overlong shaping within `max_response_length` = data.max_response_length."""
+        need(self.overlong_penalty_factor >= 0,
+              f"reward.overlong_penalty_factor = {self.overlong_penalty_factor} must be >= 0 (DAPO uses 1.0)")
+        need(0 <= self.overlong_buffer < max_response_length,
+              "reward.overlong_buffer must be in [0, data.max_response_length) (0 = off)")
+
+    def ranges(self, cfg: Config) -> list[Rule]:
+        return [("format_bonus", self.format_bonus >= 0, ">= 0 (0 = off)")]

@@ -1,0 +1,218 @@
+"""[rollout]: sampling, the inference engine, and multi-turn tools and environments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from spmd_rl.config.checks import Rule, need
+
+if TYPE_CHECKING:
+    from spmd_rl.config.run_config import Config
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "engine": ("hf", "vllm"),
+    "dtype": ("bfloat16", "float16", "float32"),
+    "sleep_level": ("1", "2"),
+    "calculate_log_probs": ("auto", "on", "off"),
+}
+"""Each key that takes one of a few values: its values (checked by Config.check_choices)."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    """"hf": transformers generate on a model copy (CPU and tests). "vllm": a colocated vLLM engine
+    (GPU; install the `vllm` extra)."""
+    n: int = 4
+    """Samples per prompt (the group size of GRPO/RLOO)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts (> 0). Log-probs everywhere use logits/temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off)."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a response (the tokenizer's EOS always does)."""
+    val_temperature: float = 0.0
+    """Temperature for validation (0 = greedy)."""
+    val_n: int = 1
+    """Samples per validation prompt."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor-parallel size: groups of this many consecutive local ranks form one replica.
+    Must divide the GPUs per node."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM: fraction of GPU memory vLLM may use for weights + KV cache while awake."""
+    max_num_seqs: int = 256
+    """vLLM: most sequences in one scheduler step."""
+    max_num_batched_tokens: int = 8192
+    """vLLM: most tokens in one scheduler step."""
+    max_model_len: int = 0
+    """vLLM: context length; 0 = data.max_prompt_length + data.max_response_length."""
+    enforce_eager: bool = False
+    """vLLM: disable CUDA graphs."""
+    vllm_compile: bool = False
+    """vLLM: torch.compile (Inductor) the engine's model, with piecewise CUDA graphs for prefill
+    (vLLM's default). Off: no Inductor, and CUDA graphs of the whole decode step only
+    (compilation_config mode 0, cudagraph_mode FULL_DECODE_ONLY; prefill runs eager). Measured on
+    1xH100 (0.5B, 512 requests x 512 tokens, docs/performance.md): the engine starts in 37 s cold
+    against 85 s with Inductor (24 s with its compile cache warm), and decodes as fast (GPU kernels
+    3.49 against 3.40 ms a step; the CPU bounds the step either way). No effect with enforce_eager."""
+    cudagraph_capture_sizes: list[int] = field(default_factory=list)
+    """vLLM: batch sizes to capture CUDA graphs for; empty = vLLM's default (51 sizes up to 512 at
+    max_num_seqs >= 256) or, with cudagraph_step_sizes, this run's. Graph memory is not freed by
+    sleep, so fewer sizes leave more for training (ROCm users: [1,2,4,8,16,32,64])."""
+    cudagraph_step_sizes: bool = False
+    """vLLM: with cudagraph_capture_sizes empty, capture only the decode batch sizes this run's
+    generate calls can have: 1, 2, 3, 4, 6, 8, 12, ... (from 2 on at most 1.5x the one before; a batch
+    runs padded to the next) up to the sequences one engine replica gets per call (training and
+    validation), capped at max_num_seqs. Fewer graphs: a shorter start-up and less memory held
+    while asleep; a call with more sequences than that runs its largest batches without graphs."""
+    enable_prefix_caching: bool = True
+    """vLLM: reuse KV blocks of shared prompt prefixes (reset after every weight sync)."""
+    block_size: int = 64
+    """vLLM: tokens per KV-cache block (0 = vLLM's default, 16). vLLM's scheduler allocates, hashes
+    and caches KV blocks on the CPU in every decode step, and larger blocks leave it less to do.
+    Measured (0.5B, 512 sequences x 512 tokens, 1xH100, two device calls, docs/performance.md): 64
+    against 16 took 10.8 against 16.5 ms a decode step in one call and 15.1 against 16.0 (inside
+    the spread between processes) in the other; 128 took 17.0. bench_step's rollout/actor log-prob
+    mismatch is unchanged (0.008 at 0.5B, 0.017 at 1.5B).
+    Prefix-cache hits then come in whole blocks of this many tokens, and up to block_size - 1
+    tokens of KV memory per sequence go unused."""
+    enable_chunked_prefill: bool = True
+    """vLLM: split long prefills into chunks."""
+    disable_custom_all_reduce: bool = False
+    """vLLM: use NCCL instead of vLLM's custom all-reduce for TP. The custom one works with sleep
+    mode and CUDA graphs: the engine is built with PyTorch's expandable segments off, whose VMM
+    buffers it cannot share between ranks (spmd_rl/runtime/gpu_memory.py; configs/qwen7b.toml at TP=2)."""
+    seed: int = 0
+    """vLLM engine seed (offset by the replica index so replicas sample differently)."""
+    dtype: str = "bfloat16"
+    """Rollout engine weights dtype (bfloat16, float16 or float32; "hf" on CPU uses float32)."""
+    sleep_level: int = 2
+    """vLLM sleep level between rollouts: 2 drops weights and KV cache (new weights come every
+    step anyway, so keeping a CPU copy as level 1 does only costs time)."""
+    weight_sync_bucket_mb: int = 512
+    """Size of the buckets in which FSDP shards are gathered and handed to the engine."""
+    offload_train_states: bool = False
+    """Move actor/critic/reference parameters, gradients and optimizer states to CPU while the
+    engine generates, and back before training (GPU only). Costs about 3 s + 1 s per step for a
+    0.5B actor + critic (PCIe); worth it when the engine needs the memory (memory/offloaded_gb
+    shows what it frees)."""
+    compile_cache_dir: str = ""
+    """vLLM's compilation cache (VLLM_CACHE_ROOT: torch.compile/Inductor/Triton artifacts), kept
+    across restarts so a warm restart skips compilation; empty = <run_dir>/compile_cache. Point it
+    at a shared path to reuse it across runs of the same model and settings. A VLLM_CACHE_ROOT
+    already in the environment wins."""
+    calculate_log_probs: str = "auto"
+    """Ask the engine for every response's sampled-token log-probs (verl's
+    `rollout.calculate_log_probs`): "on", "off", or "auto" = on exactly when something reads every
+    row's (algorithm.rollout_is, rollout_mask, rollout_reject_sequences; "off" is refused with
+    them). Asking costs generation time (0.5B at batch 512 on an H200: about 2x the generate time
+    with vLLM's default log-prob lists; docs/performance.md). The start-up line says which applies
+    and why."""
+    logprob_sample_every: int = 8
+    """While rollout log-probs are off (calculate_log_probs), every k-th prompt of each rank's
+    generate call (its first, then every k-th; all n responses of it) asks for them anyway, so the
+    mismatch metrics (rollout/logprob_diff_*, rollout/mismatch_kl) are measured on those rows only;
+    1 = every prompt, 0 = none (the metrics are then not logged). Validation never asks."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """vLLM: more keyword arguments of `vllm.LLM`, passed after the project's own (verl's
+    `actor_rollout_ref.rollout.engine_kwargs.vllm`): a TOML table, e.g. `[rollout.engine_kwargs]`
+    `async_scheduling = true`, `compilation_config = {mode = 3}`; on the command line
+    `rollout.engine_kwargs={async_scheduling=true}` (replaces the table) or
+    `rollout.engine_kwargs.async_scheduling=true` (sets one entry). Needs `engine = "vllm"`. Refused
+    at start: names vLLM does not know, what the colocated engine fixes (model, load_format,
+    distributed_executor_backend, enable_sleep_mode, logprobs_mode, skip_tokenizer_init, parallel
+    layout...) and what a `rollout.*` key sets (dtype, seed, max_num_seqs, ...: set that key)."""
+
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    """Multi-turn rollouts with tools: `[[rollout.tools]]` entries, each `function =
+    "package.module:function"`, a plain function with type hints and a Google-style docstring (its
+    JSON schema, from transformers' get_json_schema, goes to the chat template's `tools=`). A turn
+    that calls tools (rollout.tool_parser's format) gets their answers as tool messages and the
+    model goes on, until it answers without a call, rollout.max_turns, or the token budget
+    (data.max_response_length counts the model's tokens and the tool messages). A tool that
+    raises, passes rollout.tool_timeout or returns a non-string answers with an error message
+    (counted in multiturn/tool_errors_mean). Not together with rollout.environment."""
+    environment: str = ""
+    """Multi-turn rollouts with an environment: "package.module:Class" with `reset(row)` and
+    `step(message) -> StepResult(messages, done, reward=None)` (spmd_rl/rollout/multiturn/
+    environment.py; one instance per trajectory, keeping its state across turns). Its reward, where
+    it gives one, replaces the reward function's score. Empty = single-turn (or tools)."""
+    max_turns: int = 5
+    """Multi-turn: most model turns per trajectory (1 = the model answers once; tools never run)."""
+    tool_parser: str = "hermes"
+    """Multi-turn: how tool calls are read from a turn: "hermes" (Qwen2.5's
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, several per turn, none inside
+    `<think>`), or "package.module:Class" with `parse(text) -> list[ToolCall | CallError]`."""
+    tool_timeout: float = 10.0
+    """Multi-turn: seconds a tool call (or an environment step) may take; past it the model is told
+    the call timed out (an environment's trajectory ends)."""
+    max_tool_response_tokens: int = 256
+    """Multi-turn: each tool or environment message is cut to this many tokens (0 = no limit)."""
+    tool_pool_size: int = 32
+    """Multi-turn: threads that run tool calls and environment steps in parallel, per rank."""
+
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.tools or self.environment)
+
+    def check_multi_turn(self) -> None:
+        """Tools or an environment, not both, and turns to take them (that they import and have what
+        the loop needs: external_checks.check_multi_turn_code)."""
+        if not self.multi_turn:
+            return
+        need(not (self.tools and self.environment), "rollout.tools and rollout.environment cannot be used "
+              "together: put the tools' work into the environment's step, or drop one of them")
+        need(self.max_turns >= 1, f"rollout.max_turns = {self.max_turns} must be >= 1")
+
+    def check_sampling(self) -> None:
+        need(self.n >= 1, "rollout.n must be >= 1")
+        need(self.temperature > 0, "rollout.temperature must be > 0 for training rollouts")
+        need(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
+        need(self.top_k == -1 or self.top_k > 0, "rollout.top_k must be -1 (off) or > 0")
+        need(self.val_n >= 1, "rollout.val_n must be >= 1")
+        need(self.val_n == 1 or self.val_temperature > 0,
+              "rollout.val_n > 1 needs rollout.val_temperature > 0 (greedy samples are all the same)")
+
+    def check_engine(self, world_size: int, gpus_per_node: int | None) -> None:
+        """The engine's tensor-parallel groups fit the ranks and the nodes; its memory settings."""
+        tp = self.tensor_parallel_size
+        need(tp >= 1, "rollout.tensor_parallel_size must be >= 1")
+        if self.engine == "hf":
+            need(tp == 1, 'rollout.tensor_parallel_size > 1 needs rollout.engine = "vllm"')
+        need(world_size % tp == 0, f"rollout.tensor_parallel_size = {tp} must divide the world size {world_size}")
+        if gpus_per_node is not None:
+            need(gpus_per_node % tp == 0,
+                  f"rollout.tensor_parallel_size = {tp} does not divide the {gpus_per_node} GPUs per node, so a "
+                  f"tensor-parallel group would span two nodes: use a divisor of {gpus_per_node}")
+        need(0 < self.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization must be in (0, 1)")
+        need(self.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb must be > 0")
+
+    def ranges(self, cfg: Config) -> list[Rule]:
+        d = cfg.data
+        return [
+            ("val_temperature", self.val_temperature >= 0, ">= 0 (0 = greedy)"),
+            ("val_n", self.val_n >= 1, ">= 1"),
+            ("stop_token_ids", all(i >= 0 for i in self.stop_token_ids), "token ids >= 0"),
+            ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
+            ("max_model_len", self.max_model_len == 0 or self.max_model_len >= d.max_prompt_length + d.max_response_length,
+             "0 or >= data.max_prompt_length + data.max_response_length"),
+            ("cudagraph_capture_sizes", all(s > 0 for s in self.cudagraph_capture_sizes), "sizes > 0"),
+            ("block_size", self.block_size >= 0 and self.block_size % 16 == 0,
+             "0 (vLLM's default) or a multiple of 16 (the sizes vLLM's FlashAttention backends take)"),
+            ("seed", self.seed >= 0, ">= 0"),
+            ("max_turns", self.max_turns >= 1, ">= 1"),
+            ("tool_timeout", self.tool_timeout > 0, "> 0"),
+            ("max_tool_response_tokens", self.max_tool_response_tokens >= 0, ">= 0 (0 = no limit)"),
+            ("tool_pool_size", self.tool_pool_size >= 1, ">= 1"),
+            ("logprob_sample_every", self.logprob_sample_every >= 0, ">= 0 (0 = no mismatch metrics)"),
+        ]
+
+    def check_logprobs(self, readers: list[str]) -> None:
+        """calculate_log_probs = "off" with a setting that reads every row's rollout log-probs."""
+        need(self.calculate_log_probs != "off" or not readers,
+              f"rollout.calculate_log_probs = 'off' but {readers[0] if readers else ''} reads every response's rollout "
+              "log-probs: set rollout.calculate_log_probs = 'auto' (or 'on')")

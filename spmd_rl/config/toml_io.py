@@ -1,0 +1,175 @@
+"""A run's config as TOML: read from a file and `section.key=value` command-line overrides, each
+value checked against its key's type, and written back (`<run_dir>/config.toml`).
+
+Generic over the root dataclass whose fields are the sections (spmd_rl.config.run_config.Config, which
+spmd_rl.config.run_config's `load_config` passes in): this module knows no section, so the config module
+can use it without an import circle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import typing
+from typing import Any, TypeVar
+
+from spmd_rl.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+T = TypeVar("T")
+
+
+def load(root: type[T], path: str | None = None, overrides: list[str] | None = None) -> T:
+    """A `root` config from a TOML file (optional) and `section.key=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist: pass an existing TOML file to --config")
+        with open(path, "rb") as f:
+            try:
+                raw = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
+    for item in overrides or []:
+        key, value = _split_override(item)
+        section, name, *path = key.split(".")
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"override {item!r}: {section!r} is a section, not a value")
+        if not path:
+            raw[section][name] = _parse_override_value(value)
+            continue
+        # section.key.entry[.entry...]: one entry of a table-valued key (rollout.engine_kwargs)
+        sections = typing.get_type_hints(root)
+        hint = typing.get_type_hints(sections[section]).get(name) if section in sections else None
+        if hint is not None and typing.get_origin(hint) is not dict:
+            raise ConfigError(f"override key {key!r} must be section.key (e.g. actor.lr): only table keys "
+                              f"(rollout.engine_kwargs) take section.key.entry")
+        table = raw[section]
+        for i, part in enumerate([name, *path[:-1]]):
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join([section, name, *path][:i + 2])} is "
+                                  f"{table!r}, not a table")
+        table[path[-1]] = _parse_override_value(value)
+    return from_dict(root, raw)
+
+
+def from_dict(root: type[T], raw: dict[str, Any]) -> T:
+    """A `root` config from TOML tables: every key known, every value of its key's type."""
+    cfg = root()
+    sections = typing.get_type_hints(root)
+    for section, values in raw.items():
+        if section not in sections:
+            raise ConfigError(f"unknown config section [{section}]: valid sections are {', '.join(sections)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}] must be a table of keys, got {values!r}")
+        target = getattr(cfg, section)
+        hints = typing.get_type_hints(type(target))
+        for name, value in values.items():
+            key = f"{section}.{name}"
+            if name not in hints:
+                close = [k for k in hints if k.startswith(name[:3])]
+                hint = f" (did you mean {', '.join(section + '.' + c for c in close)}?)" if close else ""
+                raise ConfigError(f"unknown config key {key!r}{hint}; see docs/config.md for all keys")
+            setattr(target, name, _coerce(key, value, hints[name]))
+    return cfg
+
+
+def _split_override(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. actor.lr=1e-6)")
+    key, value = item.split("=", 1)
+    key = key.strip().lstrip("-")
+    if key.count(".") < 1 or not all(key.split(".")):
+        raise ConfigError(f"override key {key!r} must be section.key (e.g. actor.lr)")
+    return key, value.strip()
+
+
+def _parse_override_value(text: str) -> Any:
+    """TOML value syntax (1e-6, true, [1, 2], "x"); anything else is a plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is dict:  # a table of TOML values handed on as they are (rollout.engine_kwargs)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a table, got {value!r}: write {key}={{name=value}} or "
+                              f"{key}.name=value on the command line, a [{key}] table in the config file")
+        return {k: _table_value(f"{key}.{k}", v) for k, v in value.items()}
+    if origin is list:
+        (item_type,) = typing.get_args(hint)
+        if isinstance(value, str):  # "a,b" on the command line
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list of {item_type.__name__}, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string, got {value!r} (quote it)")
+    raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover
+
+
+def _table_value(key: str, value: Any) -> Any:
+    """A copy of a value inside a table key: TOML's strings, numbers, booleans, lists and tables
+    (no dates and times: nothing takes them, and config.toml would not keep them)."""
+    if isinstance(value, dict):
+        return {k: _table_value(f"{key}.{k}", v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_table_value(f"{key}[{i}]", v) for i, v in enumerate(value)]
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    raise ConfigError(f"{key} = {value!r}: a date or time is not a value here; quote it as a string")
+
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def to_toml(cfg: Any) -> str:
+    """The resolved config as TOML (saved into the run directory)."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        if isinstance(v, dict):  # an inline table, so the section's later keys stay in the section
+            return "{" + ", ".join(f"{k if _BARE_KEY.fullmatch(k) else fmt(k)} = {fmt(x)}" for k, x in v.items()) + "}"
+        return repr(v)
+
+    lines = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {fmt(v)}" for k, v in values.items()]
+        lines.append("")
+    return "\n".join(lines)

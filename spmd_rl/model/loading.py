@@ -1,0 +1,301 @@
+"""Loading the actor, critic and reference models, and wrapping them with FSDP2.
+
+Weights come from a local directory (`from_pretrained`). Random weights (`model.init = "random"`)
+are made once by rank 0 with plain eager construction and saved as a regular checkpoint
+(`materialize_random_model`); every rank then loads that directory like any pretrained model.
+
+Under FSDP no rank holds a full copy it does not need (`build_sharded`): a rank builds the model
+on the meta device from its config, shards it, gives the shards storage (`allocate_meta_model`),
+then the shards are filled by a checkpoint load (DCP, on resume) or by rank 0's `from_pretrained`
+weights, broadcast. Meta construction once broke two things here (shared/device/README.md); both
+are handled and tested against `from_pretrained` (tests/test_sharded_init.py): tied embeddings
+stay one Parameter through `fully_shard` and `to_empty`, and non-persistent buffers (rotary
+`inv_freq`), which no state dict holds, are computed again by transformers' own init.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config
+
+from spmd_rl.model import fused_kernels, logprob_head, varlen_attention
+from spmd_rl.model.files import check_no_missing_weights, loading
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Shapes of real Qwen2/Qwen2.5 models (random weights: no hub here), plus a tiny one for CPU.
+ARCH_PRESETS: dict[str, dict] = {
+    "tiny": dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                 max_position_embeddings=512),
+    # the GPU learning check's model (tests/gpu/test_learning_gpu.py): learns the successor task in a
+    # few dozen steps; head_dim 64, as FlashAttention 3 (vLLM on Hopper) takes
+    "small": dict(vocab_size=64, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                  max_position_embeddings=512),
+    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                       num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+                     max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+}
+
+
+def random_model_config(arch: str = "", config_dir: str = "", tokenizer=None):
+    """The transformers config for random init: a preset, or the config.json in `config_dir`."""
+    if config_dir:
+        config = AutoConfig.from_pretrained(config_dir)
+    else:
+        config = Qwen2Config(**ARCH_PRESETS[arch])
+    if tokenizer is not None:  # its size against vocab_size: model_files.check_vocab, at start-up
+        config.eos_token_id = tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+        config.bos_token_id = tokenizer.bos_token_id
+    return config
+
+
+def materialize_random_model(out_dir: str, config, seed: int, dtype: torch.dtype, tokenizer=None,
+                             device: torch.device | str = "cpu") -> str:
+    """Rank 0 writes a random-weight checkpoint to `out_dir` (kept if one with the same config and
+    seed is already there); all ranks wait for it. Returns `out_dir`. `device`: where the weights
+    are drawn (a GPU draws a 7B model in seconds where the CPU took over a minute; the values
+    differ from the CPU's for the same seed: the stamp records it, and a directory drawn on another
+    device with the same config and seed is kept, as a run's reference model reads it)."""
+    stamp = {"config": config.to_dict(), "seed": seed, "dtype": str(dtype)}
+    stamp_file = os.path.join(out_dir, "spmd_rl_init.json")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        same = False
+        if os.path.isfile(stamp_file):
+            with open(stamp_file) as f:
+                found = json.load(f)
+            found.pop("device", None)  # drawn elsewhere with the same seed: kept (a reference model reads it)
+            same = found == json.loads(json.dumps(stamp))
+        if not same:
+            log.info("building random-weight model (seed %d) in %s", seed, out_dir)
+            torch.manual_seed(seed)
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model.save_pretrained(out_dir)
+            del model
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out_dir)
+            drawn_on = torch.device(device).type
+            with open(stamp_file + ".tmp", "w") as f:
+                json.dump(stamp if drawn_on == "cpu" else {**stamp, "device": drawn_on}, f)
+            os.replace(stamp_file + ".tmp", stamp_file)
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", remove_padding: bool = False,
+                   chunked_logprobs: bool = True, key: str = "", weights: bool = True, fused_kernels: str = "none",
+                   fused_logprob_head: str = "none") -> torch.nn.Module:
+    """A causal LM on CPU in `dtype`, exactly as `from_pretrained` builds it, that can also be
+    called for token log-probs (spmd_rl.model.logprob_head; chunked from the hidden states unless
+    `chunked_logprobs` is false). `remove_padding`: it takes packed rows (spmd_rl.batching.packing) through
+    the variable-length attention backend (which runs padded batches as sdpa does). `key`: the
+    config key that named `path`, for the one-line error when its files cannot be loaded.
+    `weights` false: the same model on the meta device, nothing read but the config (see
+    build_sharded). `fused_kernels`, `fused_logprob_head`: see prepare_policy."""
+    model = _from_dir(AutoModelForCausalLM, path, dtype, attn_implementation, weights, key)
+    return prepare_policy(model, remove_padding, chunked_logprobs, fused_kernels, fused_logprob_head)
+
+
+def prepare_policy(model: torch.nn.Module, remove_padding: bool = False, chunked_logprobs: bool = True,
+                   fused_kernels: str = "none", fused_logprob_head: str = "none") -> torch.nn.Module:
+    """Make a causal LM callable for token log-probs (spmd_rl.train.actor.forward_logprobs): the
+    log-prob head, and with `remove_padding` the variable-length attention backend.
+    `fused_kernels`: the decoder layers' kernels (spmd_rl.model.fused_kernels: "none", "liger",
+    "compile"; applied here, before any fully_shard). `fused_logprob_head`: the head's chunk math
+    ("none", "compile"; spmd_rl.model.logprob_head)."""
+    set_layout(model, remove_padding)
+    set_fused_kernels(model, fused_kernels)
+    return logprob_head.install(model, chunked=chunked_logprobs, fused=fused_logprob_head)
+
+
+def set_fused_kernels(model: torch.nn.Module, mode: str) -> str:
+    """Switch the decoder layers' kernels (spmd_rl.model.fused_kernels.apply); returns the mode in effect
+    ("none" after a fallback, which logs one warning per process)."""
+    return fused_kernels.apply(model, mode)
+
+
+def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
+                     remove_padding: bool = False, key: str = "", weights: bool = True,
+                     fused_kernels: str = "none") -> torch.nn.Module:
+    """The critic: the causal LM's backbone with a scalar head per token, initialised to zero so
+    every rank starts from the same values (0) whatever the RNG. `key`, `weights`, `fused_kernels`:
+    as for load_causal_lm."""
+    model = _from_dir(AutoModelForTokenClassification, path, dtype, attn_implementation, weights, key,
+                      "the critic", new=("score.",), num_labels=1)
+    with torch.no_grad():
+        head = model.score
+        head.weight.zero_()
+        if getattr(head, "bias", None) is not None:
+            head.bias.zero_()
+    set_layout(model, remove_padding)
+    set_fused_kernels(model, fused_kernels)
+    return model
+
+
+def _from_dir(auto_cls, path: str, dtype: torch.dtype, attn_implementation: str, weights: bool, key: str = "",
+              what: str = "the model", new: tuple[str, ...] = (), **config_kw):
+    """`auto_cls.from_pretrained(path)`, every tensor from the files but the `new` ones, an error
+    about the files as one line naming `key` (spmd_rl.model.files); or (`weights` false) the same
+    model from the same config on the meta device, in eval() mode as from_pretrained returns it."""
+    with loading(path, key, what):
+        if not weights:
+            config = AutoConfig.from_pretrained(path, **config_kw)
+            with torch.device("meta"):
+                return auto_cls.from_config(config, dtype=dtype, attn_implementation=attn_implementation).eval()
+        model, info = auto_cls.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                               output_loading_info=True, **config_kw)
+    check_no_missing_weights(info, path, key, what, new)
+    return model
+
+
+def set_layout(model: torch.nn.Module, remove_padding: bool) -> None:
+    """Padded (sdpa) or packed (variable-length attention) input; every dropout zeroed."""
+    if remove_padding:  # the varlen backend runs padded batches exactly as sdpa does, too
+        model.set_attn_implementation(varlen_attention.register())
+    elif uses_packing(model):
+        model.set_attn_implementation("sdpa")
+    model.spmd_remove_padding = remove_padding
+    disable_dropout(model)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Zero every dropout: the PPO ratio compares log-probs of the same weights across passes, so
+    the forward must be deterministic. The models then train in train() mode (which transformers'
+    gradient checkpointing requires) with eval() numerics."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "dropout", "hidden_dropout", "activation_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def uses_packing(model: torch.nn.Module) -> bool:
+    """Whether `model` was loaded to take packed rows (model.remove_padding)."""
+    return bool(getattr(model, "spmd_remove_padding", False))
+
+
+decoder_layers = fused_kernels.decoder_layers
+
+
+def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, gradient_checkpointing: float = False,
+               forward_prefetch: bool = False) -> torch.nn.Module:
+    """fully_shard every decoder layer, then the root (embeddings, norm, head), over `mesh`: 1-D
+    (shard over all ranks) or 2-D (hybrid sharding, distributed.fsdp_mesh). Parameters move to
+    the mesh's device; grads are reduced in float32. `gradient_checkpointing`: the share of decoder
+    layers checkpointed (set_gradient_checkpointing; True: all). `forward_prefetch`: each layer also
+    starts the all-gather of the next one (FSDP2 already overlaps one layer ahead implicitly;
+    explicit prefetch issues it earlier, which helps when a layer's compute is short)."""
+    if gradient_checkpointing:
+        set_gradient_checkpointing(model, gradient_checkpointing)
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    layers = decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    if forward_prefetch:
+        for layer, nxt in zip(layers, layers[1:]):
+            layer.set_modules_to_forward_prefetch([nxt])
+    return model
+
+
+def set_gradient_checkpointing(model: torch.nn.Module, share: float) -> None:
+    """Checkpoint `share` of the decoder layers (True: all, False/0: none), spread evenly over the
+    stack (checkpointed_layers); the others keep their activations for backward.
+    transformers checkpoints a layer only in train() mode, and from_pretrained returns eval()
+    models: without train() the switch does nothing (it did nothing here before). Dropout is off
+    (disable_dropout), so train() changes no numbers."""
+    if not share:
+        model.gradient_checkpointing_disable()
+        return
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = decoder_layers(model)
+    chosen = set(checkpointed_layers(len(layers), float(share)))
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i in chosen  # transformers' GradientCheckpointingLayer switch
+    model.train()
+
+
+def checkpointed_layers(n_layers: int, share: float) -> list[int]:
+    """The indices of round(share * n_layers) of n_layers layers (at least one), evenly spaced."""
+    if not 0 < share <= 1:
+        raise ValueError(f"the share of checkpointed layers must be in (0, 1], not {share}")
+    k = max(1, round(share * n_layers))
+    return sorted({int((j + 0.5) * n_layers / k) for j in range(k)})
+
+
+def build_sharded(load: Callable[..., torch.nn.Module], mesh, compute_dtype: torch.dtype, from_checkpoint: bool,
+                  gradient_checkpointing: float = False, forward_prefetch: bool = False) -> torch.nn.Module:
+    """The FSDP2 model `load(weights=...)` gives (load_causal_lm / load_value_model with their other
+    arguments bound), wrapped as apply_fsdp does, without a full copy of the weights per rank:
+
+    - `from_checkpoint`: built on the meta device and sharded; no weights are read, the shards are
+      left for the checkpoint load (DCP) to fill.
+    - else rank 0 alone loads the full weights (`from_pretrained`, on CPU) and broadcasts them into
+      every rank's shards. One process needs no broadcast: it wraps its from_pretrained model.
+
+    Only rank 0 holds a full copy, and only on a fresh start: a 7B model in float32 is 28 GB of
+    host memory and disk reads once per job, not once per rank."""
+    if not from_checkpoint and mesh.size() == 1:  # size(): all of the mesh's ranks, 2-D meshes too
+        return apply_fsdp(load(weights=True), mesh, compute_dtype, gradient_checkpointing, forward_prefetch)
+    model = apply_fsdp(load(weights=False), mesh, compute_dtype, gradient_checkpointing, forward_prefetch)
+    allocate_meta_model(model, _mesh_device(mesh))
+    if not from_checkpoint:
+        full = load(weights=True).state_dict() if dist.get_rank() == 0 else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
+
+
+def allocate_meta_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Storage on `device` for a model built on the meta device (sharded or not). Parameters and
+    persistent buffers stay uninitialised: a load must fill them.
+
+    `to_empty` gives each module a new Parameter of its own when the model is not sharded (FSDP's
+    DTensors are swapped in place and keep their identity): tied embeddings are tied again, or
+    a load into one would leave the other garbage. Non-persistent buffers (rotary `inv_freq`) are
+    in no state dict, so they are computed here by transformers' own init, the way its
+    from_pretrained computes them after a meta-device build: every state-dict tensor is marked
+    initialised (transformers' init functions skip those), then `initialize_weights` runs."""
+    model.to_empty(device=device)
+    model.tie_weights()
+    for module in model.modules():
+        module._is_hf_initialized = False  # a module marked done would be skipped whole
+    for tensor in model.state_dict(keep_vars=True).values():
+        tensor._is_hf_initialized = True
+    model.initialize_weights()
+    return model
+
+
+def _mesh_device(mesh) -> torch.device:
+    """This rank's device of `mesh` (its current CUDA device on a GPU mesh)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Unique parameters (tied ones once), full (unsharded) sizes."""
+    return sum(p.numel() for p in model.parameters())

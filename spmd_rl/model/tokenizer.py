@@ -1,0 +1,102 @@
+"""Tokenizers: the built-in character tokenizer and loading of Hugging Face ones.
+
+The character tokenizer exists so the synthetic tasks run offline on a tiny random model
+(`model.arch = "tiny"`, vocab_size 64): one token per character, no files, and a chat template
+so chat-message prompts work exactly as with a real model.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from spmd_rl.model.files import ModelFilesError, check_tokenizer_dir, loading
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+
+# 64 ids in all (the tiny preset's vocab_size). Digits + both full alphabets + specials already
+# exceed 64, so only the capitals that start the synthetic word problems' sentences and names are
+# kept; every other character (including the remaining capitals) becomes <unk>.
+SPECIAL_TOKENS = (PAD, EOS, UNK)
+DIGITS = "0123456789"
+LOWERCASE = "abcdefghijklmnopqrstuvwxyz"
+UPPERCASE = "AHSTW"
+PUNCTUATION = " \n.,?!:;=+-*/#()'\"$%"
+CHARACTERS = DIGITS + LOWERCASE + UPPERCASE + PUNCTUATION
+MAX_VOCAB = 64
+
+# "=" marks where the assistant speaks: a successor prompt "384=" is the chat
+# [{"role": "user", "content": "384"}] rendered with add_generation_prompt. A tool message (multi-turn
+# rollouts) is its content, and the model goes on right after it, without "=": the tool's last
+# character is then the current token of the model's next prediction, which a tiny model can use
+# without learning attention first ("ab=?\n7" -> "7": the hidden-digit task, spmd_rl/envs/hidden_digit.py).
+CHAR_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}{{ '=' + message['content'] + '\n' }}"
+    "{%- elif message['role'] == 'system' -%}{{ message['content'] + '\n' }}"
+    "{%- else -%}{{ message['content'] }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt and messages[-1]['role'] != 'tool' -%}{{ '=' }}{%- endif -%}"
+)
+
+
+def char_vocab() -> dict[str, int]:
+    """Token -> id of the character tokenizer: <pad>=0, <eos>=1, <unk>=2, then the characters."""
+    tokens = list(SPECIAL_TOKENS) + list(CHARACTERS)
+    assert len(tokens) == len(set(tokens)) <= MAX_VOCAB, "character vocabulary must fit the tiny model"
+    return {tok: i for i, tok in enumerate(tokens)}
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """The character-level tokenizer (one id per character), built in memory."""
+    backend = Tokenizer(models.WordLevel(vocab=char_vocab(), unk_token=UNK))
+    # Every character, whitespace included, is its own pre-token, so WordLevel sees single chars.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    # Without a decoder tokenizers joins tokens with spaces; Fuse concatenates them as written.
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        chat_template=CHAR_CHAT_TEMPLATE,
+        # The default clean-up would turn "a ." into "a." and break the round trip.
+        clean_up_tokenization_spaces=False,
+        model_max_length=1_000_000,
+    )
+
+
+def load_tokenizer(spec: str, model_path: str):
+    """The tokenizer named by `model.tokenizer` ("char", "" = `model_path`, or a directory).
+
+    A tokenizer without a pad token gets its EOS token as pad (decoder-only models rarely define
+    one, and batching needs it).
+    """
+    if spec == "char":
+        return build_char_tokenizer()
+    source = spec or model_path
+    key = "model.tokenizer" if spec else "model.path"
+    check_tokenizer_dir(source, key)
+    with loading(source, key, "the tokenizer", tokenizer=True):
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelFilesError(f"the tokenizer in {source!r} has neither a pad nor an EOS token: "
+                                  "add one to its tokenizer_config.json")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def decode_response(tokenizer, ids: Iterable[int]) -> str:
+    """Text of generated ids, without special tokens and ids the tokenizer does not know.
+
+    A model's embedding table is often larger than the tokenizer (padded vocab, or a random model),
+    so sampled ids >= len(tokenizer) are possible; they carry no text and are dropped.
+    """
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    size = len(tokenizer)
+    known = [int(i) for i in ids if 0 <= int(i) < size]
+    return tokenizer.decode(known, skip_special_tokens=True)

@@ -1,0 +1,474 @@
+"""A vLLM engine colocated with the FSDP2 actor in the same torchrun process (GPU only).
+
+Every rank builds one `vllm.LLM` with `distributed_executor_backend="external_launcher"`: vLLM
+then runs its single worker in this process and joins the process group torchrun started.
+Tensor-parallel groups are `tensor_parallel_size` consecutive ranks (vLLM's own layout); each
+group is an independent replica. All ranks of a group must submit the same requests in the same
+order with the same RNG state, so `generate` gathers the group's prompts over a small gloo
+subgroup, generates all of them on every rank of the group and returns each rank its own slice.
+
+The engine starts asleep and follows the trainer's cycle (spmd_rl/rollout/base.py):
+
+    wake_up(["weights"]) -> load_weights(stream) -> wake_up(["kv_cache"]) -> generate -> sleep()
+
+with `torch.cuda.empty_cache()` right before waking and right after sleeping (PyTorch's cache must
+give memory back for vLLM's pool to take it, and the other way round), expandable segments off
+while awake and while it is built (spmd_rl/runtime/gpu_memory.py: vLLM's custom all-reduce cannot share
+CUDA-graph buffers from expandable segments) and the prefix cache reset after every weight load.
+
+Facts this module relies on (vLLM 0.26; checked on H100/H200, see tests/gpu/):
+- `load_format="dummy"`: start-up reads no checkpoint; the first `load_weights` gives the weights.
+- `sleep(level=2)` drops weights and KV cache; until the next `load_weights` the weights are
+  garbage, so `generate` refuses to run (sleep level 1 keeps a CPU copy instead). vLLM's check
+  that a sleep freed memory reads the whole device's free memory; spmd_rl/rollout/vllm/sleep.py
+  keeps a sleep that another process on the GPU made look like a leak.
+- `logprobs_mode="processed_logprobs"`: the returned log-prob of a sampled token is taken after
+  temperature (and after top-k/top-p, which renormalise over the kept tokens), i.e. what the actor
+  computes from logits / temperature when top_p = 1 and top_k = -1. Greedy requests get
+  log_softmax(logits) at temperature 1.
+- vLLM pads the embedding / lm_head rows to a multiple of 64 (Qwen2's 151936 / 152064 need none);
+  `load_weights` fills the real rows and the logits are cut back to the config's vocab_size, so
+  nothing is masked or padded in what we see: tokens past
+  the tokenizer's length but inside vocab_size (Qwen2.5: 151665..151935) can be sampled by both
+  engine and actor alike, as the config's vocab_size says.
+- Only the requests whose prompt asks for log-probs get them (SamplingParams.logprobs_every), in
+  flat lists and with the garbage collector paused during the call: their cost and the adapter
+  are in spmd_rl/rollout/vllm/outputs.py.
+- With `skip_tokenizer_init=True` vLLM does not know the EOS token, so the EOS ids of the model's
+  config.json / generation_config.json are added to every request's stop_token_ids.
+- vLLM 0.26 runs dense models on its "V2" model runner, which samples with a counter-based Gumbel
+  kernel seeded per request; requests without a seed draw one from numpy's global RNG. Every
+  request here gets an explicit seed from (rollout.seed + replica, the call's seed, its index), so
+  a call is reproducible, all ranks of a TP group agree and replicas differ.
+- A sleeping engine still holds ~1.5-2.7 GiB of buffers outside its sleep pool (measured: 0.5B
+  eager 2.1 GiB, 7B TP=2 eager 2.5 GiB, 1.5B with CUDA graphs 1.5 GiB), plus ~0.3 GiB loaded on
+  the first rollout; `close()` gives them back.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import json
+import logging
+import os
+import time
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.runtime.gpu_memory import engine_build_allocator, expandable_segments_requested, set_expandable_segments
+from spmd_rl.rollout.vllm import sleep as vllm_sleep
+from spmd_rl.rollout.base import Completion, SamplingParams
+from spmd_rl.rollout.vllm.model_inspection import in_process_inspection
+from spmd_rl.rollout.vllm.outputs import completion, logprob_request, paused_gc, supports_flat_logprobs
+
+log = logging.getLogger(__name__)
+
+TAGS = ("weights", "kv_cache")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def eos_token_ids(model_dir: str) -> list[int]:
+    """EOS ids named by the model directory's config.json and generation_config.json."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                value = json.load(f).get("eos_token_id")
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def step_capture_sizes(cfg, world_size: int) -> list[int]:
+    """The CUDA-graph batch sizes of rollout.cudagraph_step_sizes: 1, 2, 3, 4, 6, 8, 12, ... up to
+    the most sequences one engine replica (tensor_parallel_size ranks) gets in a generate call of
+    this run: training (data.train_batch_size / world_size prompts per rank, x rollout.n) or
+    validation (a rank's share of data.val_batch_size, x rollout.val_n), at most max_num_seqs."""
+    d, r = cfg.data, cfg.rollout
+    most = d.train_batch_size // world_size * r.tensor_parallel_size * r.n
+    if d.val_files:
+        most = max(most, -(-d.val_batch_size // world_size) * r.tensor_parallel_size * r.val_n)
+    cap = max(1, min(r.max_num_seqs, most))
+    sizes, k = {cap}, 1
+    while k < cap:
+        sizes.update((k, k + k // 2) if k > 1 else (k,))
+        k *= 2
+    return sorted(s for s in sizes if s <= cap)
+
+
+def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_mode: bool = True,
+                  world_size: int = 1, **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments of `vllm.LLM` for this config: the project's own, then the user's
+    `rollout.engine_kwargs` (config validation refused those that would replace one of ours), then
+    `overrides`. `dummy=False, sleep_mode=False` gives a plain engine that reads the checkpoint from
+    disk with otherwise identical settings (tests, bench). `world_size`: the run's ranks (the
+    batch sizes of rollout.cudagraph_step_sizes)."""
+    r, d = cfg.rollout, cfg.data
+    kw: dict[str, Any] = dict(
+        model=model_dir,
+        tensor_parallel_size=r.tensor_parallel_size,
+        distributed_executor_backend="external_launcher",
+        dtype=r.dtype,
+        seed=seed,
+        skip_tokenizer_init=True,
+        load_format="dummy" if dummy else "auto",
+        enable_sleep_mode=sleep_mode,
+        logprobs_mode="processed_logprobs",
+        max_model_len=r.max_model_len or (d.max_prompt_length + d.max_response_length),
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.max_num_batched_tokens,
+        enforce_eager=r.enforce_eager,
+        enable_prefix_caching=r.enable_prefix_caching,
+        enable_chunked_prefill=r.enable_chunked_prefill,
+        disable_custom_all_reduce=r.disable_custom_all_reduce,
+    )
+    if r.block_size:
+        kw["block_size"] = r.block_size
+    if r.cudagraph_capture_sizes:
+        kw["cudagraph_capture_sizes"] = list(r.cudagraph_capture_sizes)
+    elif r.cudagraph_step_sizes and not r.enforce_eager:
+        kw["cudagraph_capture_sizes"] = step_capture_sizes(cfg, world_size)
+    if not r.vllm_compile and not r.enforce_eager:  # CUDA graphs of the decode step, no Inductor
+        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    user = copy.deepcopy(r.engine_kwargs)  # a copy: vLLM may change the tables it is given
+    if isinstance(user.get("compilation_config"), dict) and "compilation_config" in kw:
+        user["compilation_config"] = {**kw["compilation_config"], **user["compilation_config"]}  # entries added
+    kw.update(user)
+    kw.update(overrides)
+    return kw
+
+
+def use_cache_root(path: str) -> str:
+    """Make vLLM keep its caches under `path` (VLLM_CACHE_ROOT; set before the engine is built,
+    unless the environment already names one). vLLM 0.26 puts its torch.compile artifacts in
+    VLLM_CACHE_ROOT/torch_compile_cache/<config hash>/rank_<r>_<dp>/ and points Inductor's and
+    Triton's caches inside them, so a restart with the same model and settings loads compiled
+    graphs instead of compiling. CUDA graphs are captured again at every start (vLLM keeps none
+    on disk). Returns the root in use."""
+    root = os.environ.setdefault("VLLM_CACHE_ROOT", os.path.abspath(path))
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+def inner_model(llm) -> torch.nn.Module:
+    """The nn.Module inside this process's vLLM worker (the one place that knows the path)."""
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+
+def shutdown_llm(llm) -> None:
+    """Free a (non-sleep-mode) engine's GPU memory in-process, keeping torch's default process
+    group alive. vLLM's own shutdown ends with `destroy_process_group()`, which would also take
+    down the trainer's group; here vLLM's groups are destroyed and the default one is left.
+    The caller must drop its own references to `llm` afterwards."""
+    from vllm.distributed import parallel_state as ps
+
+    original = ps.destroy_distributed_environment
+
+    def keep_default_group() -> None:
+        if ps._WORLD is not None:
+            ps._WORLD.destroy()
+        ps._WORLD = None
+        if hasattr(ps, "_NODE_COUNT"):
+            ps._NODE_COUNT = None
+
+    ps.destroy_distributed_environment = keep_default_group
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        ps.destroy_distributed_environment = original
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def to_vllm_sampling(sampling: SamplingParams, stop_token_ids: Iterable[int], asks_logprobs: bool = True,
+                     flat_logprobs: bool = False, **extra: Any):
+    """vLLM SamplingParams for our SamplingParams: token ids out, the sampled token's log-prob when
+    `asks_logprobs` (in flat lists when `flat_logprobs`: spmd_rl/rollout/vllm/outputs.py)."""
+    from vllm import SamplingParams as VSP
+
+    greedy = sampling.greedy
+    return VSP(
+        n=1 if greedy else sampling.n,  # vLLM refuses n > 1 for greedy; copies are made instead
+        temperature=0.0 if greedy else sampling.temperature,
+        top_p=1.0 if greedy else sampling.top_p,
+        top_k=0 if (greedy or sampling.top_k <= 0) else sampling.top_k,
+        max_tokens=sampling.max_new_tokens,
+        stop_token_ids=sorted(set(stop_token_ids) | set(sampling.stop_token_ids)),
+        detokenize=False,
+        **logprob_request(asks_logprobs, flat_logprobs),
+        **extra,
+    )
+
+
+def prompt_logprobs(llm, seqs: list[list[int]]) -> list[list[float]]:
+    """Teacher-forced log p(seq[t] | seq[:t]) for t >= 1 from a vllm.LLM (prompt_logprobs=0).
+    Every rank of a TP group must pass the same sequences."""
+    from vllm import SamplingParams as VSP
+
+    if not seqs:
+        return []
+    sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": list(s)} for s in seqs], sp, use_tqdm=False)
+    res = []
+    for s, o in zip(seqs, outs):
+        pl = o.prompt_logprobs
+        res.append([float(pl[t][tok].logprob) for t, tok in enumerate(s) if t >= 1])
+    return res
+
+
+def _mix_seed(*parts: int) -> int:
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0x100000001B3 & 0xFFFFFFFFFFFFFFFF
+    return h % (2**63 - 1)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class VLLMEngine:
+    """The colocated vLLM rollout engine (RolloutEngine protocol of spmd_rl/rollout/base.py).
+
+    `cfg` is the run's spmd_rl Config; `model_dir` a Hugging Face model directory (only its
+    config is read at start-up: weights come from `load_weights`). Must be built on every rank,
+    collectively, after the default process group exists (torchrun env: RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Only one such engine may exist per process.
+    """
+
+    def __init__(self, cfg, model_dir: str, rank: int, world_size: int, local_rank: int, local_world_size: int):
+        r = cfg.rollout
+        tp = r.tensor_parallel_size
+        if tp < 1 or local_world_size % tp or world_size % tp:
+            raise ValueError(
+                f"rollout.tensor_parallel_size = {tp} must divide the {local_world_size} GPUs per node "
+                f"(and the world size {world_size}): a tensor-parallel group is {tp} consecutive ranks of "
+                f"one node. Use a divisor of {local_world_size}.")
+        if not dist.is_initialized():
+            raise RuntimeError("VLLMEngine needs the default process group: call "
+                               "spmd_rl.runtime.distributed.init_distributed() first (under torchrun)")
+        if r.sleep_level not in (1, 2):
+            raise ValueError(f"rollout.sleep_level must be 1 or 2, got {r.sleep_level}")
+        self.cfg = cfg
+        self.model_dir = model_dir
+        self.rank, self.world_size = rank, world_size
+        self.local_rank, self.local_world_size = local_rank, local_world_size
+        self.tp = tp
+        self.replica = rank // tp
+        self.tp_rank = rank % tp
+        self.sleep_level = r.sleep_level
+        self.engine_seed = r.seed + self.replica
+        self.stop_ids = eos_token_ids(model_dir)
+        if not self.stop_ids:
+            log.warning("%s names no eos_token_id: responses end only at stop_token_ids or the length limit",
+                        model_dir)
+        if r.top_p < 1.0 or r.top_k > 0:
+            log.warning("rollout.top_p/top_k truncate the sampling distribution: vLLM's processed log-probs "
+                        "are then renormalised over the kept tokens, while the actor's are not")
+
+        # One gloo subgroup per TP group for gathering prompts (CPU objects), created on every rank
+        # in the same order, as torch.distributed.new_group requires.
+        self._group = None
+        if tp > 1:
+            for g in range(world_size // tp):
+                pg = dist.new_group(list(range(g * tp, (g + 1) * tp)), backend="gloo")
+                if g == self.replica:
+                    self._group = pg
+
+        # torchrun sets these; vLLM's external launcher reads them.
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
+        os.environ.setdefault("WORLD_SIZE", str(world_size))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+        self._expandable = expandable_segments_requested()
+        from vllm import LLM
+        from vllm import SamplingParams as VSP
+
+        # How requests that ask for log-probs get them (outputs.py): in flat lists (measured on
+        # 1xH100, 0.5B, 512 requests x 512 tokens, every request asking: 14.2 ms per decode step
+        # against 17-20 with vLLM's dicts, 10-13 without log-probs), with the garbage collector paused
+        # during generate (shared/notes/generation-cost.md: frozen + off 6.3-7.0 s against 9-10 s a
+        # call on an H200; one H100 run of freeze + off here was no faster, 21.9 ms: within the
+        # machine's spread). scripts/bench/bench_generation.py measures each.
+        self.flat_logprobs = supports_flat_logprobs(VSP)
+        self.pause_gc = True
+
+        t0 = time.perf_counter()
+        # CUDA graphs captured outside expandable segments (custom all-reduce); the model class
+        # inspected here, not in a new Python (model_inspection.py: 20-27 s of a start)
+        with engine_build_allocator(), in_process_inspection():
+            torch.cuda.empty_cache()
+            self.llm = LLM(**engine_kwargs(cfg, model_dir, self.engine_seed, world_size=world_size))
+        self.init_seconds = time.perf_counter() - t0
+        self._awake = set(TAGS)
+        self._weights_valid = False  # dummy weights until the first load_weights
+        self._prefix_cache_stale = False
+        self.sleep()
+        log.info("vLLM engine ready in %.1fs: replica %d, tp %d, sleep level %d, stop ids %s",
+                 self.init_seconds, self.replica, tp, self.sleep_level, self.stop_ids)
+
+    # ------------------------------------------------------------------ memory
+    def _expandable_off(self) -> None:
+        if self._expandable:
+            set_expandable_segments(False)
+
+    def _expandable_restore(self) -> None:
+        if self._expandable:
+            set_expandable_segments(True)
+
+    @property
+    def is_asleep(self) -> bool:
+        return not self._awake
+
+    def sleep(self) -> None:
+        """Give back vLLM's GPU memory (weights and KV cache; level 1 keeps a CPU copy of the
+        weights). No-op when already asleep."""
+        if not self._awake:
+            return
+        vllm_sleep.sleep(self.llm, self.sleep_level)  # survives vLLM's check on a shared GPU
+        self._awake.clear()
+        if self.sleep_level >= 2:
+            self._weights_valid = False
+        torch.cuda.empty_cache()
+        self._expandable_restore()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take memory back for `tags` ("weights", "kv_cache"; None = both, weights first).
+        Without a load_weights in between, a level-2 sleep leaves garbage weights (generate refuses)."""
+        tags = list(TAGS) if tags is None else list(tags)
+        unknown = set(tags) - set(TAGS)
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}: use 'weights' and/or 'kv_cache'")
+        todo = [t for t in TAGS if t in tags and t not in self._awake]
+        if not todo:
+            return
+        self._expandable_off()
+        torch.cuda.empty_cache()
+        for tag in todo:  # weights before kv_cache, one tag per call: the documented order
+            self.llm.wake_up(tags=[tag])
+            self._awake.add(tag)
+        if "kv_cache" in todo:
+            self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
+        self._prefix_cache_stale = False
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
+        """Copy full tensors named as in the HF model (any iterable; consumed once, lazily) into
+        the engine. Needs wake_up(["weights"]) first. The prefix cache is reset once the KV cache is
+        awake (blocks computed with old weights must not be reused). `strict`: the stream must
+        cover every engine parameter (pass False to load a part)."""
+        if "weights" not in self._awake:
+            raise RuntimeError("load_weights needs the weights awake: call wake_up(['weights']) first")
+        model = inner_model(self.llm)
+        loaded = model.load_weights(weights)
+        if strict and isinstance(loaded, set):
+            missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+            if missing:
+                raise RuntimeError(f"load_weights left {len(missing)} engine parameters unset, e.g. {missing[:5]}")
+        self._weights_valid = True
+        self._prefix_cache_stale = True
+        if "kv_cache" in self._awake:
+            self._reset_prefix_cache()
+
+    # ------------------------------------------------------------------ generation
+    def _check_ready(self) -> None:
+        if set(TAGS) - self._awake:
+            raise RuntimeError(f"engine is asleep ({sorted(set(TAGS) - self._awake)}): call wake_up first")
+        if not self._weights_valid:
+            raise RuntimeError("the engine holds no valid weights (dummy start-up weights, or a level-2 sleep "
+                               "discarded them): wake_up(['weights']) and load_weights before generating")
+        if self._prefix_cache_stale:
+            self._reset_prefix_cache()
+
+    def _gather(self, payload):
+        """Payloads of every rank of this TP group, in rank order ([payload] when tp == 1)."""
+        if self._group is None:
+            return [payload]
+        out = [None] * self.tp
+        dist.all_gather_object(out, payload, group=self._group)
+        return out
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: list[int] | None = None,
+                 asks_logprobs: list[bool] | None = None) -> list[list[Completion]]:
+        """`sampling.n` completions per prompt. Collective within the TP group: every rank calls it
+        (with its own, possibly empty, prompt list) and the same sampling settings.
+        `max_new_tokens`: a limit per prompt instead of sampling.max_new_tokens; `asks_logprobs`:
+        per prompt, whether it gets log-probs, instead of sampling.asks_logprobs (each rank's own)."""
+        self._check_ready()
+        limits, asks = sampling.per_prompt(len(prompts), max_new_tokens, asks_logprobs)
+        parts = self._gather(([list(map(int, p)) for p in prompts], _sampling_key(sampling), limits, asks))
+        for i, (_, key, _, _) in enumerate(parts):
+            if key[:-1] != parts[0][1][:-1]:
+                raise ValueError(f"ranks {self.replica * self.tp} and {self.replica * self.tp + i} of one "
+                                 f"tensor-parallel group passed different sampling settings: {parts[0][1]} vs {key}")
+        seed = parts[0][1][-1]  # the group's first rank decides the seed
+        all_prompts = [p for ps, _, _, _ in parts for p in ps]
+        all_limits = [k for _, _, ks, _ in parts for k in ks]
+        results: list[list[Completion]] = []
+        if all_prompts:
+            # An explicit seed per request, from (engine seed, call seed, position in the group's
+            # batch): the same on every rank of the group, different across replicas, and not drawn
+            # from numpy's global RNG (vLLM's default), which ranks of a group could consume
+            # differently. vLLM 0.26's V2 model runner (the default for dense models) turns it into
+            # a counter-based Gumbel seed per (request, position): no per-request cost; n > 1
+            # children get seed + index.
+            asks = [a for _, _, _, ask in parts for a in ask]
+            sps = [to_vllm_sampling(dataclasses.replace(sampling, max_new_tokens=limit), self.stop_ids, ask,
+                                    self.flat_logprobs, seed=_mix_seed(self.engine_seed, seed, j) % 2**62)
+                   for j, (limit, ask) in enumerate(zip(all_limits, asks))]
+            with paused_gc(self.pause_gc):
+                outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps, use_tqdm=False)
+                for o, ask in zip(outs, asks):
+                    comps = [completion(c, ask) for c in sorted(o.outputs, key=lambda c: c.index)]
+                    if sampling.greedy and sampling.n > 1:
+                        comps = [comps[0].copy() for _ in range(sampling.n)]
+                    results.append(comps)
+        start = sum(len(ps) for ps, _, _, _ in parts[: self.tp_rank])
+        return results[start : start + len(prompts)]
+
+    def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced log p(seq[t] | seq[:t]), t >= 1, for this rank's sequences (collective
+        within the TP group like generate). For checks of the synced weights."""
+        self._check_ready()
+        parts = self._gather([list(map(int, s)) for s in seqs])
+        all_seqs = [s for ps in parts for s in ps]
+        res = prompt_logprobs(self.llm, all_seqs)
+        start = sum(len(ps) for ps in parts[: self.tp_rank])
+        return res[start : start + len(seqs)]
+
+    def close(self) -> None:
+        """Shut the engine down in-process (its memory and vLLM's process groups; torch's default
+        group stays). Call before the process exits: a sleep-mode pool left to interpreter
+        finalisation can abort the process (pytorch/pytorch#145168)."""
+        if getattr(self, "llm", None) is not None:
+            # Map the pool back first: freeing an allocation that sleep unmapped would unmap it twice.
+            self.wake_up()
+            shutdown_llm(self.llm)
+            self.llm = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            self._expandable_restore()
+
+    def engine_parameter_bytes(self) -> int:
+        """Bytes of this rank's engine parameters (its TP shard, with vocab padding)."""
+        return sum(p.numel() * p.element_size() for p in inner_model(self.llm).parameters())
+
+
+def _sampling_key(s: SamplingParams) -> tuple:
+    return (s.n, s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(s.stop_token_ids), s.logprobs_every, s.seed)

@@ -1,0 +1,3 @@
+"""The process and its GPUs: torch.distributed and device meshes (distributed), sequence-parallel
+groups (sp_groups), device memory (gpu_memory), ordered teardown (lifecycle), signals and requeue
+(preemption), and one run per run_dir (run_lock)."""
