@@ -60,9 +60,9 @@ def save_into(root: str, threads: int, async_save: bool) -> BaseException | None
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_full_disk_makes_dcp_fail_with_the_zip_writers_unexpected_pos(small_filesystem, async_save):
-    """Issue 27's `RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598`
-    (a 1.5B save, 34 GB free) is a full disk: DCP's save of 12 MiB into a 4 MiB filesystem,
-    synchronous and asynchronous, fails with torch's zip writer's error, and the OSError behind it
+    """`RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598` (a 1.5B
+    save, 34 GB free) is a full disk: DCP's save of 12 MiB into a 4 MiB filesystem, synchronous
+    and asynchronous, fails with torch's zip writer's error, and the OSError behind it
     is ENOSPC (one writer thread: that thread's first failed write is always inside torch.save).
     (What the checkpointer makes of it: the tests below.)"""
     error = save_into(small_filesystem.mount(4 * MB), 1, async_save)
@@ -249,7 +249,8 @@ def test_the_start_up_line_offers_the_keep_last_that_fits():
 
 
 def test_the_qwen_1_5b_preset_on_a_disk_with_34_gb_free():
-    """configs/qwen1.5b-gsm8k.toml (fp32 masters + AdamW, keep_last 2) on issue 27's disk: what its
+    """configs/qwen1.5b-gsm8k.toml (fp32 masters + AdamW, keep_last 2) on the disk where that error
+    was seen (34 GB free): what its
     start-up line says, from its shape (meta device: nothing allocated). DCP writes the tied
     lm_head.weight as well as the embedding: 19.5 GB a save, not the 18.5 GB of 12 bytes a parameter."""
     from transformers import AutoModelForCausalLM, Qwen2Config

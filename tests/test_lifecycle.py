@@ -1,4 +1,4 @@
-"""Process lifecycle (issue 13/14): clean exits with their documented codes, the exit abort's
+"""Process lifecycle: clean exits with their documented codes, the exit abort's
 mechanism forced, ranks that die with their launcher, start-up phases that are logged."""
 
 import json
@@ -23,7 +23,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 # thread drop the last reference to a tensor with a Python object, which takes the GIL. A device
 # mesh keeps the process group alive past destroy_process_group(), as DTensor's caches do in a run.
 # Unowned, the group's threads then run on into interpreter teardown, where such a late GIL
-# request ends the thread inside a noexcept destructor: std::terminate, the SIGABRT of issue 13
+# request ends the thread inside a noexcept destructor: std::terminate, the SIGABRT at exit
 # (seen with gdb: ConcretePyInterpreterVTable::decref from ProcessGroupGloo::runLoop after each
 # collective). Owned, the teardown joins them before the process exits.
 TEARDOWN_WORKER = textwrap.dedent("""
@@ -80,7 +80,7 @@ def test_teardown_joins_the_process_group_threads_a_mesh_keeps_alive():
         assert "threads after teardown: []" in p.stdout, (rank, p.stdout)
 
 
-@pytest.mark.parametrize("mode,n", [("finish", 1), ("preempt", 1), ("config", 2)])  # N=200 by hand (issue 13)
+@pytest.mark.parametrize("mode,n", [("finish", 1), ("preempt", 1), ("config", 2)])  # N=200: scripts/probes/stress_exit.sh
 def test_stress_exit_each_mode_exits_with_its_documented_code(tmp_path, mode, n):
     """scripts/probes/stress_exit.sh: 0 finished, 3 (EXIT_PREEMPTED) on SIGTERM, 2 on a config error;
     every run, and no process left behind. (200 runs of a mode: run the script by hand.)"""

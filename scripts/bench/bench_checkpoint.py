@@ -1,10 +1,10 @@
-"""Benchmark of checkpoint stalls and restart costs (issue 14), on GPUs, under torchrun.
+"""Benchmark of checkpoint stalls and restart costs, on GPUs, under torchrun.
 
     torchrun --nproc-per-node=2 scripts/bench/bench_checkpoint.py --phase save --arch qwen2-7b --out OUT
     torchrun --nproc-per-node=2 scripts/bench/bench_checkpoint.py --phase engine --arch qwen2-7b --tp 2 --out OUT
 
 `scripts/bench/bench_checkpoint.sh OUT` runs both phases (engine twice: cold, then warm cache) and
-prints the table; see docs/performance.md.
+prints the table; see docs/performance.md, "Checkpoint stall and restart".
 
 --phase save: an FSDP2 actor of the preset shape (fp32 masters, bf16 compute, gradient
   checkpointing, AdamW states materialised by a first step; weights random, built on the meta

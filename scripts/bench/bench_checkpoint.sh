@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Checkpoint stalls and restart costs (issue 14) on 2 GPUs, in one go (~8 min for qwen2-7b on
-# 2xH200; docs/performance.md): scripts/bench/bench_checkpoint.py --phase save (sync vs async save
-# stall, step seconds with a save in flight, load), then --phase engine twice on one
-# VLLM_CACHE_ROOT (cold, then warm compile cache). Prints each phase's RESULT line and wall time.
+# Checkpoint stalls and restart costs on 2 GPUs, in one go (~8 min for qwen2-7b on 2xH200;
+# docs/performance.md, "Checkpoint stall and restart"): scripts/bench/bench_checkpoint.py --phase
+# save (sync vs async save stall, step seconds with a save in flight, load), then --phase engine
+# twice on one VLLM_CACHE_ROOT (cold, then warm compile cache). Prints each phase's RESULT line and
+# wall time.
 #
 #   bash scripts/bench/bench_checkpoint.sh [OUT_DIR] [ARCH] [CKPT_DIR]
 #   e.g. bash scripts/bench/bench_checkpoint.sh $OUT qwen2-7b /tmp/ckbench

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The scale run of configs/qwen7b.toml (docs/performance.md): a random-init Qwen2.5-7B-shaped model
-# (no hub on the GPU machines), synthetic arithmetic prompts, GRPO and PPO (critic on), each with
-# TP=2 x (GPUs/2) replicas and TP=1 x GPUs replicas; then the per-phase table of every run and the
-# 7B TP=2 weight-sync benchmark against its bytes-over-bandwidth floor.
+# The scale run of configs/qwen7b.toml (docs/performance.md, "Two and four GPUs"): a random-init
+# Qwen2.5-7B-shaped model (no hub on the GPU machines), synthetic arithmetic prompts, GRPO and PPO
+# (critic on), each with TP=2 x (GPUs/2) replicas and TP=1 x GPUs replicas; then the per-phase table
+# of every run and the 7B TP=2 weight-sync benchmark against its bytes-over-bandwidth floor.
 #
 #   bash scripts/bench/scale_run.sh [OUT_DIR] [GPUS] [STEPS] [EXTRA OVERRIDES...]
 #   e.g. bash scripts/bench/scale_run.sh $OUT 8 5

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 12's device proof: a 20-step GRPO run of the random Qwen2-0.5B shape on one GPU with
-# rollout correction (token TIS + token masking) and DAPO (dynamic sampling, overlong filtering and
-# reward shaping), pass@k validation at the end; prints the new metrics of every step.
+# Device proof of rollout correction and DAPO: a 20-step GRPO run of the random Qwen2-0.5B shape on
+# one GPU with rollout correction (token TIS + token masking) and DAPO (dynamic sampling, overlong
+# filtering and reward shaping), pass@k validation at the end; prints the new metrics of every step.
 #
 #   bash scripts/probes/dapo_tis_gpu.sh OUT_DIR [STEPS]        (one H100: ~6 min with the engine start)
 set -euo pipefail

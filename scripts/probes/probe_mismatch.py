@@ -1,5 +1,5 @@
-"""Where the rollout/actor log-prob mismatch of a random-weight shape comes from (issue 22: 0.052
-mean at the 7B shape with TP=2 against 0.008 at 0.5B).
+"""Where the rollout/actor log-prob mismatch of a random-weight shape comes from (0.052 mean at
+the 7B shape with TP=2 against 0.008 at 0.5B; docs/performance.md, "Two and four GPUs", 2026-11-23).
 
     torchrun --standalone --nproc-per-node=2 scripts/probes/probe_mismatch.py --arch qwen2-7b --out OUT
     torchrun --standalone --nproc-per-node=1 scripts/probes/probe_mismatch.py --arch qwen2-0.5b --out OUT

@@ -1,4 +1,4 @@
-"""Why the end-to-end 1.5B update runs slower than the same update alone (issue 28): the trainer's
+"""Why the end-to-end 1.5B update runs slower than the same update alone: the trainer's
 `ppo_update` on bench_train's FSDP2 actor, timed in modes that each add one thing the end-to-end
 step does and bench_train does not.
 
@@ -20,7 +20,8 @@ to sleep; the modes then run beside the sleeping engine. The same modes with and
 call, tell whether the engine's presence in the process is what slows the step's update.
 Prints each run and a summary (best, mean, MFU against the bf16 matmul peak measured here); writes
 OUT/probe_update_gap_<arch>[_engine].json. Measured 2026-11-25 (1xH100): all four 7.2-7.5 s at 39% MFU for
-243,200 tokens, against 8.5-9.0 s for the update inside bench_step's step (docs/performance.md).
+243,200 tokens, against 8.5-9.0 s for the update inside bench_step's step (docs/performance.md,
+"Update MFU").
 """
 
 from __future__ import annotations

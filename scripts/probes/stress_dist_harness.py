@@ -5,7 +5,7 @@ spawn harness) and count the runs that failed, aborts (SIGABRT at exit) among th
 
 The body is tests/test_update.py's distributed update (padded, full logits): the test that once
 died with "terminate called without an active exception" when the harness ended its ranks with a
-plain destroy_process_group() (issue 17)."""
+plain destroy_process_group()."""
 
 from __future__ import annotations
 

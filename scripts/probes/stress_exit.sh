@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the tiny CPU job N times back to back under torchrun (2 ranks) and count runs that did not
-# end with their documented exit status (issue 13: a finished run must never abort at shutdown).
+# end with their documented exit status (a finished run must never abort at shutdown).
 #
 #   scripts/probes/stress_exit.sh [--mode finish|preempt|config|all] [--keep] N
 #

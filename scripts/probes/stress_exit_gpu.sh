@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# GPU half of issue 13's proof: N back-to-back 1-step runs with the vLLM engine (random-weight
-# Qwen2-0.5B shape, char tokenizer, synthetic data; nothing to download). Each run must exit 0 and
-# leave no process and no GPU memory behind (nvidia-smi: no compute app, used memory back to the
-# level before the runs, within TOL_MIB).
+# GPU half of the clean-exit proof (scripts/probes/stress_exit.sh is the CPU half): N back-to-back
+# 1-step runs with the vLLM engine (random-weight Qwen2-0.5B shape, char tokenizer, synthetic data;
+# nothing to download). Each run must exit 0 and leave no process and no GPU memory behind
+# (nvidia-smi: no compute app, used memory back to the level before the runs, within TOL_MIB).
 #
 #   scripts/probes/stress_exit_gpu.sh [N=10] [NPROC=1] [extra key=value overrides...]
 #

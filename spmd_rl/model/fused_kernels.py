@@ -250,8 +250,9 @@ def _call_compiled_layer(forward, layer, *args, **kwargs):
     (skip_fsdp_guards), and so as symbols: head_dim became one, which every view and the rotary
     embedding's slices turned into floor-division guards. Reasoning about those was most of a
     compile (the 0.5B preset's restart with Inductor's cache warm: 16.7 s -> 2.3 s on an H100,
-    docs/performance.md). skip_fsdp_guards=False treats the layer's modules as plain ones (their
-    attributes guarded as usual). The ints the layer takes as arguments (the longest sequence,
+    2026-11-25; docs/performance.md, "Compile warm-up on a restart" and "History").
+    skip_fsdp_guards=False treats the layer's modules as plain ones (their attributes guarded as
+    usual). The ints the layer takes as arguments (the longest sequence,
     max_length_q) stay symbolic."""
     with torch.fx.experimental._config.patch(use_duck_shape=False), \
             torch._dynamo.config.patch(specialize_float=True, skip_fsdp_guards=False):

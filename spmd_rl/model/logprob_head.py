@@ -42,7 +42,8 @@ HEAD_MODES = ("none", "compile")
 # whatever the vocabulary: 1766 positions at Qwen2's 152k. Fewer, longer chunks make the head's
 # weight-gradient matmul (inner dimension: the chunk's positions) compute-bound and its float32
 # accumulation rarer: at 2**26 (441 positions) the 0.5B step's update spent 15% of its kernel
-# time adding each chunk's gradient into the float32 buffer (1xH100, docs/performance.md).
+# time adding each chunk's gradient into the float32 buffer (1xH100, 2026-11-25;
+# docs/performance.md, "Why the defaults are what they are").
 CHUNK_ELEMENTS = 1 << 28
 
 
@@ -197,7 +198,8 @@ def _stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
     """(lse, log p(target), entropy) of one chunk's logits: `_chunk_stats` + `_entropy`. The entropy
     is computed whether or not the caller keeps it: passes without it (the reference's, the old
     log-probs') then run the update's graph instead of compiling one of their own, which a restart
-    would trace again (docs/performance.md, session 15); the extra reduction over a chunk already
+    would trace again (docs/performance.md, "Why the defaults are what they are": fewer compiled
+    graphs, 2026-11-25); the extra reduction over a chunk already
     in cache costs far less than that."""
     z = _upcast(logits)
     if temperature != 1.0:

@@ -1,6 +1,6 @@
 """A rank's process lifecycle: it dies with its launcher, and it stops what it started, in order.
 
-Why the order matters (issue 13). A finished run used to abort now and then at exit with
+Why the order matters. A finished run used to abort now and then at exit with
 "terminate called without an active exception" (SIGABRT). The cause: gloo's worker threads
 (`pt_gloo_runloop`) release each collective's work object after the collective completed, and
 with it the last C++ reference to tensors that have a Python object; dropping that reference

@@ -1,4 +1,4 @@
-"""Training learns, through the colocated vLLM engine (issue 22): the GPU tests of real shapes use
+"""Training learns, through the colocated vLLM engine: the GPU tests of real shapes use
 random weights, whose reward is 0, so their GRPO advantages and gradients are 0 and would not
 notice an update that goes nowhere.
 

@@ -1,4 +1,4 @@
-"""Multi-turn learning through the colocated vLLM engine (issue 29, item 7): a small random-weight
+"""Multi-turn learning through the colocated vLLM engine: a small random-weight
 Qwen2 learns a task that needs the environment's answer, and earns well above what the same model
 earns with the environment off.
 

@@ -1,5 +1,5 @@
 """Every shipped GPU preset, as shipped, for 3 steps with a checkpoint, then a resume in a new
-process (issue 22: what we test is what users run). scripts/gpu_check.py runs each case on the
+process (what we test is what users run). scripts/gpu_check.py runs each case on the
 smallest machine it fits; tests/test_gpu_check_plan.py fails when a file in configs/ has no entry
 here (or in CPU_PRESETS), so no preset ships untested.
 

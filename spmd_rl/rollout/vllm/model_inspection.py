@@ -5,7 +5,8 @@ model class (is it multimodal, does it support pipeline parallelism, ...). Unles
 VLLM_CACHE_ROOT/modelinfos holds the answer for this class and this version of its source
 (vllm/model_executor/models/registry.py, `_LazyRegisteredModel.inspect_model_cls`), it asks a new
 Python process, `_run_in_subprocess`, which imports torch and vLLM from scratch: 20-27 s of every
-engine start with an empty cache (measured on 1xH100, docs/performance.md; the log shows it as the
+engine start with an empty cache (measured on 1xH100, 2026-11-25: docs/performance.md, "Why the
+defaults are what they are"; the log shows it as the
 gap between vLLM's "non-default args" and "Resolved architecture" lines). Our cache root is the
 run's (`rollout.compile_cache_dir`), so every new run paid it.
 
