@@ -21,6 +21,7 @@ from spmd_rl.errors import ConfigError
 from spmd_rl.rollout.base import Completion, RolloutEngine, SamplingParams
 from spmd_rl.rollout.multiturn.bridge import Bridge
 from spmd_rl.rollout.multiturn.environment import TOOL_METRICS, Environment, StepResult, ToolEnvironment
+from spmd_rl.rollout.multiturn.faults import FaultLog
 from spmd_rl.rollout.multiturn.loop import merge_trajectory_metrics, new_trajectories, run_lockstep, trajectory_metrics
 from spmd_rl.rollout.multiturn.parsers import PARSERS, CallError, ToolCall
 from spmd_rl.rollout.multiturn.tools import ToolRunner, load_tools
@@ -64,7 +65,8 @@ class MultiTurnRollout:
             tools = load_tools(r.tools)
             self.runner = ToolRunner(tools, r.tool_timeout, r.tool_pool_size)
             parser = load_parser(r.tool_parser)
-            self.make_env = lambda: ToolEnvironment(self.runner, parser)
+            faults = FaultLog()  # tools' faults are logged once per kind
+            self.make_env = lambda: ToolEnvironment(self.runner, parser, faults)
             self.schemas = [t.schema for t in tools]
             self.count_keys = TOOL_METRICS
             self.step_timeout = None  # each call has its own timeout inside the step

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from spmd_rl.rollout.multiturn.faults import FaultLog
 from spmd_rl.rollout.multiturn.parsers import CallError, ToolCallParser
 from spmd_rl.rollout.multiturn.tools import ToolResult, ToolRunner
 
@@ -45,18 +46,19 @@ class Environment(Protocol):
         """React to the model's turn (an assistant message)."""
 
 
-TOOL_METRICS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_seconds")
+TOOL_METRICS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_not_started", "tool_seconds")
 
 
 class ToolEnvironment:
     """The model calls tools: each turn's calls run (in parallel, each with its timeout) and their
     answers come back as tool messages; a turn without calls is the final answer."""
 
-    def __init__(self, runner: ToolRunner, parser: ToolCallParser):
-        self.runner, self.parser = runner, parser
+    def __init__(self, runner: ToolRunner, parser: ToolCallParser, faults: FaultLog):
+        self.runner, self.parser, self.faults = runner, parser, faults
+        self.row: int | None = None
 
     def reset(self, row: dict[str, Any]) -> None:
-        pass
+        self.row = row.get("index")
 
     def step(self, message: dict[str, Any]) -> StepResult:
         calls = self.parser.parse(message["content"])
@@ -65,7 +67,11 @@ class ToolEnvironment:
         waits = [(lambda c=c: ToolResult(f"error: {c.message}", error=True)) if isinstance(c, CallError)
                  else self.runner.submit(c.name, c.arguments) for c in calls]
         results = [wait() for wait in waits]
+        for r in results:
+            if r.fault:  # the tool's own fault, not the model's (an unknown tool, a malformed call)
+                self.faults.report(r.fault, f"tool {r.source}", self.row, r.text.removeprefix("error: "))
         metrics = {"tool_calls": float(len(results)), "tool_errors": float(sum(r.error for r in results)),
-                   "tool_timeouts": float(sum(r.timeout for r in results)),
+                   "tool_timeouts": float(sum(r.fault == "tool_timeouts" for r in results)),
+                   "tool_not_started": float(sum(r.fault == "tool_not_started" for r in results)),
                    "tool_seconds": sum(r.seconds for r in results)}
         return StepResult([{"role": "tool", "content": r.text} for r in results], done=False, metrics=metrics)

@@ -1,0 +1,94 @@
+"""Misbehaving user code stays contained (issue 42, part 3): tools and environments that hang, raise,
+return bad values or write special-token text cost their own trajectory, never the run; each fault
+is counted in a multiturn/* metric and logged once. Hung code waits on an Event that each test sets
+at its end, so nothing hangs for more than a few seconds; timings are bounds with wide margins."""
+
+import logging
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import multiturn_tools
+from dist_utils import run_distributed
+from test_multiturn import IM_END, IM_START, Record, ScriptedEngine, call, chatml_tokenizer, rollout_cfg, tools_cfg
+
+from spmd_rl.data.prompts import PromptDataset, PromptRecord
+from spmd_rl.rollout.base import Completion, SamplingParams
+from spmd_rl.rollout.multiturn import MultiTurnRollout
+from spmd_rl.rollout.multiturn.bridge import Bridge
+from spmd_rl.rollout.multiturn.tools import ToolRunner, load_tools
+
+
+class SameTurnEngine:
+    """Every prompt gets the same turn (ending on the end-of-turn token: "stop")."""
+
+    def __init__(self, turn):
+        self.turn = list(turn)
+
+    def generate(self, prompts, sampling, max_new_tokens=None, asks_logprobs=None):
+        return [[Completion(self.turn, [0.0] * len(self.turn), "stop")] for _ in prompts]
+
+
+@pytest.fixture
+def gate():
+    """A fresh gate for the hung tools and environments, opened when the test ends."""
+    multiturn_tools.GATE = threading.Event()
+    multiturn_tools.RAN.clear()
+    multiturn_tools.ROWS.clear()
+    yield multiturn_tools.GATE
+    multiturn_tools.GATE.set()
+
+
+def env_run(modes, n=1, **cfg):
+    """One generate over FaultyEnv rows (row i: index 10 + i, extra_info mode = modes[i])."""
+    tok = chatml_tokenizer()
+    eos = tok.convert_tokens_to_ids(IM_END)
+    mt = MultiTurnRollout(rollout_cfg(environment="multiturn_tools:FaultyEnv", max_turns=3, **cfg), tok)
+    engine = SameTurnEngine(tok.encode("hm", add_special_tokens=False) + [eos])
+    records = [Record(tok.encode(f"p{i}", add_special_tokens=False), extra_info={"mode": m}, index=10 + i)
+               for i, m in enumerate(modes)]
+    comps, metrics = mt.generate(engine, records, SamplingParams(n=n), budget=300)
+    mt.close()
+    return [c for cs in comps for c in cs], metrics
+
+
+def fault_logs(caplog, *words):
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+            and all(w in r.getMessage() for w in words)]
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def test_a_call_queued_behind_hung_calls_is_told_it_did_not_start_and_never_runs(gate):
+    """One tool thread, held by a hung call: the call queued behind it is not reported as timed
+    out, never runs once the thread frees up, and is counted."""
+    tok = chatml_tokenizer()
+    eos = tok.convert_tokens_to_ids(IM_END)
+    mt = MultiTurnRollout(tools_cfg("hang", "record", max_turns=2, tool_timeout=0.3, tool_pool_size=1), tok)
+    prompt = tok.encode("q", add_special_tokens=False)
+    turns = [tok.encode(text, add_special_tokens=False) + [eos] for text in (call("hang", x=1) + call("record", x=2),
+                                                                              "done")]
+    (comps,), m = mt.generate(ScriptedEngine([(prompt, turns)], eos), [Record(prompt)], SamplingParams(n=1),
+                              budget=2000)
+    seen = tok.decode(comps[0].token_ids)
+    assert "tool 'hang' timed out after 0.3 s" in seen
+    assert "tool 'record' was not started: after 0.3 s, 1 earlier calls were still running" in seen, seen
+    assert m["multiturn/tool_not_started_mean"] == 1 and m["multiturn/tool_timeouts_mean"] == 1
+    gate.set()
+    mt.runner.pool.shutdown(wait=True)  # the hung call returns; a queued call would run now
+    assert multiturn_tools.RAN == []
+
+
+def test_a_tools_timeout_counts_from_when_it_starts():
+    """One tool thread, two calls of 0.6 s with a 1 s timeout: the second starts when the first
+    ends and finishes 1.2 s after it was asked for, within its own second."""
+    runner = ToolRunner(load_tools([{"function": "multiturn_tools:pause"}]), timeout=1.0, pool_size=1)
+    waits = [runner.submit("pause", {"x": i}) for i in range(2)]
+    results = [w() for w in waits]
+    runner.close()
+    assert [r.text for r in results] == ["paused", "paused"], [r.text for r in results]
