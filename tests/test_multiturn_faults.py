@@ -94,6 +94,18 @@ def test_a_tools_timeout_counts_from_when_it_starts():
     assert [r.text for r in results] == ["paused", "paused"], [r.text for r in results]
 
 
+# --------------------------------------------------------------------------- the row reset gets
+
+
+def test_prompt_records_carry_the_prompt_as_the_file_has_it(tmp_path):
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    path = str(tmp_path / "d.parquet")
+    for prompts in (["what is 2+2?"], [chat]):
+        pq.write_table(pa.table({"prompt": prompts, "data_source": ["x"], "ground_truth": ["4"]}), path)
+        (rec,) = PromptDataset([path], chatml_tokenizer(), 1000, apply_chat_template=True).records
+        assert rec.prompt == prompts[0]
+
+
 # --------------------------------------------------------------------------- special-token text is text
 
 
