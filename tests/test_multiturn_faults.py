@@ -94,7 +94,60 @@ def test_a_tools_timeout_counts_from_when_it_starts():
     assert [r.text for r in results] == ["paused", "paused"], [r.text for r in results]
 
 
+# --------------------------------------------------------------------------- environment steps
+
+
+def test_a_turns_steps_share_one_deadline_and_a_late_step_keeps_no_reward(gate, caplog):
+    """Four hung steps and one that ends after the deadline (0.9 s > 0.5 s): the turn takes one
+    timeout, not one per hung step (4 x 0.5 = 2 s), and the late step's reward is dropped."""
+    t0 = time.perf_counter()
+    comps, m = env_run(["hang"] * 4 + ["slow", "ok"], tool_timeout=0.5)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 1.6, elapsed  # one deadline: ~0.5 s; a deadline per wait: >= 2 s
+    assert [c.reward for c in comps] == [None] * 5 + [1.0]
+    assert m["multiturn/stop_env_timeout"] == pytest.approx(5 / 6) and m["multiturn/stop_answer"] == pytest.approx(1 / 6)
+    assert m["multiturn/step_timeouts_mean"] == pytest.approx(5 / 6)
+    logs = fault_logs(caplog, "step_timeouts")
+    assert len(logs) == 1 and "multiturn_tools:FaultyEnv" in logs[0] and "data row 10" in logs[0], logs
+
+
+def test_a_reset_that_raises_ends_its_own_trajectory_logged_once(caplog):
+    comps, m = env_run(["reset_raise", "ok", "reset_raise"])
+    assert [c.reward for c in comps] == [None, 1.0, None]
+    assert m["multiturn/stop_env_error"] == pytest.approx(2 / 3) and m["multiturn/reset_errors_mean"] == pytest.approx(2 / 3)
+    logs = fault_logs(caplog, "reset_errors")
+    assert len(logs) == 1, logs
+    assert "multiturn_tools:FaultyEnv" in logs[0] and "RuntimeError: no episode" in logs[0] and "data row 10" in logs[0]
+
+
+def test_a_step_that_raises_is_counted_and_logged_once(caplog):
+    comps, m = env_run(["raise", "raise", "ok", "raise"])
+    assert [c.reward for c in comps] == [None, None, 1.0, None]
+    assert m["multiturn/step_errors_mean"] == 0.75 and m["multiturn/stop_env_error"] == 0.75
+    logs = fault_logs(caplog, "step_errors")
+    assert len(logs) == 1, logs
+    assert "multiturn_tools:FaultyEnv" in logs[0] and "KeyError: 'lost'" in logs[0] and "data row 10" in logs[0]
+
+
 # --------------------------------------------------------------------------- the row reset gets
+
+
+def test_reset_gets_the_prompt_and_a_row_of_its_own_per_sample():
+    tok = chatml_tokenizer()
+    eos = tok.convert_tokens_to_ids(IM_END)
+    mt = MultiTurnRollout(rollout_cfg(environment="multiturn_tools:FaultyEnv", max_turns=2), tok)
+    chat = [{"role": "user", "content": "hi"}]
+    rec = PromptRecord(4, tok.encode("hi", add_special_tokens=False), "test", "7", {"mode": "ok"}, prompt=chat)
+    multiturn_tools.ROWS.clear()
+    mt.generate(SameTurnEngine(tok.encode("x", add_special_tokens=False) + [eos]), [rec], SamplingParams(n=2),
+                budget=100)
+    a, b = multiturn_tools.ROWS
+    for sample, row in enumerate((a, b)):
+        assert row["prompt"] == chat and row["ground_truth"] == "7" and row["extra_info"] == {"mode": "ok"}
+        assert row["index"] == 4 and row["sample"] == sample
+    a["extra_info"]["mode"] = "changed"
+    a["prompt"][0]["content"] = "changed"
+    assert b["extra_info"]["mode"] == "ok" and b["prompt"] == chat and rec.extra_info == {"mode": "ok"}
 
 
 def test_prompt_records_carry_the_prompt_as_the_file_has_it(tmp_path):
