@@ -129,6 +129,41 @@ def test_a_step_that_raises_is_counted_and_logged_once(caplog):
     assert "multiturn_tools:FaultyEnv" in logs[0] and "KeyError: 'lost'" in logs[0] and "data row 10" in logs[0]
 
 
+@pytest.mark.parametrize("mode, field", [
+    ("dict", "a dict ({'messages': [], 'done': True}), not a StepResult"),
+    ("nan", "StepResult.reward = nan, not a finite number"),
+    ("str_reward", "StepResult.reward = '1', not a finite number"),
+    ("bad_message", "StepResult.messages[0] = {'role': 'user', 'content': 5}: a chat message is a dict"),
+    ("parts", "StepResult.messages[0] = {'role': 'user', 'content': [{'type'"),
+])
+def test_bad_step_values_are_refused_naming_the_environment_and_the_field(mode, field, caplog):
+    comps, m = env_run([mode, "ok"])
+    assert [c.reward for c in comps] == [None, 1.0]  # no NaN or string reaches the loss
+    assert m["multiturn/stop_env_error"] == 0.5 and m["multiturn/bad_values_mean"] == 0.5
+    logs = fault_logs(caplog, "bad_values")
+    assert len(logs) == 1 and f"multiturn_tools:FaultyEnv.step returned {field}" in logs[0] and "data row 10" in logs[0], logs
+
+
+def test_an_environments_metrics_are_logged_as_means_and_bad_ones_counted(caplog):
+    comps, m = env_run(["metrics", "ok"])
+    assert [c.reward for c in comps] == [1.0, 1.0]  # a bad metric is dropped; the trajectory goes on
+    assert m["multiturn/guesses_mean"] == 1.0  # 2 in one of two trajectories
+    assert m["multiturn/bad_values_mean"] == 1.0 and "multiturn/label_mean" not in m and "multiturn/nan_mean" not in m
+    assert len(fault_logs(caplog, "bad_values", "StepResult.metrics[")) == 1
+
+
+def _metric_keys_body(rank, world):
+    from spmd_rl.runtime.distributed import all_reduce_mean
+
+    _, m = env_run(["metrics" if rank == 1 else "ok"] * 2)
+    reduced = all_reduce_mean(m, torch.device("cpu"))  # needs the same keys on every rank
+    assert reduced["multiturn/guesses_mean"] == 1.0 and m["multiturn/guesses_mean"] == (2.0 if rank else 0.0)
+
+
+def test_an_environments_metric_one_rank_lacks_is_zero_there():
+    run_distributed(_metric_keys_body, 2)
+
+
 # --------------------------------------------------------------------------- the row reset gets
 
 
@@ -188,3 +223,15 @@ def test_special_token_text_is_plain_text_with_the_char_tokenizer():
     ids = Bridge(tok, None, 0).tokens([{"role": "tool", "content": "a<eos>b<pad>"}], tok.eos_token_id)
     assert tok.eos_token_id not in ids and tok.pad_token_id not in ids
     assert tok.decode(ids) == tok.decode(tok.encode("\na", add_special_tokens=False)) + "<unk>eos<unk>b<unk>pad<unk>"
+
+
+def test_special_token_text_in_an_environments_message_is_counted_and_logged_once(caplog):
+    comps, m = env_run(["special", "special"])
+    tok = chatml_tokenizer()
+    end = tok.convert_tokens_to_ids(IM_END)
+    for c in comps:
+        bridge = [t for t, mask in zip(c.token_ids, c.mask) if not mask]
+        assert bridge.count(end) == 1 and c.reward == 1.0  # the template's end of the user turn only
+    assert m["multiturn/special_text_mean"] == 4  # two texts of two tokens in each trajectory
+    logs = fault_logs(caplog, "special_text")
+    assert len(logs) == 1 and "'<|im_end|>'" in logs[0], logs

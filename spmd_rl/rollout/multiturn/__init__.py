@@ -25,6 +25,7 @@ from spmd_rl.rollout.multiturn.loop import (Setting, merge_trajectory_metrics, n
                                             trajectory_metrics)
 from spmd_rl.rollout.multiturn.parsers import PARSERS, CallError, ToolCall
 from spmd_rl.rollout.multiturn.tools import ToolRunner, load_tools
+from spmd_rl.runtime.distributed import all_gather_union
 from spmd_rl.user_import import import_object
 
 __all__ = ["MultiTurnRollout", "merge_trajectory_metrics", "StepResult", "Environment", "ToolCall", "CallError", "check_config"]
@@ -80,13 +81,15 @@ class MultiTurnRollout:
     def generate(self, engine: RolloutEngine, records: list, sampling: SamplingParams,
                  budget: int) -> tuple[list[list[Completion]], dict[str, float]]:
         """`sampling.n` trajectories per record (spmd_rl.data.prompts.PromptRecord), each within `budget`
-        response tokens; and their metrics (per-rank means). Collective: every rank calls it."""
+        response tokens; and their metrics (per-rank means; the same keys on every rank).
+        Collective: every rank calls it."""
         trajectories = new_trajectories(records, sampling)
         run_lockstep(engine, trajectories, sampling, budget, self.setting)
         completions = [t.completion() for t in trajectories]
         n = sampling.n
+        env_keys = all_gather_union({k for t in trajectories for k in t.counts} - set(self.count_keys))
         return ([completions[i * n:(i + 1) * n] for i in range(len(records))],
-                trajectory_metrics(trajectories, self.count_keys))
+                trajectory_metrics(trajectories, self.count_keys + tuple(env_keys)))
 
     def close(self) -> None:
         self.setting.pool.shutdown(wait=False, cancel_futures=True)

@@ -11,7 +11,7 @@ the bridges), so each turn may generate what is left of it; a bridge that leaves
 more model token ends the trajectory ("bridge_overflow"); rollout.max_turns caps the model's turns.
 The environment steps of a turn run in parallel in a thread pool under one deadline
 (rollout.tool_timeout for all of them, however many hang): a step that raises, is still running at
-the deadline ends its trajectory ("env_error" / "env_timeout"), and so does
+the deadline or returns a bad value ends its trajectory ("env_error" / "env_timeout"), and so does
 an environment whose construction or reset failed, after the model's first turn. Each such fault
 is counted and its first occurrence logged (faults.py).
 """
@@ -26,9 +26,9 @@ from typing import Any, Callable
 
 from spmd_rl.runtime.distributed import all_reduce_max_int
 from spmd_rl.rollout.base import Completion, RolloutEngine, SamplingParams
-from spmd_rl.rollout.multiturn.bridge import Bridge
+from spmd_rl.rollout.multiturn.bridge import Bridge, TemplateError
 from spmd_rl.rollout.multiturn.deadline import Outcome, call_all
-from spmd_rl.rollout.multiturn.environment import Environment, StepResult
+from spmd_rl.rollout.multiturn.environment import BadStepResult, Environment, check_step_result
 from spmd_rl.rollout.multiturn.faults import FaultLog
 from spmd_rl.model.tokenizer import decode_response
 
@@ -156,9 +156,9 @@ def _after_step(t: Trajectory, outcome: Outcome, budget: int, setting: Setting) 
     if result is None:
         return
     for k, v in result.metrics.items():
-        t.counts[k] = t.counts.get(k, 0.0) + float(v)
+        t.counts[k] = t.counts.get(k, 0.0) + v
     if result.reward is not None:
-        t.reward = float(result.reward)
+        t.reward = result.reward
     if result.done:
         t.stop = "answer"
     elif t.turns >= setting.max_turns:
@@ -167,9 +167,9 @@ def _after_step(t: Trajectory, outcome: Outcome, budget: int, setting: Setting) 
         _add_messages(t, result.messages, budget, setting)
 
 
-def _checked_result(t: Trajectory, outcome: Outcome, setting: Setting) -> StepResult | None:
-    """The step's StepResult; None (the trajectory ended, the fault counted) where the step raised
-    or ran past the turn's deadline."""
+def _checked_result(t: Trajectory, outcome: Outcome, setting: Setting):
+    """The step's StepResult, checked; None (the trajectory ended, the fault counted) where the step
+    raised, ran past the turn's deadline or returned a bad value."""
     if outcome.late:
         t.stop = "env_timeout"
         how = "was still running" if outcome.started else "had not started (earlier steps held the pool's threads)"
@@ -180,12 +180,31 @@ def _checked_result(t: Trajectory, outcome: Outcome, setting: Setting) -> StepRe
         t.stop = "env_error"
         _fault(t, setting, "step_errors", f"step raised {_describe(outcome.error)}")
         return None
-    return outcome.value
+    try:
+        result, dropped = check_step_result(outcome.value, setting.env_name)
+    except BadStepResult as e:
+        t.stop = "env_error"
+        _fault(t, setting, "bad_values", str(e))
+        return None
+    for problem in dropped:
+        _fault(t, setting, "bad_values", problem)
+    return result
 
 
 def _add_messages(t: Trajectory, messages: list[dict[str, Any]], budget: int, setting: Setting) -> None:
     """The bridge of the step's messages, where the budget leaves room for a model token after it."""
-    ids = setting.bridge.tokens(messages, t.tokens[-1] if t.tokens else None)
+    special = setting.bridge.special_text(messages)
+    if special:
+        _fault(t, setting, "special_text", f"the step's messages hold special-token text {special[0]!r}",
+               len(special))
+    try:
+        ids = setting.bridge.tokens(messages, t.tokens[-1] if t.tokens else None)
+    except TemplateError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the chat template refused the messages (a role it does not know, ...)
+        t.stop = "env_error"
+        _fault(t, setting, "bad_values", f"the chat template cannot render the step's messages: {_describe(e)}")
+        return
     if len(t.tokens) + len(ids) + 1 > budget:  # no room left for a model token after it
         t.stop = "bridge_overflow"
     else:
