@@ -444,9 +444,10 @@ def _dynamic_sampling_body(rank, world, base):
 
     from spmd_rl.trainer import PhaseTimer
 
-    rounds = []
+    rounds, keys = [], set()
     original = mt.trajectory_metrics
-    mt.trajectory_metrics = lambda trajectories, keys: rounds.append(list(trajectories)) or original(trajectories, keys)
+    mt.trajectory_metrics = lambda trajectories, ks: rounds.append(list(trajectories)) or keys.update(ks) or \
+        original(trajectories, ks)
     ds.is_informative = lambda scores, rows: False  # every group uniform: all max_rounds rounds are drawn
     trainer = _trainer(f"{base}/run", f"{base}/data", [*HIDDEN, "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size_per_gpu=4",
                                                        "algorithm.dynamic_sampling=true",
@@ -457,10 +458,10 @@ def _dynamic_sampling_body(rank, world, base):
     finally:
         trainer.close()
     assert sampled["dynamic_sampling/rounds"] == 3 and len(rounds) == 3
-    want = original([t for r in rounds for t in r], ())
+    want = original([t for r in rounds for t in r], tuple(keys))
     got = {k: v for k, v in timer.metrics.items() if k.startswith("multiturn/")}
     assert got == pytest.approx(want) and got["multiturn/trajectories"] == 48, (got, want)
-    last = original(rounds[-1], ())
+    last = original(rounds[-1], tuple(keys))
     assert any(last[k] != pytest.approx(want[k]) for k in want if k != "multiturn/trajectories"), \
         "the rounds' trajectories are alike: this test could not tell the last round from all"
 

@@ -150,12 +150,15 @@ class RolloutConfig:
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, several per turn, none inside
     `<think>`), or "package.module:Class" with `parse(text) -> list[ToolCall | CallError]`."""
     tool_timeout: float = 10.0
-    """Multi-turn: seconds a tool call (or an environment step) may take; past it the model is told
-    the call timed out (an environment's trajectory ends)."""
+    """Multi-turn: seconds a tool call may take from its start, past which the model is told it timed
+    out (a call still waiting for a pool thread after this long never runs, and the model is told
+    so); and seconds for all of a turn's environment steps together (and for the resets), past
+    which the steps still running end their trajectories."""
     max_tool_response_tokens: int = 256
     """Multi-turn: each tool or environment message is cut to this many tokens (0 = no limit)."""
     tool_pool_size: int = 32
-    """Multi-turn: threads that run tool calls and environment steps in parallel, per rank."""
+    """Multi-turn: threads that run tool calls and environment steps in parallel, per rank (a call or
+    step past its timeout cannot be stopped and holds its thread until it returns)."""
 
     @property
     def multi_turn(self) -> bool:

@@ -37,6 +37,9 @@ class PromptRecord:
     data_source: str
     ground_truth: str
     extra_info: dict = field(default_factory=dict)
+    prompt: str | list[dict] | None = None
+    """The prompt as the data file has it: text, or chat messages (without the null fields Arrow
+    adds); what a multi-turn environment's `reset` gets."""
 
 
 # --------------------------------------------------------------------------- reading
@@ -194,14 +197,16 @@ class PromptDataset:
         index = 0
         for path in self.files:
             for row, r in enumerate(read_rows(path)):
-                ids = tokenize_prompt(tokenizer, r["prompt"], apply_chat_template, tools)
+                prompt = r["prompt"] if isinstance(r["prompt"], str) else _clean_messages(r["prompt"])
+                ids = tokenize_prompt(tokenizer, prompt, apply_chat_template, tools)
                 if not ids:
                     raise DataError(f"data file {path!r}: the prompt of row {row} is empty; remove that row")
                 if len(ids) > max_prompt_length:
                     self.num_dropped += 1
                     longest_dropped = max(longest_dropped, len(ids))
                 else:
-                    self.records.append(PromptRecord(index, ids, r["data_source"], r["ground_truth"], r["extra_info"]))
+                    self.records.append(PromptRecord(index, ids, r["data_source"], r["ground_truth"], r["extra_info"],
+                                                     prompt))
                 index += 1
         if not self.records:
             raise DataError(f"all {index} prompts in {self.files} are longer than data.max_prompt_length = "

@@ -164,3 +164,13 @@ def all_reduce_sum(t: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.T
 def all_reduce_max_int(value: int) -> int:
     """The largest of every rank's `value` (1 process: the value itself)."""
     return int(all_reduce_sum(torch.tensor([value], dtype=torch.int64), op=dist.ReduceOp.MAX)[0])
+
+
+def all_gather_union(names: set[str]) -> list[str]:
+    """Every rank's `names` together, sorted (1 process: its own): metrics that some ranks lack
+    still need a value on every rank for all_reduce_mean."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return sorted(names)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(names))
+    return sorted(set().union(*gathered))

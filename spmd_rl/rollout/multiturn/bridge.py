@@ -12,10 +12,18 @@ A template that rewrites earlier turns when messages are added (Qwen3 drops `<th
 earlier assistant turns) breaks this: the rendering with the new messages no longer starts with
 the rendering without them. It is refused with a clear error; use a template that keeps history
 (TRL ships such "training" templates for Qwen3).
+
+Tool and environment text is text: a special or added token's text inside a message's content
+(`<|im_end|>`, `</tool_response>` in a tool's answer) is tokenized as plain characters, never as
+that token, so a message cannot fake the turn structure. Only the template's own text gives
+control tokens: each such occurrence is swapped for a marker before rendering, and the marker's
+place in the rendered text gets the occurrence's plain-text tokens.
 """
 
 from __future__ import annotations
 
+import re
+import uuid
 from typing import Any
 
 from spmd_rl.errors import ConfigError
@@ -43,6 +51,16 @@ class Bridge:
         self.head = base[:end + len(SENTINEL)]
         # the end-of-turn text of each token that can end a turn, to leave to the model's own token
         self._stop_text: dict[int, str] = {}
+        self._added = _added_token_pattern(tokenizer)
+        self._marker_prefix = f"SPMDRL{uuid.uuid4().hex[:12]}T"  # no message can guess it
+        self._marker = re.compile(self._marker_prefix + r"(\d+)E")
+
+    def special_text(self, messages: list[dict[str, Any]]) -> list[str]:
+        """The special and added tokens' texts in the messages' contents (tokenized as plain text)."""
+        if self._added is None:
+            return []
+        return [m.group(0) for msg in messages if isinstance(msg.get("content"), str)
+                for m in self._added.finditer(msg["content"])]
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
@@ -53,7 +71,7 @@ class Bridge:
         content = message.get("content")
         if not self.max_message_tokens or not isinstance(content, str):
             return message
-        ids = self.tokenizer.encode(content, add_special_tokens=False)
+        ids = self._text_ids(content)
         if len(ids) <= self.max_message_tokens:
             return message
         return {**message, "content": self.tokenizer.decode(ids[:self.max_message_tokens])}
@@ -61,7 +79,9 @@ class Bridge:
     def tokens(self, messages: list[dict[str, Any]], last_token: int | None) -> list[int]:
         """Token ids that follow a model turn ending in `last_token` (its sampled stop token, or None):
         `messages` rendered, then the generation prompt of the next assistant turn."""
-        full = self._render(BASE + [self.truncate(m) for m in messages], add_generation_prompt=True)
+        texts: list[str] = []
+        full = self._render(BASE + [self._hide_added(self.truncate(m), texts) for m in messages],
+                            add_generation_prompt=True)
         if not full.startswith(self.head):
             raise TemplateError(
                 "the chat template rewrites the conversation when messages are added after an assistant turn "
@@ -72,7 +92,40 @@ class Bridge:
         stop = self._text(last_token)
         if stop and tail.startswith(stop):  # the template's end-of-turn is the model's sampled token
             tail = tail[len(stop):]
-        return list(self.tokenizer.encode(tail, add_special_tokens=False))
+        return self._encode_with_markers(tail, texts)
+
+    def _hide_added(self, message: dict[str, Any], texts: list[str]) -> dict[str, Any]:
+        """The message with each added token's text in its content swapped for a marker (appended to `texts`)."""
+        content = message.get("content")
+        if self._added is None or not isinstance(content, str):
+            return message
+
+        def marker(m: re.Match) -> str:
+            texts.append(m.group(0))
+            return f"{self._marker_prefix}{len(texts) - 1}E"
+
+        return {**message, "content": self._added.sub(marker, content)}
+
+    def _encode_with_markers(self, text: str, texts: list[str]) -> list[int]:
+        """Token ids of rendered `text`: the template's text as the tokenizer reads it, each marker as
+        the plain-text tokens of the text it stands for."""
+        ids: list[int] = []
+        for i, part in enumerate(self._marker.split(text)):  # odd parts: a marker's number
+            ids += self._text_ids(texts[int(part)]) if i % 2 else self._encode(part)
+        return ids
+
+    def _text_ids(self, text: str) -> list[int]:
+        """Token ids of `text` as plain text: an added token's text in it is split after its first
+        character, so the tokenizer cannot match the token whole."""
+        if self._added is None:
+            return self._encode(text)
+        ids: list[int] = []
+        for i, part in enumerate(self._added.split(text)):  # odd parts: an added token's text
+            ids += self._encode(part[:1]) + self._text_ids(part[1:]) if i % 2 else self._encode(part)
+        return ids
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
     def _text(self, token: int | None) -> str:
         if token is None:
@@ -80,3 +133,11 @@ class Bridge:
         if token not in self._stop_text:
             self._stop_text[token] = self.tokenizer.decode([token]) if 0 <= token < len(self.tokenizer) else ""
         return self._stop_text[token]
+
+
+def _added_token_pattern(tokenizer) -> re.Pattern | None:
+    """A pattern matching the text of any special or added token (longest first), None if none."""
+    texts = set(getattr(tokenizer, "all_special_tokens", [])) | set(tokenizer.get_added_vocab()
+                                                                     if hasattr(tokenizer, "get_added_vocab") else ())
+    texts = sorted((t for t in texts if t), key=len, reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None

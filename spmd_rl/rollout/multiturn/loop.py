@@ -9,34 +9,58 @@ prompts in every call, so its ranks must make the same number of calls.
 Budgets: one token budget for the whole response (data.max_response_length: the model's tokens and
 the bridges), so each turn may generate what is left of it; a bridge that leaves no room for one
 more model token ends the trajectory ("bridge_overflow"); rollout.max_turns caps the model's turns.
-The environment steps of a turn run in parallel in a thread pool (a step that raises or passes
-rollout.tool_timeout ends its trajectory: "env_error" / "env_timeout", counted).
+The environment steps of a turn run in parallel in a thread pool under one deadline
+(rollout.tool_timeout for all of them, however many hang): a step that raises, is still running at
+the deadline or returns a bad value ends its trajectory ("env_error" / "env_timeout"), and so does
+an environment whose construction or reset failed, after the model's first turn. Each such fault
+is counted and its first occurrence logged (faults.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 from spmd_rl.runtime.distributed import all_reduce_max_int
 from spmd_rl.rollout.base import Completion, RolloutEngine, SamplingParams
-from spmd_rl.rollout.multiturn.bridge import Bridge
-from spmd_rl.rollout.multiturn.environment import Environment, StepResult
+from spmd_rl.rollout.multiturn.bridge import Bridge, TemplateError
+from spmd_rl.rollout.multiturn.deadline import Outcome, call_all
+from spmd_rl.rollout.multiturn.environment import BadStepResult, Environment, check_step_result
+from spmd_rl.rollout.multiturn.faults import FaultLog
 from spmd_rl.model.tokenizer import decode_response
 
 STOP_REASONS = ("answer", "max_turns", "length", "bridge_overflow", "env_error", "env_timeout")
 """Why a trajectory ended: the episode was over ("answer": the model answered without a tool call,
 or the environment said done), the turn cap, the token budget spent while generating, a bridge
-that did not fit the budget, an environment step that raised or timed out."""
+that did not fit the budget, an environment that failed (raised, returned a bad value) or timed out."""
+
+
+@dataclass
+class Setting:
+    """What every turn of a rank's loop uses."""
+
+    max_turns: int
+    bridge: Bridge
+    pool: ThreadPoolExecutor
+    """Runs the environments' resets and steps."""
+    step_timeout: float | None
+    """Seconds for all of a turn's steps together (None: no limit)."""
+    make_env: Callable[[], Environment]
+    env_name: str
+    """The environment class, for the log."""
+    faults: FaultLog
 
 
 @dataclass
 class Trajectory:
     prompt: list[int]
-    env: Environment
+    row: dict[str, Any]
+    """This sample's own copy of its data row (what `reset` got)."""
+    env: Environment | None = None
+    """None until started, and where construction or reset failed."""
     tokens: list[int] = field(default_factory=list)
     """The response region: model turns and the bridges between them."""
     mask: list[int] = field(default_factory=list)
@@ -78,8 +102,9 @@ def turn_seed(seed: int, turn: int) -> int:
 
 
 def run_lockstep(engine: RolloutEngine, trajectories: list[Trajectory], sampling: SamplingParams, budget: int,
-                 max_turns: int, bridge: Bridge, pool: ThreadPoolExecutor, step_timeout: float | None) -> None:
+                 setting: Setting) -> None:
     """Run every trajectory to its end (collective: every rank calls it, with its own trajectories)."""
+    start_episodes(trajectories, setting)
     turn = 0
     while all_reduce_max_int(sum(t.live for t in trajectories)) > 0:
         live = [t for t in trajectories if t.live]
@@ -91,39 +116,108 @@ def run_lockstep(engine: RolloutEngine, trajectories: list[Trajectory], sampling
             t.add_model_turn(c)
             if c.finish_reason == "length":  # the turn was given all the budget left
                 t.stop = "length"
+            elif t.env is None:  # its environment failed to start (counted then)
+                t.stop = "env_error"
             else:
                 stepping.append(t)
-        futures = [pool.submit(t.env.step, {"role": "assistant",
-                                            "content": decode_response(bridge.tokenizer, t.last_turn)})
-                   for t in stepping]
-        for t, future in zip(stepping, futures):
-            _after_step(t, future, step_timeout, max_turns, budget, bridge)
+        steps = [partial(t.env.step, _assistant_message(t, setting.bridge.tokenizer)) for t in stepping]
+        outcomes = call_all(setting.pool, steps, setting.step_timeout)
+        for t, outcome in zip(stepping, outcomes):
+            _after_step(t, outcome, budget, setting)
         turn += 1
 
 
-def _after_step(t: Trajectory, future, timeout: float | None, max_turns: int, budget: int, bridge: Bridge) -> None:
-    try:
-        result: StepResult = future.result(timeout=timeout)
-    except FutureTimeout:
-        t.stop = "env_timeout"
-        return
-    except Exception:  # the environment's step raised: the trajectory ends, counted
-        t.stop = "env_error"
+def _assistant_message(t: Trajectory, tokenizer) -> dict[str, str]:
+    """The model's latest turn as the environment's step gets it (decoded here, not in the pool)."""
+    return {"role": "assistant", "content": decode_response(tokenizer, t.last_turn)}
+
+
+def start_episodes(trajectories: list[Trajectory], setting: Setting) -> None:
+    """Each trajectory's environment, made and reset to its row in the pool, all within one step
+    timeout; one that raised or timed out stays None (its trajectory ends after the first turn)."""
+    def start(row: dict[str, Any]) -> Environment:
+        env = setting.make_env()
+        env.reset(row)
+        return env
+
+    outcomes = call_all(setting.pool, [partial(start, t.row) for t in trajectories], setting.step_timeout)
+    for t, o in zip(trajectories, outcomes):
+        if o.late:
+            _fault(t, setting, "reset_errors", f"reset did not return within rollout.tool_timeout = "
+                                               f"{setting.step_timeout:g} s")
+        elif o.error is not None:
+            _fault(t, setting, "reset_errors", f"construction or reset raised {_describe(o.error)}")
+        else:
+            t.env = o.value
+
+
+def _after_step(t: Trajectory, outcome: Outcome, budget: int, setting: Setting) -> None:
+    result = _checked_result(t, outcome, setting)
+    if result is None:
         return
     for k, v in result.metrics.items():
-        t.counts[k] = t.counts.get(k, 0.0) + float(v)
+        t.counts[k] = t.counts.get(k, 0.0) + v
     if result.reward is not None:
-        t.reward = float(result.reward)
+        t.reward = result.reward
     if result.done:
         t.stop = "answer"
-    elif t.turns >= max_turns:
+    elif t.turns >= setting.max_turns:
         t.stop = "max_turns"
     else:
-        ids = bridge.tokens(result.messages, t.tokens[-1] if t.tokens else None)
-        if len(t.tokens) + len(ids) + 1 > budget:  # no room left for a model token after it
-            t.stop = "bridge_overflow"
-        else:
-            t.add_bridge(ids)
+        _add_messages(t, result.messages, budget, setting)
+
+
+def _checked_result(t: Trajectory, outcome: Outcome, setting: Setting):
+    """The step's StepResult, checked; None (the trajectory ended, the fault counted) where the step
+    raised, ran past the turn's deadline or returned a bad value."""
+    if outcome.late:
+        t.stop = "env_timeout"
+        how = "was still running" if outcome.started else "had not started (earlier steps held the pool's threads)"
+        _fault(t, setting, "step_timeouts", f"step {how} at the turn's deadline, rollout.tool_timeout = "
+                                            f"{setting.step_timeout:g} s")
+        return None
+    if outcome.error is not None:
+        t.stop = "env_error"
+        _fault(t, setting, "step_errors", f"step raised {_describe(outcome.error)}")
+        return None
+    try:
+        result, dropped = check_step_result(outcome.value, setting.env_name)
+    except BadStepResult as e:
+        t.stop = "env_error"
+        _fault(t, setting, "bad_values", str(e))
+        return None
+    for problem in dropped:
+        _fault(t, setting, "bad_values", problem)
+    return result
+
+
+def _add_messages(t: Trajectory, messages: list[dict[str, Any]], budget: int, setting: Setting) -> None:
+    """The bridge of the step's messages, where the budget leaves room for a model token after it."""
+    special = setting.bridge.special_text(messages)
+    if special:
+        _fault(t, setting, "special_text", f"the step's messages hold special-token text {special[0]!r}",
+               len(special))
+    try:
+        ids = setting.bridge.tokens(messages, t.tokens[-1] if t.tokens else None)
+    except TemplateError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the chat template refused the messages (a role it does not know, ...)
+        t.stop = "env_error"
+        _fault(t, setting, "bad_values", f"the chat template cannot render the step's messages: {_describe(e)}")
+        return
+    if len(t.tokens) + len(ids) + 1 > budget:  # no room left for a model token after it
+        t.stop = "bridge_overflow"
+    else:
+        t.add_bridge(ids)
+
+
+def _fault(t: Trajectory, setting: Setting, kind: str, detail: str, count: int = 1) -> None:
+    t.counts[kind] = t.counts.get(kind, 0.0) + count
+    setting.faults.report(kind, setting.env_name, t.row.get("index"), detail)
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:500]
 
 
 TRAJECTORIES = "multiturn/trajectories"
@@ -132,7 +226,8 @@ TRAJECTORIES = "multiturn/trajectories"
 
 def trajectory_metrics(trajectories: list[Trajectory], count_keys: tuple[str, ...]) -> dict[str, float]:
     """Per-rank means over the trajectories (the trainer averages them over ranks): turns, the
-    environment's counts per trajectory, the share of each stop reason; and how many there were."""
+    counts of `count_keys` per trajectory (the environment's metrics, faults), the share of each
+    stop reason; and how many there were."""
     n = max(len(trajectories), 1)
     out = {TRAJECTORIES: float(len(trajectories)), "multiturn/turns_mean": sum(t.turns for t in trajectories) / n}
     out.update({f"multiturn/{k}_mean": sum(t.counts.get(k, 0.0) for t in trajectories) / n for k in count_keys})
@@ -146,20 +241,20 @@ def merge_trajectory_metrics(into: dict[str, float], new: dict[str, float]) -> N
     so the step's metrics are those of all its trajectories."""
     had, more = into.get(TRAJECTORIES, 0.0), new[TRAJECTORIES]
     total = had + more
-    for key, value in new.items():
-        if key != TRAJECTORIES:
-            into[key] = (into.get(key, 0.0) * had + value * more) / total if total else value
+    keys = set(new) | {k for k in into if k.startswith("multiturn/")}  # a metric one call lacks is 0 there
+    for key in keys - {TRAJECTORIES}:
+        value = new.get(key, 0.0)
+        into[key] = (into.get(key, 0.0) * had + value * more) / total if total else value
     into[TRAJECTORIES] = total
 
 
-def new_trajectories(prompts: list[list[int]], rows: list[dict[str, Any]], sampling: SamplingParams,
-                     make_env: Callable[[], Environment]) -> list[Trajectory]:
-    """sampling.n trajectories per prompt, consecutive, each with its own environment, reset to its
-    row; those of the prompts that `sampling.asks_logprobs` picks get the engine's log-probs."""
+def new_trajectories(records: list, sampling: SamplingParams) -> list[Trajectory]:
+    """sampling.n trajectories per record (PromptRecord), consecutive, each with its own copy of the
+    record's row (`sample`: which of the n it is); those of the prompts that `sampling.asks_logprobs`
+    picks get the engine's log-probs. Their environments start in run_lockstep."""
     out = []
-    for prompt, row, asks in zip(prompts, rows, sampling.asks_logprobs(len(prompts))):
-        for _ in range(sampling.n):
-            env = make_env()
-            env.reset(row)
-            out.append(Trajectory(list(prompt), env, asks_logprobs=asks))
+    for rec, asks in zip(records, sampling.asks_logprobs(len(records))):
+        for sample in range(sampling.n):
+            row = {**dataclasses.asdict(rec), "sample": sample}  # asdict copies: each sample its own row
+            out.append(Trajectory(list(rec.prompt_ids), row, asks_logprobs=asks))
     return out
