@@ -15,6 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, LlamaConfig, Qwen2Config
 
 from conftest import ROOT
+from spmd_rl.config import memory_check as mc
+from spmd_rl.config.run_config import load_config
+from spmd_rl.errors import UserError, report
 from spmd_rl.model.loading import ARCH_PRESETS
 from spmd_rl.runtime import memory_plan as mp
 
@@ -61,12 +64,84 @@ def test_qwen25_7b_has_its_published_parameter_count():
     assert mp.shape_from_config(QWEN25_7B_CONFIG).parameters() == 7_615_616_512
 
 
-def test_training_state_bytes_per_role():
-    """fp32 masters 4 + 4 + 8 bytes a parameter, a bf16 reference 2 bytes, each over the shard."""
+def qwen7b_config(tmp_path, *overrides):
+    """configs/qwen7b.toml on a directory holding Qwen2.5-7B-Instruct's config.json (no weights)."""
+    model_dir = tmp_path / "Qwen2.5-7B-Instruct"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(QWEN25_7B_CONFIG))
+    return load_config(QWEN7B, [f'model.path="{model_dir}"', *overrides])
+
+
+def test_training_state_is_the_sum_over_roles(tmp_path):
+    """qwen7b on 2 ranks: actor fp32 masters 4 + 4 + 8 bytes a parameter, reference bf16 2 bytes,
+    each halved; the update holds all of it, generation all but the gradients."""
     n = 7_615_616_512
+    actor_params, actor_grads, actor_moments = n * 4 / 2, n * 4 / 2, n * 8 / 2
+    ref_params = n * 2 / 2
+    plan = mc.plan_for(qwen7b_config(tmp_path), 2, H100_TOTAL)
+    update, generation = plan.phase("actor update").parts, plan.phase("generation").parts
+    assert update["params"] == actor_params + ref_params
+    assert update["grads"] == actor_grads
+    assert update["optimizer"] == actor_moments
+    assert "grads" not in generation and generation["params"] + generation["optimizer"] == (
+        actor_params + actor_moments + ref_params)
+    assert generation["vLLM"] == 0.5 * H100_TOTAL
     roles = [mp.Role("actor", n, 4, True), mp.Role("reference", n, 2, False)]
-    assert mp.training_state_bytes(roles, 2) == {"params": n * 4 / 2 + n * 2 / 2, "grads": n * 4 / 2,
-                                                 "optimizer": n * 8 / 2}
+    assert mp.training_state_bytes(roles, 2) == {"params": actor_params + ref_params, "grads": actor_grads,
+                                                 "optimizer": actor_moments}
+    off = mc.plan_for(qwen7b_config(tmp_path, "rollout.offload_train_states=true"), 2, H100_TOTAL)
+    assert "params" not in off.phase("generation").parts  # offloaded while the engine generates
+
+
+def test_bfloat16_masters_and_offloaded_optimizer(tmp_path):
+    n = 7_615_616_512
+    plan = mc.plan_for(qwen7b_config(tmp_path, 'model.dtype="bfloat16"', "actor.offload_optimizer=true"), 4,
+                       H100_TOTAL)
+    update = plan.phase("actor update").parts
+    assert update["params"] == n * 2 / 4 + n * 2 / 4  # actor bf16 masters + bf16 reference
+    assert update["grads"] == n * 2 / 4 and update["optimizer"] == 0  # the moments stay on the CPU
+    assert update["activations"] >= n * 4 / 4  # ...but visit the GPU for the optimizer step
+
+
+def test_qwen7b_on_2_ranks_of_80gb_is_refused_with_the_fixes(tmp_path):
+    """Issue 42: the preset on 2 GPUs died in vLLM's wake_up; now it stops before any model loads."""
+    cfg = qwen7b_config(tmp_path)
+    with pytest.raises(mc.MemoryPlanError) as e:
+        mc.check_memory(cfg, 2, H100_TOTAL)
+    message = str(e.value)
+    assert isinstance(e.value, UserError) and "\n" not in message
+    assert "in generation exceeds the GPU's 79.2 GiB on 2 GPU(s)" in message
+    assert "vLLM 39.6 + params 21.3 + optimizer 28.4" in message  # the numbers behind it
+    for fix in ("rollout.offload_train_states = true", "shard over more GPUs (4 GPUs", "rollout.gpu_memory_utilization",
+                "LoRA", 'trainer.memory_check = "warn"'):
+        assert fix in message, fix
+
+
+def test_qwen7b_on_4_ranks_fits(tmp_path):
+    plan = mc.check_memory(qwen7b_config(tmp_path), 4, H100_TOTAL)
+    assert plan.fits and plan.peak.name == "generation"
+    assert plan.line().startswith("memory: predicted peak per GPU 68.6 GiB in generation (actor update: ")
+    assert plan.line().endswith(" of 79.2 GiB")
+
+
+def test_warn_and_off(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="spmd_rl"):
+        plan = mc.check_memory(qwen7b_config(tmp_path, 'trainer.memory_check="warn"'), 2, H100_TOTAL)
+    assert not plan.fits and "exceeds the GPU's 79.2 GiB" in caplog.text
+    assert mc.check_memory(qwen7b_config(tmp_path, 'trainer.memory_check="off"'), 2, H100_TOTAL) is None
+
+
+def test_the_start_up_line_is_logged_before_the_models(monkeypatch, caplog):
+    """build.check_memory logs the plan's line (a CPU run: no device to compare with)."""
+    import spmd_rl.build as build
+
+    monkeypatch.setattr(build, "raise_together", lambda fn: fn())
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny-cpu.toml"))
+    env = type("Env", (), {"device": torch.device("cpu"), "world_size": 2})()
+    with caplog.at_level(logging.INFO, logger="spmd_rl"):
+        plan = build.check_memory(cfg, env)
+    assert plan is not None and "memory: predicted peak per GPU 0.0 GiB in actor update" in caplog.text
+    assert "(no GPU: not compared)" in caplog.text
 
 
 MEASURED_UPDATE_PEAKS = [  # docs/performance.md: memory/update_actor_peak_gb (PyTorch's tensors), 1xH100,

@@ -33,7 +33,7 @@ config and the device and calls `plan_memory`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -250,7 +250,6 @@ class MemoryPlan:
 
     phases: list[Phase]
     device_total: float | None = None
-    notes: list[str] = field(default_factory=list)
 
     @property
     def peak(self) -> Phase:
