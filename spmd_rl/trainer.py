@@ -34,6 +34,7 @@ from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
 from spmd_rl.batching.batch import Batch, build_rollout_batch, response_token_ids
 from spmd_rl.build import build_data, build_engine, build_models, check_memory, resume_target
 from spmd_rl.checkpoint.checkpointer import EXIT_NOT_SAVED, Checkpointer, ModelAndOptimizer, saved_world_size
+from spmd_rl.config.memory_check import OutOfMemory, out_of_memory_message
 from spmd_rl.config.run_config import Config
 from spmd_rl.config.toml_io import to_toml
 from spmd_rl.train.critic import compute_values, critic_loss_fn
@@ -61,8 +62,15 @@ from spmd_rl.rollout.weight_sync import iter_weights
 log = logging.getLogger("spmd_rl")
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """PyTorch's out-of-memory error, or vLLM's (its sleep-mode allocator raises a RuntimeError:
+    `CUDA Error: out of memory at cumem_allocator.cpp:...`)."""
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
+
+
 class PhaseTimer:
-    """Seconds and GPU memory per named phase of a step (memory figures: gpu_memory.PhaseMemory)."""
+    """Seconds and GPU memory per named phase of a step (memory figures: gpu_memory.PhaseMemory).
+    An out-of-memory error inside a phase becomes one line naming it (memory_check.OutOfMemory)."""
 
     def __init__(self, device: torch.device, plan: MemoryPlan | None = None):
         self.device = device
@@ -74,7 +82,12 @@ class PhaseTimer:
         memory = PhaseMemory(self.device) if self.device.type == "cuda" else None
         t0 = time.perf_counter()
         with phase_range(name):  # the phase in a profiled step's trace (trainer.profile_steps)
-            yield
+            try:
+                yield
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not is_out_of_memory(e):
+                    raise
+                raise OutOfMemory(out_of_memory_message(name, self.plan, e)) from None
         if memory is not None:
             self.metrics.update(memory.end(name))
         self.metrics[f"time/{name}"] = self.metrics.get(f"time/{name}", 0.0) + time.perf_counter() - t0

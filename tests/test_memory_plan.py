@@ -168,3 +168,25 @@ def test_measured_update_peaks_within_10_percent(arch, tokens, checkpointed, mea
     assert predicted == pytest.approx(measured, rel=0.10)
 
 
+def test_out_of_memory_in_a_phase_is_one_line_naming_it(tmp_path, capsys):
+    from spmd_rl.trainer import PhaseTimer
+
+    plan = mc.plan_for(qwen7b_config(tmp_path), 2, H100_TOTAL)
+    timer = PhaseTimer(torch.device("cpu"), plan)
+    with pytest.raises(mc.OutOfMemory) as e:  # vLLM's sleep-mode allocator, issue 42
+        with timer("wake"):
+            raise RuntimeError("CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163")
+    message = str(e.value)
+    assert message.startswith("out of GPU memory in the step's wake phase (CUDA Error: out of memory at ")
+    assert "predicted generation: vLLM 39.6 + " in message and "= 93.4 GiB of the GPU's 79.2 GiB" in message
+    assert "rollout.offload_train_states = true" in message
+    with pytest.raises(mc.OutOfMemory) as e:
+        with timer("update_actor"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore lines")
+    assert "update_actor phase (CUDA out of memory. Tried to allocate 2.00 GiB.)" in str(e.value)
+    assert "predicted actor update: params 21.3" in str(e.value) and "actor.max_token_len_per_gpu" in str(e.value)
+    report(e.value, rank=0)
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    with pytest.raises(RuntimeError, match="shapes differ"):  # other errors pass unchanged
+        with timer("update_actor"):
+            raise RuntimeError("shapes differ")
