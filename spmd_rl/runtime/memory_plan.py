@@ -41,8 +41,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ACTIVATION_BYTES_PER_HIDDEN = 39.0
 """Bytes a decoder layer keeps for backward per token and per unit of hidden size, at a 2-byte
 compute dtype (scaled by compute bytes / 2): Qwen2 shapes (intermediate ~5.5 x hidden) in
-transformers' modules or the compiled layer. Fitted to the measured update peaks of
-docs/performance.md (0.5B and 1.5B on 1xH100; see `spmd_rl.runtime.memory_plan` tests)."""
+transformers' modules or the compiled layer. Fitted to three update peaks of docs/performance.md
+(1xH100, bench_step's work, no checkpointing: 0.5B at 16384 and 32768 tokens, 1.5B at 16384;
+predicted +5%, +1%, -3%); the checkpointed 1.5B runs (every layer, half) then come out +6% and
++4% (tests/test_memory_plan.py keeps all five within 10%)."""
 HEAD_CHUNK_ELEMENTS = 1 << 28
 """logprob_head.CHUNK_ELEMENTS (not imported: that module imports torch)."""
 HEAD_CHUNK_TEMPORARIES = {"none": 3 * 4, "compile": 2 * 2}
@@ -50,7 +52,9 @@ HEAD_CHUNK_TEMPORARIES = {"none": 3 * 4, "compile": 2 * 2}
 temporaries (about 3), the compiled head's bf16 logits and gradient (2)."""
 CUDA_CONTEXT_GIB = 1.5
 """Per process outside PyTorch's tensors: the CUDA context, cuBLAS workspaces, NCCL buffers and
-what the caching allocator holds beyond the tensors."""
+what the caching allocator holds beyond the tensors. With ENGINE_ASLEEP_GIB and CUDA_GRAPH_GIB it
+makes the device's level while the engine sleeps (parameters aside) 4.2 GiB, as measured by
+bench_rollout (0.5B 4.1, 1.5B 4.3, 7B TP=2 eager 4.2 GiB; docs/performance.md)."""
 ENGINE_ASLEEP_GIB = 2.2
 """A sleeping vLLM engine's buffers outside its sleep pool (measured 1.5-2.7 GiB, engine.py)."""
 CUDA_GRAPH_GIB = 0.5
@@ -220,6 +224,10 @@ class Engine:
     sync_bucket_bytes: float = 512 * 2**20
 
 
+def engine_label(engine: Engine) -> str:
+    return "HF engine" if engine.kind == "hf" else "vLLM asleep"
+
+
 def engine_asleep_bytes(engine: Engine) -> float:
     """What the engine keeps while training runs."""
     if engine.kind == "hf":
@@ -270,14 +278,14 @@ class MemoryPlan:
 
 
 def training_phases(roles: list[Role], shard: int, models: dict[str, tuple[ModelShape, Work]],
-                    engine_asleep: float, overhead: float) -> list[Phase]:
+                    engine: Engine, overhead: float) -> list[Phase]:
     """The update of each trained role and the no-grad passes, vLLM asleep. A role's update holds
     its gradients and its activations (or, with its optimizer offloaded, its moments during the
     step); every role keeps its parameters and resident moments. `models`: each trained role's
     shape and micro-batches (the reference runs the actor's)."""
     resident = {"params": sum(r.param_bytes(shard) for r in roles),
                 "optimizer": sum(r.resident_optimizer_bytes(shard) for r in roles)}
-    fixed = {"vLLM asleep": engine_asleep, "overhead": overhead}
+    fixed = {engine_label(engine): engine_asleep_bytes(engine), "overhead": overhead}
     phases = []
     for role in (r for r in roles if r.trained):
         shape, work = models[role.name]
@@ -297,10 +305,9 @@ def generation_phases(roles: list[Role], shard: int, engine: Engine, device_tota
     state = {"params": sum(r.param_bytes(shard) for r in roles),
              "optimizer": sum(r.resident_optimizer_bytes(shard) for r in roles)}
     if engine.kind == "hf":
-        return [Phase("generation", {**state, "engine": engine.weight_bytes, "overhead": overhead})]
-    graphs = CUDA_GRAPH_GIB * GiB if engine.cuda_graphs else 0.0
+        return [Phase("generation", {**state, "HF engine": engine.weight_bytes, "overhead": overhead})]
     share = engine.gpu_memory_utilization * device_total
-    asleep = (ENGINE_ASLEEP_GIB * GiB) + graphs  # beside its share: measured awake - asleep = the share
+    asleep = engine_asleep_bytes(engine)  # beside its share: measured awake - asleep = the share
     generation = {"vLLM": share, **({} if offload else state), "vLLM asleep": asleep, "overhead": overhead}
     phases = [Phase("generation", generation)]
     if offload:
@@ -318,8 +325,7 @@ def plan_memory(roles: list[Role], shard: int, models: dict[str, tuple[ModelShap
     taken of 80 GiB, only for the line)."""
     overhead = CUDA_CONTEXT_GIB * GiB if device_total else 0.0
     total_for_share = device_total if device_total else 80 * GiB
-    asleep = engine_asleep_bytes(engine)
-    phases = training_phases(roles, shard, models, asleep, overhead)
+    phases = training_phases(roles, shard, models, engine, overhead)
     phases += generation_phases(roles, shard, engine, total_for_share, offload_train_states, overhead)
     return MemoryPlan(phases, device_total)
 
