@@ -60,6 +60,13 @@ def test_parameter_count_equals_the_model_transformers_builds(name):
     assert shape.value_model_parameters() == meta_count(AutoModelForTokenClassification, config)
 
 
+def test_head_chunk_is_the_log_prob_heads():
+    """memory_plan keeps its own copy (it imports no torch): the two must agree."""
+    from spmd_rl.model.logprob_head import CHUNK_ELEMENTS
+
+    assert mp.HEAD_CHUNK_ELEMENTS == CHUNK_ELEMENTS
+
+
 def test_qwen25_7b_has_its_published_parameter_count():
     assert mp.shape_from_config(QWEN25_7B_CONFIG).parameters() == 7_615_616_512
 
