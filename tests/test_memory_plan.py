@@ -138,6 +138,16 @@ def test_warn_and_off(tmp_path, caplog):
     assert mc.check_memory(qwen7b_config(tmp_path, 'trainer.memory_check="off"'), 2, H100_TOTAL) is None
 
 
+def test_a_mixture_of_experts_model_is_not_predicted(tmp_path, caplog):
+    """The dense formula would undercount its experts: one warning, no refusal."""
+    cfg = qwen7b_config(tmp_path)
+    config = dict(QWEN25_7B_CONFIG, model_type="qwen2_moe", num_experts=64)
+    (tmp_path / "Qwen2.5-7B-Instruct" / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="spmd_rl"):
+        assert mc.check_memory(cfg, 2, H100_TOTAL) is None
+    assert "memory: not predicted" in caplog.text and "num_experts = 64: a mixture-of-experts model" in caplog.text
+
+
 def test_the_start_up_line_is_logged_before_the_models(monkeypatch, caplog):
     """build.check_memory logs the plan's line (a CPU run: no device to compare with)."""
     import spmd_rl.build as build

@@ -199,8 +199,8 @@ def check_memory(cfg: Config, world_size: int, device_total: float | None) -> mp
     try:
         shapes = (model_shape(cfg), model_shape(cfg, critic=True) if cfg.use_critic else None)
     except (KeyError, TypeError, ValueError) as e:
-        log.warning("memory: not predicted: the model's config.json lacks what the formula needs (%s: %s)",
-                    type(e).__name__, e)
+        log.warning("memory: not predicted: the model's config.json does not fit the dense-decoder formula (%s: %s); "
+                    'trainer.memory_check = "off" leaves this line out', type(e).__name__, e)
         return None
     plan = plan_for(cfg, world_size, device_total, shapes)
     if not plan.fits:

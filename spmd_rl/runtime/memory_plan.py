@@ -106,8 +106,17 @@ QKV_BIAS_MODEL_TYPES = ("qwen2",)
 """Model types whose q/k/v projections always carry a bias (transformers' Qwen2Attention)."""
 
 
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""config.json entries of mixture-of-experts models, whose parameters the dense formula does not count."""
+
+
 def shape_from_config(config: dict) -> ModelShape:
-    """The shape in a config.json (its text config's entries) or a loading.ARCH_PRESETS entry."""
+    """The shape in a config.json (its text config's entries) or a loading.ARCH_PRESETS entry.
+    ValueError for a mixture-of-experts config; KeyError where an entry the formula needs is missing."""
+    experts = [k for k in EXPERT_KEYS if config.get(k)]
+    if experts:
+        raise ValueError(f"{experts[0]} = {config[experts[0]]}: a mixture-of-experts model, which the dense "
+                         "formula does not count")
     h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     attention_bias = bool(config.get("attention_bias", False))
     return ModelShape(
