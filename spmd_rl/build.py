@@ -2,6 +2,7 @@
 a barrier after writing synthetic data and the models' sharded loading, meet in that order).
 
     checkpointer = Checkpointer(...); resume = resume_target(checkpointer, cfg.trainer.resume)
+    plan = check_memory(cfg, env)                    # each GPU's predicted peak: logged, refused if over
     with clock("data"):
         data = build_data(cfg, env, reward_fn)       # tokenizer, prompts, sampler (synthetic files first)
     models = build_models(cfg, env, data.tokenizer, resume is not None, clock)   # actor, reference, critic
@@ -23,7 +24,9 @@ from spmd_rl.batching import sequence_parallel
 from spmd_rl.checkpoint.checkpointer import CheckpointError, Checkpointer
 from spmd_rl.config.run_config import Config
 from spmd_rl.data.prompts import PromptDataset, ShardedSampler
-from spmd_rl.runtime.distributed import DistEnv
+from spmd_rl.config import memory_check
+from spmd_rl.runtime.distributed import DistEnv, raise_together
+from spmd_rl.runtime.memory_plan import MemoryPlan
 from spmd_rl.model.files import check_vocab, model_vocab_size
 from spmd_rl.model.loading import (ARCH_PRESETS, DTYPES, allocate_meta_model, build_sharded, count_parameters, load_causal_lm,
                             load_value_model, materialize_random_model, random_model_config)
@@ -68,6 +71,18 @@ def resume_target(checkpointer: Checkpointer, resume: str) -> str | None:
             f"trainer.resume = 'none' but {checkpointer.root} already holds checkpoints; starting "
             "fresh would overwrite them. Use trainer.resume=auto to continue, or a new trainer.run_dir.")
     return checkpointer.find_resume(resume)
+
+
+def check_memory(cfg: Config, env: DistEnv) -> MemoryPlan | None:
+    """Each GPU's predicted peak memory (spmd_rl/runtime/memory_plan.py), logged as one line; a run
+    predicted not to fit stops here on every rank, before any model loads (trainer.memory_check).
+    Collective. None: trainer.memory_check = "off", or a model shape the formula cannot read."""
+    total = torch.cuda.mem_get_info(env.device)[1] if env.device.type == "cuda" else None
+    plans: list[MemoryPlan | None] = []
+    raise_together(lambda: plans.append(memory_check.check_memory(cfg, env.world_size, total)))
+    if plans[0] is not None:
+        log.info(plans[0].line())
+    return plans[0]
 
 
 def build_data(cfg: Config, env: DistEnv, reward_fn: RewardFunction) -> Data:

@@ -32,14 +32,16 @@ from spmd_rl.model import fused_kernels
 from spmd_rl.batching import sequence_parallel
 from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
 from spmd_rl.batching.batch import Batch, build_rollout_batch, response_token_ids
-from spmd_rl.build import build_data, build_engine, build_models, resume_target
+from spmd_rl.build import build_data, build_engine, build_models, check_memory, resume_target
 from spmd_rl.checkpoint.checkpointer import EXIT_NOT_SAVED, Checkpointer, ModelAndOptimizer, saved_world_size
+from spmd_rl.config.memory_check import OutOfMemory, out_of_memory_message
 from spmd_rl.config.run_config import Config
 from spmd_rl.config.toml_io import to_toml
 from spmd_rl.train.critic import compute_values, critic_loss_fn
 from spmd_rl.data.prompts import iter_eval_batches
 from spmd_rl.runtime.distributed import DistEnv, all_reduce_mean, all_reduce_sum
 from spmd_rl.runtime.gpu_memory import PhaseMemory
+from spmd_rl.runtime.memory_plan import MemoryPlan
 from spmd_rl.algo.dynamic_sampling import collect_informative_groups
 from spmd_rl.telemetry.metrics import MetricsLogger, summary_line
 from spmd_rl.train.offload import move_train_state
@@ -60,11 +62,19 @@ from spmd_rl.rollout.weight_sync import iter_weights
 log = logging.getLogger("spmd_rl")
 
 
-class PhaseTimer:
-    """Seconds and GPU memory per named phase of a step (memory figures: gpu_memory.PhaseMemory)."""
+def is_out_of_memory(e: BaseException) -> bool:
+    """PyTorch's out-of-memory error, or vLLM's (its sleep-mode allocator raises a RuntimeError:
+    `CUDA Error: out of memory at cumem_allocator.cpp:...`)."""
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
 
-    def __init__(self, device: torch.device):
+
+class PhaseTimer:
+    """Seconds and GPU memory per named phase of a step (memory figures: gpu_memory.PhaseMemory).
+    An out-of-memory error inside a phase becomes one line naming it (memory_check.OutOfMemory)."""
+
+    def __init__(self, device: torch.device, plan: MemoryPlan | None = None):
         self.device = device
+        self.plan = plan  # the start-up prediction, for the out-of-memory line
         self.metrics: dict[str, float] = {}
 
     @contextlib.contextmanager
@@ -72,7 +82,12 @@ class PhaseTimer:
         memory = PhaseMemory(self.device) if self.device.type == "cuda" else None
         t0 = time.perf_counter()
         with phase_range(name):  # the phase in a profiled step's trace (trainer.profile_steps)
-            yield
+            try:
+                yield
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not is_out_of_memory(e):
+                    raise
+                raise OutOfMemory(out_of_memory_message(name, self.plan, e)) from None
         if memory is not None:
             self.metrics.update(memory.end(name))
         self.metrics[f"time/{name}"] = self.metrics.get(f"time/{name}", 0.0) + time.perf_counter() - t0
@@ -94,6 +109,8 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.trainer.keep_last, cfg.trainer.async_save,
                                          run_dir=self.run_dir)
         self.resume_path = resume_target(self.checkpointer, cfg.trainer.resume)
+        # each GPU's predicted peak, one line; a run that cannot fit stops before any model loads
+        self.memory_plan = check_memory(cfg, env)
         self.reward_fn = RewardFunction(cfg.reward, defer_errors=True)  # raised by sync_failures, on every rank
         with self.startup("data"):
             self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg, env, self.reward_fn)
@@ -271,7 +288,7 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
         cfg, env = self.cfg, self.env
-        timer = PhaseTimer(self.device)
+        timer = PhaseTimer(self.device, self.memory_plan)
         t_step = time.perf_counter()
         batch, sample_metrics = self.sample_batch(timer)
         reward_errors = self.reward_fn.sync_failures()  # collective: a failed scorer stops every rank
@@ -423,7 +440,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         if self.val_data is None:
             return {}
-        timer = PhaseTimer(self.device)
+        timer = PhaseTimer(self.device, self.memory_plan)
         sums: dict[str, float] = defaultdict(float)
         for idx in iter_eval_batches(len(self.val_data), self.cfg.data.val_batch_size, self.env.rank, self.env.world_size):
             records = [self.val_data[i] for i in idx]

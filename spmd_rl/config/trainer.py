@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cuda", "cpu"),
+    "memory_check": ("error", "warn", "off"),
 }
 """Each key that takes one of a few values: its values (checked by Config.check_choices)."""
 
@@ -120,6 +121,18 @@ class TrainerConfig:
     worked, its kernels by device time; then the ops with the most device time). A profiled step runs slower
     (the host more than the GPU) and its times are not the run's;
     pick one after the first (which compiles). Empty = never (spmd_rl/telemetry/step_profiler.py)."""
+
+    memory_check: str = "error"
+    """At start-up, before any model loads, each GPU's peak memory is predicted from the model's
+    shape and the config (training state by role, activations of the micro-batches, vLLM's
+    rollout.gpu_memory_utilization share; spmd_rl/runtime/memory_plan.py) and logged as one line,
+    `memory: predicted peak per GPU ... of ... GiB`. "error": a run predicted not to fit the GPU
+    stops there, with the numbers and the fixes (rollout.offload_train_states, more GPUs, a lower
+    rollout.gpu_memory_utilization, smaller token budgets); "warn": the same message as a warning,
+    and the run goes on (the prediction is within about 10% of the measured peaks; a run close to
+    the limit may still fit); "off": no prediction and no line (a model whose config.json the
+    dense-decoder formula does not describe). An out-of-memory error during a step is reported as
+    one line naming the phase, the prediction and the fix, whatever this says."""
 
     def check_layout(self, world_size: int, gpus_per_node: int | None) -> None:
         """trainer.fsdp_size cuts the `world_size` ranks into whole shard groups."""

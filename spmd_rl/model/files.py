@@ -225,6 +225,17 @@ def model_vocab_size(path: str, key: str) -> int:
     return int(text.vocab_size)
 
 
+def model_text_config(path: str, key: str) -> dict:
+    """The entries of the config.json in the model directory `path` (its text model's, for a
+    multimodal config), with transformers' defaults filled in (e.g. tie_word_embeddings)."""
+    from transformers import AutoConfig
+
+    with loading(path, key, "its config.json"):
+        config = AutoConfig.from_pretrained(path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {"model_type": getattr(config, "model_type", ""), **text.to_dict()}
+
+
 def model_attention_heads(path: str, key: str) -> tuple[int, int]:
     """(attention heads, KV heads) in the config.json of the model directory `path` (its text
     model's, for a multimodal config)."""

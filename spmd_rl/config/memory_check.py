@@ -1,0 +1,232 @@
+"""The run's memory plan from its config, and what to say when it does not fit.
+
+`plan_for(cfg, world_size, device_total)` turns the config into the plain numbers of
+spmd_rl/runtime/memory_plan.py (the model's shape from its config.json or loading.ARCH_PRESETS, no
+weights read; the roles; each GPU's tokens per micro-batch; the engine's share) and returns the
+plan. `check_memory` refuses a plan that does not fit (trainer.memory_check), naming the fixes with
+the peak each would give; `out_of_memory_message` is the one line an out-of-memory error of a step
+becomes (spmd_rl/trainer.py). The trainer calls them before any model loads (build.check_memory).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import TYPE_CHECKING
+
+from spmd_rl.errors import UserError
+from spmd_rl.runtime import memory_plan as mp
+
+if TYPE_CHECKING:
+    from spmd_rl.config.run_config import Config
+
+log = logging.getLogger("spmd_rl")
+
+LORA_FIX = "LoRA (once spmd_rl has it: only the adapters' gradients and optimizer states)"
+
+PLAN_PHASE = {"wake": "generation", "weight_sync": "generation", "offload": "generation", "generate": "generation",
+              "sleep": "generation", "reload": "generation", "old_logprob": "log-prob pass",
+              "ref_logprob": "log-prob pass", "values": "log-prob pass", "update_actor": "actor update",
+              "update_critic": "critic update"}
+"""The plan's phase of each step phase the trainer times (PhaseTimer names)."""
+
+
+class MemoryPlanError(UserError):
+    """The run is predicted not to fit its GPUs' memory (trainer.memory_check = "error")."""
+
+
+class OutOfMemory(UserError):
+    """A step ran out of GPU memory: one line naming the phase, the prediction and the fixes."""
+
+
+# --------------------------------------------------------------------------- config -> numbers
+
+
+def model_shape(cfg: Config, critic: bool = False) -> mp.ModelShape:
+    """The policy's (or the critic's) shape: config.json of its directory, or the preset arch."""
+    m, c = cfg.model, cfg.critic
+    if critic and c.path:
+        from spmd_rl.model.files import model_text_config
+
+        return mp.shape_from_config(model_text_config(c.path, "critic.path"))
+    if m.init == "random" and not m.path:
+        from spmd_rl.model.loading import ARCH_PRESETS
+
+        return mp.shape_from_config({"model_type": "qwen2", **ARCH_PRESETS[m.arch]})
+    from spmd_rl.model.files import model_text_config
+
+    return mp.shape_from_config(model_text_config(m.path, "model.path"))
+
+
+def work_of(cfg: Config, role: str) -> mp.Work:
+    """One GPU's micro-batches of `role` ("actor", also the reference's, or "critic")."""
+    mb, m, d = cfg.micro_batching(role), cfg.model, cfg.data
+    sp = max(cfg.trainer.ulysses_size, 1)  # a group's micro-batch is split over its GPUs
+    padded = mb.rows * (d.max_prompt_length + d.max_response_length)
+    return mp.Work(update_tokens=(mb.update_tokens or padded) // sp, forward_tokens=(mb.forward_tokens or padded) // sp,
+                   compute_bytes=mp.DTYPE_BYTES[m.compute_dtype], checkpointed_share=m.checkpointed_share(),
+                   chunked_logprobs=m.chunked_logprobs, head=m.fused_logprob_head)
+
+
+def roles_of(cfg: Config, shape: mp.ModelShape, critic_shape: mp.ModelShape | None) -> list[mp.Role]:
+    """Actor, reference and critic as build.build_models makes them."""
+    master, compute = mp.DTYPE_BYTES[cfg.model.dtype], mp.DTYPE_BYTES[cfg.model.compute_dtype]
+    roles = [mp.Role("actor", shape.parameters(), master, True, not cfg.actor.offload_optimizer)]
+    if cfg.use_reference:
+        roles.append(mp.Role("reference", shape.parameters(), compute, False))
+    if critic_shape is not None:
+        roles.append(mp.Role("critic", critic_shape.value_model_parameters(), master, True))
+    return roles
+
+
+def engine_of(cfg: Config, shape: mp.ModelShape) -> mp.Engine:
+    r = cfg.rollout
+    weights = shape.parameters() * mp.DTYPE_BYTES[r.dtype]
+    if r.engine == "hf":
+        return mp.Engine("hf", weight_bytes=weights)
+    return mp.Engine("vllm", r.gpu_memory_utilization, not r.enforce_eager, weights / r.tensor_parallel_size,
+                     r.weight_sync_bucket_mb * 2**20)
+
+
+def plan_for(cfg: Config, world_size: int, device_total: float | None,
+             shapes: tuple[mp.ModelShape, mp.ModelShape | None] | None = None) -> mp.MemoryPlan:
+    """The memory plan of `cfg` on `world_size` ranks of GPUs of `device_total` bytes (None: no
+    GPU). `shapes`: (policy, critic) when already read."""
+    shape, critic_shape = shapes or (model_shape(cfg), model_shape(cfg, critic=True) if cfg.use_critic else None)
+    models = {"actor": (shape, work_of(cfg, "actor"))}
+    if critic_shape is not None:
+        models["critic"] = (critic_shape, work_of(cfg, "critic"))
+    shard = cfg.trainer.fsdp_size or world_size
+    return mp.plan_memory(roles_of(cfg, shape, critic_shape), shard, models, engine_of(cfg, shape), device_total,
+                          cfg.rollout.offload_train_states)
+
+
+# --------------------------------------------------------------------------- fixes
+
+
+def _changed(cfg: Config, **keys) -> Config:
+    """A copy of `cfg` with `section__key=value` changes."""
+    out = copy.deepcopy(cfg)
+    for dotted, value in keys.items():
+        section, key = dotted.split("__")
+        setattr(getattr(out, section), key, value)
+    return out
+
+
+def _gib(x: float) -> str:
+    return f"{x / mp.GiB:.1f} GiB"
+
+
+def _peak(plan: mp.MemoryPlan) -> str:
+    """"peak X GiB, fits" or "peak X GiB in <phase>: not enough alone"."""
+    if plan.fits:
+        return f"peak {_gib(plan.peak.total)}, fits"
+    return f"peak {_gib(plan.peak.total)} in {plan.peak.name}: not enough alone"
+
+
+def more_gpus_fix(cfg: Config, world_size: int, device_total: float, shapes) -> str:
+    """The fewest GPUs (doubling, up to 8x) whose shards fit."""
+    shard = cfg.trainer.fsdp_size or world_size
+    for k in (2, 4, 8):
+        bigger = _changed(cfg, trainer__fsdp_size=cfg.trainer.fsdp_size * k) if cfg.trainer.fsdp_size else cfg
+        plan = plan_for(bigger, world_size * k, device_total, shapes)
+        if plan.fits:
+            where = (f"trainer.fsdp_size = {shard * k}" if cfg.trainer.fsdp_size else f"{world_size * k} GPUs")
+            return f"shard over more GPUs ({where}: {_peak(plan)})"
+    return f"shard over more GPUs (even {shard * 8} do not fit)"
+
+
+def generation_fixes(cfg: Config, plan: mp.MemoryPlan, world_size: int, shapes) -> list[str]:
+    r, total = cfg.rollout, plan.device_total
+    fixes = []
+    if not r.offload_train_states:
+        off = plan_for(_changed(cfg, rollout__offload_train_states=True), world_size, total, shapes)
+        fixes.append(f"rollout.offload_train_states = true ({_peak(off)})")
+    share = mp.largest_fitting_share(plan)
+    engine = engine_of(cfg, shapes[0])
+    if engine.kind == "vllm" and share * total > engine.weight_bytes + mp.GiB and share < r.gpu_memory_utilization:
+        lower = plan_for(_changed(cfg, rollout__gpu_memory_utilization=share), world_size, total, shapes)
+        fixes.append(f"rollout.gpu_memory_utilization = {share:.2f} or lower (a smaller KV cache; {_peak(lower)})")
+    return fixes
+
+
+def update_fixes(cfg: Config, plan: mp.MemoryPlan, world_size: int, shapes) -> list[str]:
+    m, a, total = cfg.model, cfg.actor, plan.device_total
+    fixes = []
+    if m.checkpointed_share() < 1.0:
+        on = plan_for(_changed(cfg, model__gradient_checkpointing=True, model__gradient_checkpointing_layers=1.0),
+                      world_size, total, shapes)
+        fixes.append(f"model.gradient_checkpointing = true ({_peak(on)})")
+    if a.max_token_len_per_gpu > cfg.data.max_prompt_length + cfg.data.max_response_length:
+        half = max(a.max_token_len_per_gpu // 2, cfg.data.max_prompt_length + cfg.data.max_response_length)
+        smaller = plan_for(_changed(cfg, actor__max_token_len_per_gpu=half), world_size, total, shapes)
+        fixes.append(f"actor.max_token_len_per_gpu = {half} ({_peak(smaller)})")
+    if not a.offload_optimizer:
+        off = plan_for(_changed(cfg, actor__offload_optimizer=True), world_size, total, shapes)
+        fixes.append(f"actor.offload_optimizer = true ({_peak(off)})")
+    return fixes
+
+
+def fixes_for(cfg: Config, plan: mp.MemoryPlan, world_size: int, shapes) -> list[str]:
+    """What would bring each phase over the device down, each with the peak it predicts."""
+    over = {p.name for p in plan.phases if p.total > plan.device_total}
+    fixes = []
+    if over & {"generation", "weight sync"}:
+        fixes += generation_fixes(cfg, plan, world_size, shapes)
+    if over - {"generation", "weight sync"}:
+        fixes += update_fixes(cfg, plan, world_size, shapes)
+    return fixes + [more_gpus_fix(cfg, world_size, plan.device_total, shapes), LORA_FIX]
+
+
+# --------------------------------------------------------------------------- the check
+
+
+def refusal(cfg: Config, plan: mp.MemoryPlan, world_size: int, shapes) -> str:
+    fixes = fixes_for(cfg, plan, world_size, shapes)
+    phases = "; ".join(p.describe() for p in plan.phases)
+    return (f"memory: predicted peak per GPU {_gib(plan.peak.total)} in {plan.peak.name} exceeds the GPU's "
+            f"{_gib(plan.device_total)} on {world_size} GPU(s) ({phases}). Fixes: {'; '.join(fixes)}. "
+            'trainer.memory_check = "warn" runs anyway (the prediction is within about 10% of measured peaks)')
+
+
+def check_memory(cfg: Config, world_size: int, device_total: float | None) -> mp.MemoryPlan | None:
+    """The run's plan, refused (MemoryPlanError) or warned about when its peak exceeds
+    `device_total` (trainer.memory_check); None when the model's shape cannot be read from its
+    config (logged) or the check is off."""
+    mode = cfg.trainer.memory_check
+    if mode == "off":
+        return None
+    try:
+        shapes = (model_shape(cfg), model_shape(cfg, critic=True) if cfg.use_critic else None)
+    except (KeyError, TypeError, ValueError) as e:
+        log.warning("memory: not predicted: the model's config.json does not fit the dense-decoder formula (%s: %s); "
+                    'trainer.memory_check = "off" leaves this line out', type(e).__name__, e)
+        return None
+    plan = plan_for(cfg, world_size, device_total, shapes)
+    if not plan.fits:
+        message = refusal(cfg, plan, world_size, shapes)
+        if mode == "error":
+            raise MemoryPlanError(message)
+        log.warning(message)
+    return plan
+
+
+def out_of_memory_message(step_phase: str, plan: mp.MemoryPlan | None, error: BaseException) -> str:
+    """One line for an out-of-memory error in the trainer's `step_phase` (a PhaseTimer name)."""
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    first = first[:200] + ("..." if len(first) > 200 else "")
+    name = PLAN_PHASE.get(step_phase, "")
+    predicted = ""
+    if plan is not None:
+        phase = next((p for p in plan.phases if p.name == name), plan.peak)
+        of = f" of the GPU's {_gib(plan.device_total)}" if plan.device_total else ""
+        predicted = f"; predicted {phase.describe()} GiB{of}"
+    if name in ("generation", "weight sync"):
+        fix = ("set rollout.offload_train_states = true, lower rollout.gpu_memory_utilization, or shard over more "
+               "GPUs")
+    elif name == "log-prob pass":
+        fix = "lower actor.logprob_max_token_len_per_gpu (critic.forward_max_token_len_per_gpu), or shard over more GPUs"
+    else:
+        fix = ("lower actor.max_token_len_per_gpu (critic.max_token_len_per_gpu), set model.gradient_checkpointing = "
+               "true or actor.offload_optimizer = true, or shard over more GPUs")
+    return f"out of GPU memory in the step's {step_phase} phase ({first}){predicted}: {fix}"

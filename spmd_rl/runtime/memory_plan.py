@@ -1,0 +1,350 @@
+"""Each GPU's memory, predicted from plain numbers before anything is allocated.
+
+A run holds, per GPU, in two phases that take turns (spmd_rl/trainer.py):
+
+- generation: the vLLM engine awake (`rollout.gpu_memory_utilization` x the device's memory: vLLM
+  sizes its weights + KV cache + activations to that share) beside what training keeps resident:
+  every model's parameter shards and the optimizer states (gradients are freed after each update),
+  or nothing with `rollout.offload_train_states` (then the weight sync, before the KV cache wakes,
+  still holds both the training state and the engine's weights);
+- update: the training state (parameters, gradients, AdamW's two moments) with the activations of
+  one micro-batch, vLLM asleep (sleep level 2 keeps only its buffers outside the pool and its CUDA
+  graphs). The no-grad log-prob passes (old log-probs, reference, values) hold the same state
+  without gradients, with their own, larger, token budget.
+
+Bytes per parameter, sharded over the FSDP shard group: a trained model in float32 masters holds
+4 (parameters) + 4 (gradients) + 8 (AdamW's two moments, in the parameters' dtype) = 16; in
+bfloat16 masters 2 + 2 + 4 = 8. The reference model is parameters only, in the compute dtype.
+`actor.offload_optimizer` keeps the moments on the CPU except during the optimizer step.
+
+Activations of one update micro-batch of T tokens per GPU (hidden size h, L decoder layers, compute
+dtype of c bytes): a layer that keeps its activations for backward holds T x h x
+ACTIVATION_BYTES_PER_HIDDEN x c / 2; a checkpointed one only its input (T x h x c), plus one
+layer's activations while it is recomputed; the log-prob head holds its chunk temporaries
+(logprob_head.CHUNK_ELEMENTS logits), the gathered head weight and its float32 gradient (the
+full [vocab, h] logits x 3 in float32 without `model.chunked_logprobs`); FSDP holds two gathered
+layers and their unsharded gradients. A no-grad pass holds one layer's activations at a time.
+
+Parameter counts come from the model's shape (config.json or loading.ARCH_PRESETS), arithmetically:
+no weights are read. Nothing here imports torch; spmd_rl/config/external_checks.py reads the
+config and the device and calls `plan_memory`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+ACTIVATION_BYTES_PER_HIDDEN = 39.0
+"""Bytes a decoder layer keeps for backward per token and per unit of hidden size, at a 2-byte
+compute dtype (scaled by compute bytes / 2): Qwen2 shapes (intermediate ~5.5 x hidden) in
+transformers' modules or the compiled layer. Fitted to three update peaks of docs/performance.md
+(1xH100, bench_step's work, no checkpointing: 0.5B at 16384 and 32768 tokens, 1.5B at 16384;
+predicted +5%, +1%, -3%); the checkpointed 1.5B runs (every layer, half) then come out +6% and
++4% (tests/test_memory_plan.py keeps all five within 10%)."""
+HEAD_CHUNK_ELEMENTS = 1 << 28
+"""logprob_head.CHUNK_ELEMENTS (not imported: that module imports torch)."""
+HEAD_CHUNK_TEMPORARIES = {"none": 3 * 4, "compile": 2 * 2}
+"""Bytes per chunk logit live at once in the head's backward: the eager head's float32
+temporaries (about 3), the compiled head's bf16 logits and gradient (2)."""
+CUDA_CONTEXT_GIB = 1.5
+"""Per process outside PyTorch's tensors: the CUDA context, cuBLAS workspaces, NCCL buffers and
+what the caching allocator holds beyond the tensors. With ENGINE_ASLEEP_GIB and CUDA_GRAPH_GIB it
+makes the device's level while the engine sleeps (parameters aside) 4.2 GiB, as measured by
+bench_rollout (0.5B 4.1, 1.5B 4.3, 7B TP=2 eager 4.2 GiB; docs/performance.md)."""
+ENGINE_ASLEEP_GIB = 2.2
+"""A sleeping vLLM engine's buffers outside its sleep pool (measured 1.5-2.7 GiB, engine.py)."""
+CUDA_GRAPH_GIB = 0.5
+"""vLLM's CUDA graphs (not freed by sleep; 0.48 GiB measured for the 7B decode graphs)."""
+SYNC_BUCKETS = 2
+"""Weight-sync buckets alive at once (the gathered one and the one handed to the engine)."""
+
+
+# --------------------------------------------------------------------------- the model's shape
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the parameter count and the activations depend on (a dense decoder-only LM)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tied_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+    def layer_parameters(self) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
+        return attention + mlp + 2 * h  # two RMSNorm weights
+
+    def backbone_parameters(self) -> int:
+        """Embedding, layers and the final norm."""
+        return self.vocab_size * self.hidden_size + self.num_layers * self.layer_parameters() + self.hidden_size
+
+    def parameters(self) -> int:
+        """The causal LM's: the backbone and, untied, the LM head."""
+        head = 0 if self.tied_embeddings else self.vocab_size * self.hidden_size
+        return self.backbone_parameters() + head
+
+    def value_model_parameters(self) -> int:
+        """The critic's: the backbone and a scalar head with bias (load_value_model)."""
+        return self.backbone_parameters() + self.hidden_size + 1
+
+
+QKV_BIAS_MODEL_TYPES = ("qwen2",)
+"""Model types whose q/k/v projections always carry a bias (transformers' Qwen2Attention)."""
+
+
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""config.json entries of mixture-of-experts models, whose parameters the dense formula does not count."""
+
+
+def shape_from_config(config: dict) -> ModelShape:
+    """The shape in a config.json (its text config's entries) or a loading.ARCH_PRESETS entry.
+    ValueError for a mixture-of-experts config; KeyError where an entry the formula needs is missing."""
+    experts = [k for k in EXPERT_KEYS if config.get(k)]
+    if experts:
+        raise ValueError(f"{experts[0]} = {config[experts[0]]}: a mixture-of-experts model, which the dense "
+                         "formula does not count")
+    h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    attention_bias = bool(config.get("attention_bias", False))
+    return ModelShape(
+        vocab_size=int(config["vocab_size"]), hidden_size=h, intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]), num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or h // heads),
+        tied_embeddings=bool(config.get("tie_word_embeddings", True)),
+        qkv_bias=attention_bias or config.get("model_type", "qwen2") in QKV_BIAS_MODEL_TYPES,
+        o_bias=attention_bias, mlp_bias=bool(config.get("mlp_bias", False)))
+
+
+# --------------------------------------------------------------------------- training state
+
+
+@dataclass(frozen=True)
+class Role:
+    """A model the trainer holds on each GPU: trained (actor, critic: gradients and AdamW) or
+    frozen (reference: parameters only)."""
+
+    name: str
+    parameters: int
+    dtype_bytes: int  # of its stored parameters (the master dtype; the compute dtype for the reference)
+    trained: bool
+    optimizer_on_gpu: bool = True  # False: actor.offload_optimizer
+
+    def param_bytes(self, shard: int) -> float:
+        return self.parameters * self.dtype_bytes / shard
+
+    def grad_bytes(self, shard: int) -> float:
+        return self.param_bytes(shard) if self.trained else 0.0
+
+    def optimizer_bytes(self, shard: int) -> float:
+        """AdamW's two moments, in the parameters' dtype (0 for a frozen model)."""
+        return 2 * self.param_bytes(shard) if self.trained else 0.0
+
+    def resident_optimizer_bytes(self, shard: int) -> float:
+        return self.optimizer_bytes(shard) if self.optimizer_on_gpu else 0.0
+
+
+def training_state_bytes(roles: list[Role], shard: int) -> dict[str, float]:
+    """Parameters, gradients and optimizer states of every role, per GPU (all of them at once)."""
+    return {"params": sum(r.param_bytes(shard) for r in roles),
+            "grads": sum(r.grad_bytes(shard) for r in roles),
+            "optimizer": sum(r.optimizer_bytes(shard) for r in roles)}
+
+
+# --------------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a micro-batch costs per GPU: its tokens and how the model runs them."""
+
+    update_tokens: int  # tokens of one update micro-batch on this GPU
+    forward_tokens: int  # of one no-grad log-prob / value micro-batch
+    compute_bytes: int = 2
+    checkpointed_share: float = 0.0  # model.checkpointed_share()
+    chunked_logprobs: bool = True
+    head: str = "none"  # model.fused_logprob_head
+    bytes_per_hidden: float = ACTIVATION_BYTES_PER_HIDDEN
+
+
+def layer_activation_bytes(shape: ModelShape, tokens: int, work: Work) -> float:
+    """One decoder layer's activations for `tokens` tokens."""
+    return tokens * shape.hidden_size * work.bytes_per_hidden * work.compute_bytes / 2
+
+
+def head_bytes(shape: ModelShape, tokens: int, work: Work, backward: bool) -> float:
+    """The log-prob head: chunk temporaries and the gathered weight (with its float32 gradient in
+    backward), or the full float32 logits without chunking."""
+    weight = shape.vocab_size * shape.hidden_size * (work.compute_bytes + (4 if backward else 0))
+    if not work.chunked_logprobs:
+        return weight + tokens * shape.vocab_size * 4 * (3 if backward else 2)
+    positions = min(tokens, max(1, HEAD_CHUNK_ELEMENTS // shape.vocab_size))
+    return weight + positions * shape.vocab_size * HEAD_CHUNK_TEMPORARIES.get(work.head, 12)
+
+
+def fsdp_buffer_bytes(shape: ModelShape, work: Work, backward: bool) -> float:
+    """Two gathered layers in the compute dtype (the running one and the prefetched one) and, in
+    backward, their float32 gradients before the reduce-scatter."""
+    return 2 * shape.layer_parameters() * (work.compute_bytes + (4 if backward else 0))
+
+
+def update_activation_bytes(shape: ModelShape, work: Work) -> float:
+    """An update micro-batch's activations (with the head and FSDP's gathered layers)."""
+    t = work.update_tokens
+    checkpointed = round(work.checkpointed_share * shape.num_layers)
+    kept = shape.num_layers - checkpointed
+    layers = kept * layer_activation_bytes(shape, t, work)
+    if checkpointed:
+        layers += checkpointed * t * shape.hidden_size * work.compute_bytes + layer_activation_bytes(shape, t, work)
+    return layers + head_bytes(shape, t, work, backward=True) + fsdp_buffer_bytes(shape, work, backward=True)
+
+
+def forward_activation_bytes(shape: ModelShape, work: Work) -> float:
+    """A no-grad pass (log-probs, reference, values): one layer's activations at a time."""
+    t = work.forward_tokens
+    return (layer_activation_bytes(shape, t, work) + head_bytes(shape, t, work, backward=False)
+            + fsdp_buffer_bytes(shape, work, backward=False))
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The rollout engine on this GPU."""
+
+    kind: str = "vllm"  # "vllm", or "hf" (a full model copy, never asleep)
+    gpu_memory_utilization: float = 0.5
+    cuda_graphs: bool = True  # not rollout.enforce_eager
+    weight_bytes: float = 0.0  # this GPU's engine weights (its tensor-parallel shard), for the weight sync
+    sync_bucket_bytes: float = 512 * 2**20
+
+
+def engine_label(engine: Engine) -> str:
+    return "HF engine" if engine.kind == "hf" else "vLLM asleep"
+
+
+def engine_asleep_bytes(engine: Engine) -> float:
+    """What the engine keeps while training runs."""
+    if engine.kind == "hf":
+        return engine.weight_bytes
+    return (ENGINE_ASLEEP_GIB + (CUDA_GRAPH_GIB if engine.cuda_graphs else 0.0)) * GiB
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Phase:
+    name: str
+    parts: dict[str, float]  # bytes per GPU, by what holds them
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        parts = " + ".join(f"{k} {v / GiB:.1f}" for k, v in self.parts.items() if v >= 0.05 * GiB)
+        return f"{self.name}: {parts} = {self.total / GiB:.1f}" if parts else f"{self.name}: {self.total / GiB:.1f}"
+
+
+@dataclass
+class MemoryPlan:
+    """Every phase's predicted bytes per GPU; `device_total`: the device's bytes (None: no GPU)."""
+
+    phases: list[Phase]
+    device_total: float | None = None
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.total)
+
+    def phase(self, name: str) -> Phase:
+        return next(p for p in self.phases if p.name == name)
+
+    @property
+    def fits(self) -> bool:
+        return self.device_total is None or self.peak.total <= self.device_total
+
+    def line(self) -> str:
+        """The start-up line: the peak, each phase by part, the device."""
+        of = f" of {self.device_total / GiB:.1f} GiB" if self.device_total else " (no GPU: not compared)"
+        phases = "; ".join(p.describe() for p in self.phases)
+        return f"memory: predicted peak per GPU {self.peak.total / GiB:.1f} GiB in {self.peak.name} ({phases}){of}"
+
+
+def training_phases(roles: list[Role], shard: int, models: dict[str, tuple[ModelShape, Work]],
+                    engine: Engine, overhead: float) -> list[Phase]:
+    """The update of each trained role and the no-grad passes, vLLM asleep. A role's update holds
+    its gradients and its activations (or, with its optimizer offloaded, its moments during the
+    step); every role keeps its parameters and resident moments. `models`: each trained role's
+    shape and micro-batches (the reference runs the actor's)."""
+    resident = {"params": sum(r.param_bytes(shard) for r in roles),
+                "optimizer": sum(r.resident_optimizer_bytes(shard) for r in roles)}
+    fixed = {engine_label(engine): engine_asleep_bytes(engine), "overhead": overhead}
+    phases = []
+    for role in (r for r in roles if r.trained):
+        shape, work = models[role.name]
+        moments = 0.0 if role.optimizer_on_gpu else role.optimizer_bytes(shard)  # brought in for the step
+        activations = max(update_activation_bytes(shape, work), moments)
+        phases.append(Phase(f"{role.name} update", {**resident, "grads": role.grad_bytes(shard),
+                                                    "activations": activations, **fixed}))
+    forward = max(forward_activation_bytes(shape, work) for shape, work in models.values())
+    phases.append(Phase("log-prob pass", {**resident, "activations": forward, **fixed}))
+    return phases
+
+
+def generation_phases(roles: list[Role], shard: int, engine: Engine, device_total: float, offload: bool,
+                      overhead: float) -> list[Phase]:
+    """The weight sync (training state resident, the engine's weights awake) and generation (the
+    engine at its memory share; the training state resident unless offloaded)."""
+    state = {"params": sum(r.param_bytes(shard) for r in roles),
+             "optimizer": sum(r.resident_optimizer_bytes(shard) for r in roles)}
+    if engine.kind == "hf":
+        return [Phase("generation", {**state, "HF engine": engine.weight_bytes, "overhead": overhead})]
+    share = engine.gpu_memory_utilization * device_total
+    asleep = engine_asleep_bytes(engine)  # beside its share: measured awake - asleep = the share
+    generation = {"vLLM": share, **({} if offload else state), "vLLM asleep": asleep, "overhead": overhead}
+    phases = [Phase("generation", generation)]
+    if offload:
+        phases.append(Phase("weight sync", {**state, "vLLM weights": engine.weight_bytes,
+                                            "buckets": SYNC_BUCKETS * engine.sync_bucket_bytes,
+                                            "vLLM asleep": asleep, "overhead": overhead}))
+    return phases
+
+
+def plan_memory(roles: list[Role], shard: int, models: dict[str, tuple[ModelShape, Work]], engine: Engine,
+                device_total: float | None, offload_train_states: bool = False) -> MemoryPlan:
+    """Each phase's bytes per GPU. `shard`: the ranks each model is sharded over (trainer.fsdp_size
+    or the world); `models`: each trained role's shape and micro-batches ("actor", and "critic"
+    if there is one); `device_total`: the device's bytes (None: no GPU; vLLM's share is then
+    taken of 80 GiB, only for the line)."""
+    overhead = CUDA_CONTEXT_GIB * GiB if device_total else 0.0
+    total_for_share = device_total if device_total else 80 * GiB
+    phases = training_phases(roles, shard, models, engine, overhead)
+    phases += generation_phases(roles, shard, engine, total_for_share, offload_train_states, overhead)
+    return MemoryPlan(phases, device_total)
+
+
+def largest_fitting_share(plan: MemoryPlan, step: float = 0.05) -> float:
+    """The largest rollout.gpu_memory_utilization (a multiple of `step`) under which generation
+    fits the device (0.0 when none does)."""
+    if plan.device_total is None:
+        return 1.0
+    generation = plan.phase("generation")
+    rest = generation.total - generation.parts.get("vLLM", 0.0)
+    share = (plan.device_total - rest) / plan.device_total
+    return max(0.0, math.floor(share / step + 1e-9) * step)
