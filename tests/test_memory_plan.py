@@ -2,7 +2,7 @@
 
 The parameter count against real transformers models built on the meta device; the training
 state against a per-role sum written out here; the refusal for configs/qwen7b.toml on 2 ranks of
-80 GB GPUs (issue 42: it died in vLLM's wake_up after 95 s) and its absence on 4; the measured
+80 GB GPUs (it died in vLLM's wake_up after 95 s) and its absence on 4; the measured
 update peaks of docs/performance.md within 10%; an out-of-memory error as one line naming its phase.
 """
 
@@ -111,7 +111,7 @@ def test_bfloat16_masters_and_offloaded_optimizer(tmp_path):
 
 
 def test_qwen7b_on_2_ranks_of_80gb_is_refused_with_the_fixes(tmp_path):
-    """Issue 42: the preset on 2 GPUs died in vLLM's wake_up; now it stops before any model loads."""
+    """The preset on 2 GPUs died in vLLM's wake_up; now it stops before any model loads."""
     cfg = qwen7b_config(tmp_path)
     with pytest.raises(mc.MemoryPlanError) as e:
         mc.check_memory(cfg, 2, H100_TOTAL)
@@ -163,11 +163,11 @@ def test_the_start_up_line_is_logged_before_the_models(monkeypatch, caplog):
 
 MEASURED_UPDATE_PEAKS = [  # docs/performance.md: memory/update_actor_peak_gb (PyTorch's tensors), 1xH100,
     # bench_step.sh's work (micro-batches filled to ~95% of the budget), the preset's other settings
-    ("qwen2-0.5b", 16384, 0.0, 23.7),  # session 15
-    ("qwen2-0.5b", 32768, 0.0, 37.1),  # session 15
-    ("qwen2-1.5b", 16384, 0.0, 55.9),  # session 14
-    ("qwen2-1.5b", 16384, 1.0, 28.9),  # session 13 (head chunks 4x smaller then)
-    ("qwen2-1.5b", 16384, 0.5, 41.2),  # session 13
+    ("qwen2-0.5b", 16384, 0.0, 23.7),  # docs/performance.md "Update MFU", 2026-11-25
+    ("qwen2-0.5b", 32768, 0.0, 37.1),  # docs/performance.md "Update MFU", 2026-11-25
+    ("qwen2-1.5b", 16384, 0.0, 55.9),  # docs/performance.md "Update MFU", 2026-11-25
+    ("qwen2-1.5b", 16384, 1.0, 28.9),  # docs/performance.md "Memory peaks per preset", 2026-11-25 (head chunks 4x smaller then)
+    ("qwen2-1.5b", 16384, 0.5, 41.2),  # docs/performance.md "Memory peaks per preset", 2026-11-25
 ]
 
 
@@ -190,7 +190,7 @@ def test_out_of_memory_in_a_phase_is_one_line_naming_it(tmp_path, capsys):
 
     plan = mc.plan_for(qwen7b_config(tmp_path), 2, H100_TOTAL)
     timer = PhaseTimer(torch.device("cpu"), plan)
-    with pytest.raises(mc.OutOfMemory) as e:  # vLLM's sleep-mode allocator, issue 42
+    with pytest.raises(mc.OutOfMemory) as e:  # vLLM's sleep-mode allocator (cumem_allocator.cpp)
         with timer("wake"):
             raise RuntimeError("CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163")
     message = str(e.value)
