@@ -11,7 +11,8 @@ import os
 
 from spmd_rl.errors import ConfigError
 
-_PKG = os.path.dirname(os.path.abspath(__file__))
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The spmd_rl package directory (this module is spmd_rl/config/presets.py)."""
 
 
 def presets_dir() -> str:
