@@ -211,30 +211,6 @@ def test_compiled_layer_under_fsdp_keeps_the_modules_ints_constant(tmp_path):
     run_distributed(_layer_symbols_under_fsdp_body, 1, str(tmp_path))
 
 
-def test_compiled_layers_under_gradient_checkpointing_match_eager(monkeypatch):
-    """configs/qwen7b.toml checkpoints activations and compiles its layers: each compiled layer runs
-    inside transformers' checkpoint region (forward, then again in the backward's recompute). Same
-    log-probs, entropy and gradients as the eager model without checkpointing (float32 tolerance)."""
-    from spmd_rl.model.loading import set_gradient_checkpointing
-
-    monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": "aot_eager"})
-    base = tiny_model()
-    eager = prepare_policy(copy.deepcopy(base), remove_padding=True)
-    fused = prepare_policy(copy.deepcopy(base), True, True, fused_kernels="compile", fused_logprob_head="compile")
-    set_gradient_checkpointing(fused, True)
-    fused.train()
-    eager.train()
-    layer = fused_kernels.decoder_layers(fused)[0]
-    compiled_forward, calls = layer.__dict__["forward"], []
-    layer.forward = lambda *a, **k: calls.append(1) or compiled_forward(*a, **k)
-    want, got = run(eager, [5, 9, 3]), run(fused, [5, 9, 3])
-    assert len(calls) == 2, f"the compiled layer ran {len(calls)} times: checkpointing must recompute it once"
-    for a, b in zip(got[:2], want[:2]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    for a, b in zip(got[2], want[2]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-
-
 class GraphRuns:
     """A torch.compile backend: dynamo + AOTAutograd without inductor (as "aot_eager") that counts
     the runs of the compiled forward graphs, apart in the forward and in the backward (where a
@@ -319,9 +295,9 @@ def check_checkpointed_compiled_layers(fsdp, rtol, atol):
 def test_checkpointed_compiled_layers_save_less_and_recompute_compiled():
     """configs/qwen7b.toml checkpoints activations and compiles its layers (check_checkpointed_compiled_layers;
     float64, the same numbers as eager up to rounding). transformers 5.24 checkpoints inside the
-    layer class's forward, which the compiled per-instance forward skips (fused_kernels.set_layer_checkpointing);
-    before the compiled layer checkpointed itself, this model's layers compiled nothing there and ran
-    eagerly, forward and recompute."""
+    layer class's forward, which the compiled per-instance forward skips
+    (fused_kernels.set_layer_checkpointing); before the compiled layer checkpointed itself, this
+    model's layers compiled nothing there and ran eagerly, forward and recompute."""
     check_checkpointed_compiled_layers(False, rtol=1e-9, atol=1e-12)
 
 
