@@ -173,10 +173,9 @@ def set_layer_checkpointing(layer: torch.nn.Module, on: bool) -> None:
 
 def _sync_checkpointing(model: torch.nn.Module) -> None:
     """After a switch of kernels: hand each checkpointed layer's checkpointing to whoever runs it
-    now (set_layer_checkpointing)."""
-    if not hasattr(model, "base_model_prefix"):
-        return
-    for layer in decoder_layers(model):
+    now (set_layer_checkpointing). A model without a `layers` stack (not a decoder here) has none."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    for layer in getattr(base, "layers", ()):
         if hasattr(layer, "spmd_checkpoint"):
             set_layer_checkpointing(layer, layer.spmd_checkpoint)
 
