@@ -23,6 +23,8 @@ Both keep packed rows working (one row, position ids restarting per sequence, th
 `cu_seq_lens_*` for spmd_rl.model.varlen_attention) and FSDP2: they replace module `forward`s, and
 FSDP2's hooks (in `__call__`) stay outside them, so they may be applied before or after
 `fully_shard` (models.prepare_policy applies them before, at load). State-dict names do not change.
+A compiled layer does its own activation checkpointing, around the compiled function
+(set_layer_checkpointing says why transformers' cannot).
 
 Without CUDA, Triton or liger-kernel (the `gpu` extra), "liger" falls back to the unfused
 modules and the process logs one warning (whatever the number of models); a CPU tensor reaching a
@@ -111,6 +113,7 @@ def apply(model: torch.nn.Module, mode: str, device_type: str | None = None) -> 
         _apply_compile(model, patches)
     model._spmd_fused_patches = patches
     model.spmd_fused_kernels = mode
+    _sync_checkpointing(model)
     return mode
 
 
@@ -127,6 +130,7 @@ def restore(model: torch.nn.Module) -> None:
             module.__dict__["forward"] = previous
     model._spmd_fused_patches = []
     model.spmd_fused_kernels = "none"
+    _sync_checkpointing(model)
 
 
 def _set_forward(module: torch.nn.Module, forward, patches: list) -> None:
@@ -136,6 +140,49 @@ def _set_forward(module: torch.nn.Module, forward, patches: list) -> None:
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(getattr(model, model.base_model_prefix).layers)
+
+
+# --------------------------------------------------------------------------- activation checkpointing
+
+
+def set_layer_checkpointing(layer: torch.nn.Module, on: bool) -> None:
+    """Recompute `layer` in backward (activation checkpointing) or keep its activations: the switch
+    of one decoder layer (spmd_rl.model.loading.set_gradient_checkpointing sets it on every layer,
+    after setting up transformers' checkpointing). Who checkpoints depends on what the layer runs:
+
+    - transformers' forward (fused kernels "none", "liger"): transformers, by the layer's
+      `gradient_checkpointing` switch (GradientCheckpointingLayer);
+    - the compiled forward ("compile"): `_call_compiled_layer`, with torch's non-reentrant
+      checkpoint around the compiled function, so that the backward's recompute runs the compiled
+      graphs again; transformers' switch stays off on this layer.
+
+    transformers cannot checkpoint a compiled layer here. Up to 5.17 its GradientCheckpointingLayer
+    checkpointed `__call__`, which reached the per-instance compiled forward (forward and recompute
+    alike); from 5.24 it wraps each layer class's `forward` instead
+    (modeling_layers.GradientCheckpointingLayer.__init_subclass__, forward_with_checkpointing, to
+    keep module hooks such as FSDP2's outside the checkpoint), and the per-instance forward skips
+    that wrapper. The compiled function (the class's forward) was that wrapper: dynamo met the
+    checkpoint inside it, and on CPU, where its body has a graph break (the attention), ran the
+    whole checkpoint eagerly: no graph compiled, recompute eager. Under FSDP2 the wrapper found
+    the FSDP subclass's own wrapper outermost and did not checkpoint at all (as many activations
+    saved as without checkpointing). Checkpointing the compiled function here is what 5.24 does for
+    transformers' forward (module hooks outside the checkpoint), on every version."""
+    layer.spmd_checkpoint = bool(on)
+    layer.gradient_checkpointing = bool(on) and not _is_compiled_layer(layer)
+
+
+def _sync_checkpointing(model: torch.nn.Module) -> None:
+    """After a switch of kernels: hand each checkpointed layer's checkpointing to whoever runs it
+    now (set_layer_checkpointing). A model without a `layers` stack (not a decoder here) has none."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    for layer in getattr(base, "layers", ()):
+        if hasattr(layer, "spmd_checkpoint"):
+            set_layer_checkpointing(layer, layer.spmd_checkpoint)
+
+
+def _is_compiled_layer(layer: torch.nn.Module) -> bool:
+    forward = layer.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _call_compiled_layer
 
 
 # --------------------------------------------------------------------------- liger
@@ -251,9 +298,22 @@ def _call_compiled_layer(forward, layer, *args, **kwargs):
     embedding's slices turned into floor-division guards. Reasoning about those was most of a
     compile (the 0.5B preset's restart with Inductor's cache warm: 16.7 s -> 2.3 s on an H100,
     2026-11-25; docs/performance.md, "Compile warm-up on a restart" and "History").
-    skip_fsdp_guards=False treats the layer's modules as plain ones (their attributes guarded as
-    usual). The ints the layer takes as arguments (the longest sequence,
-    max_length_q) stay symbolic."""
+    skip_fsdp_guards=False treats the layer's modules as plain ones (their
+    attributes guarded as usual). The ints the layer takes as arguments (the longest sequence,
+    max_length_q) stay symbolic.
+
+    A layer switched to activation checkpointing (set_layer_checkpointing) runs inside torch's
+    non-reentrant checkpoint, in training mode with gradients on (as transformers checkpoints its
+    layers): the backward recomputes it through the same compiled function (the forward's graphs,
+    no eager copy of the layer); module hooks (FSDP2's) stay outside the checkpoint."""
+    if getattr(layer, "spmd_checkpoint", False) and layer.training and torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(functools.partial(_run_compiled_layer, forward, layer, **kwargs), *args, use_reentrant=False)
+    return _run_compiled_layer(forward, layer, *args, **kwargs)
+
+
+def _run_compiled_layer(forward, layer, *args, **kwargs):
     with torch.fx.experimental._config.patch(use_duck_shape=False), \
             torch._dynamo.config.patch(specialize_float=True, skip_fsdp_guards=False):
         return forward(layer, *args, **kwargs)

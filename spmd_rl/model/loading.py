@@ -224,19 +224,34 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, gradien
 
 def set_gradient_checkpointing(model: torch.nn.Module, share: float) -> None:
     """Checkpoint `share` of the decoder layers (True: all, False/0: none), spread evenly over the
-    stack (checkpointed_layers); the others keep their activations for backward.
+    stack (checkpointed_layers); the others keep their activations for backward. Each layer's
+    switch is fused_kernels.set_layer_checkpointing: transformers checkpoints the layers that run
+    its forward (set up here by its own method, non-reentrant), a compiled layer checkpoints its
+    compiled function itself.
     transformers checkpoints a layer only in train() mode, and from_pretrained returns eval()
     models: without train() the switch does nothing (it did nothing here before). Dropout is off
     (disable_dropout), so train() changes no numbers."""
-    if not share:
-        model.gradient_checkpointing_disable()
-        return
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = decoder_layers(model)
-    chosen = set(checkpointed_layers(len(layers), float(share)))
+    chosen = set(checkpointed_layers(len(layers), float(share))) if share else set()
+    _transformers_checkpointing(model, bool(chosen))
     for i, layer in enumerate(layers):
-        layer.gradient_checkpointing = i in chosen  # transformers' GradientCheckpointingLayer switch
-    model.train()
+        fused_kernels.set_layer_checkpointing(layer, i in chosen)
+    if chosen:
+        model.train()
+
+
+def _transformers_checkpointing(model: torch.nn.Module, on: bool) -> None:
+    """transformers' switch for the whole model (every layer's `gradient_checkpointing` and its
+    checkpoint function): activation_checkpointing_enable / _disable where transformers has them
+    (5.24; gradient_checkpointing_* are their deprecated aliases there, with a FutureWarning),
+    else gradient_checkpointing_enable / _disable (5.17)."""
+    new_api = hasattr(model, "activation_checkpointing_enable")
+    if not on:
+        (model.activation_checkpointing_disable if new_api else model.gradient_checkpointing_disable)()
+    elif new_api:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def checkpointed_layers(n_layers: int, share: float) -> list[int]:
