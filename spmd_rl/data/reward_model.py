@@ -20,6 +20,7 @@ needs fewer forwards runs one-token ones.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from spmd_rl.batching.batch import to_device
 from spmd_rl.errors import UserError
@@ -79,6 +80,16 @@ def pad_right(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return ids, mask
 
 
+def first_error(error: RewardModelError | None) -> RewardModelError | None:
+    """The first rank's error, on every rank (collective); None where no rank has one."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return error
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, None if error is None else str(error))
+    first = next((m for m in gathered if m is not None), None)
+    return None if first is None else RewardModelError(first)
+
+
 class RewardModel:
     """A loaded reward model (model.loading.load_reward_model, sharded) with its tokenizer."""
 
@@ -91,16 +102,28 @@ class RewardModel:
     @torch.no_grad()
     def score(self, chats: list[list[dict]]) -> torch.Tensor:
         """[len(chats)] float32 scores on the CPU. Collective: every rank calls it, with its own chats."""
-        sequences = [render(self.tokenizer, c) for c in chats]
+        sequences, error = self._render_all(chats)
+        error = first_error(error)  # every rank stops with the message, not only the one whose chat failed
+        if error is not None:
+            raise error
         plans = plan_forwards([len(s) for s in sequences], self.micro_batch_size, self.max_tokens)
         forwards = all_reduce_max_int(len(plans))  # FSDP: every rank runs as many forwards
-        out = torch.zeros(len(chats), dtype=torch.float32)
+        done = []  # (rows, their scores on the device): read once at the end, not after every forward
         for k in range(forwards):
             rows = plans[k] if k < len(plans) else []
             ids, mask = pad_right([sequences[i] for i in rows] or [[self.pad_id]], self.pad_id)
             logits = self.model(input_ids=to_device(ids, self.device), attention_mask=to_device(mask, self.device),
                                 use_cache=False).logits
             if rows:
-                out[rows] = logits[:, 0].float().cpu()
+                done.append((rows, logits[:, 0].float()))
         reshard(self.model)  # a no-grad forward leaves the root's parameters gathered
+        out = torch.zeros(len(chats), dtype=torch.float32)
+        for rows, values in done:
+            out[rows] = values.cpu()
         return out
+
+    def _render_all(self, chats: list[list[dict]]) -> tuple[list[list[int]], RewardModelError | None]:
+        try:
+            return [render(self.tokenizer, c) for c in chats], None
+        except RewardModelError as e:
+            return [], e
