@@ -136,6 +136,15 @@ def test_a_directory_that_is_no_reward_model_is_one_line(tmp_path, kind, message
     assert "\n" not in str(e.value)
 
 
+def test_torchrun_refuses_a_causal_lm_as_reward_model_in_one_line_before_loading(tmp_path):
+    from test_user_errors import assert_one_line_error
+
+    path = save_rm(tmp_path / "lm", head=False)
+    p = run_cmd(tiny_cmd(tmp_path / "run", tmp_path / "data", f"reward_model.path={path}"))
+    assert_one_line_error(p, f"reward_model.path = {path!r} is not a reward model")
+    assert not (tmp_path / "run").exists()  # refused by the config check, before anything was written
+
+
 def test_torchrun_with_a_reward_model_logs_its_share(tmp_path):
     """2 ranks, 2 steps: reward/mean is the weighted sum of reward/rule_mean and reward/rm_mean."""
     path = save_rm(tmp_path / "rm")
@@ -149,3 +158,18 @@ def test_torchrun_with_a_reward_model_logs_its_share(tmp_path):
     for m in steps:
         assert m["reward/rm_mean"] != 0.0 and "time/reward_model" in m
         assert m["reward/mean"] == pytest.approx(0.5 * m["reward/rule_mean"] + 2.0 * m["reward/rm_mean"], abs=1e-5)
+
+
+def test_the_reward_model_moves_with_the_training_state():
+    """rollout.offload_train_states: the reward model leaves the GPU while the engine generates, as the
+    reference model does (Trainer._train_state lists what train.offload.move_train_state moves)."""
+    from types import SimpleNamespace
+
+    from spmd_rl.trainer import Trainer
+
+    actor, ref, rm = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    opt = torch.optim.AdamW(actor.parameters())
+    fake = SimpleNamespace(actor=actor, critic=None, ref=ref, reward_model=SimpleNamespace(model=rm), actor_opt=opt,
+                           critic_opt=None, cfg=SimpleNamespace(actor=SimpleNamespace(offload_optimizer=False)))
+    models, optimizers = Trainer._train_state(fake)
+    assert models == [actor, ref, rm] and optimizers == [opt]
