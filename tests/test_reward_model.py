@@ -145,12 +145,20 @@ def test_torchrun_refuses_a_causal_lm_as_reward_model_in_one_line_before_loading
     assert not (tmp_path / "run").exists()  # refused by the config check, before anything was written
 
 
-def test_torchrun_with_a_reward_model_logs_its_share(tmp_path):
-    """2 ranks, 2 steps: reward/mean is the weighted sum of reward/rule_mean and reward/rm_mean."""
+MULTI_TURN = ["data.synthetic_task=hidden", "data.max_response_length=16", "data.val_files=[]",
+              "rollout.environment=spmd_rl.envs.hidden_digit:HiddenDigitEnv", "rollout.max_turns=2",
+              "rollout.stop_token_ids=[3,4,5,6,7,8,9,10,11,12,48]"]  # tests/test_multiturn_e2e.py's task
+
+
+@pytest.mark.parametrize("turns", ["single", "multi"])
+def test_torchrun_with_a_reward_model_logs_its_share(tmp_path, turns):
+    """2 ranks, 2 steps: reward/mean is the weighted sum of reward/rule_mean and reward/rm_mean
+    (multi-turn: the rule part is the environment's reward; the RM reads the whole conversation)."""
     path = save_rm(tmp_path / "rm")
     run_dir = tmp_path / "run"
+    more = MULTI_TURN if turns == "multi" else ["trainer.val_every=1"]
     p = run_cmd(tiny_cmd(run_dir, tmp_path / "data", f"reward_model.path={path}", "reward_model.weight=2.0",
-                         "reward.rule_weight=0.5", "reward_model.max_token_len_per_gpu=64", "trainer.val_every=1"))
+                         "reward.rule_weight=0.5", "reward_model.max_token_len_per_gpu=64", *more))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     steps = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     steps = [m for m in steps if "reward/rm_mean" in m]
@@ -173,3 +181,43 @@ def test_the_reward_model_moves_with_the_training_state():
                            critic_opt=None, cfg=SimpleNamespace(actor=SimpleNamespace(offload_optimizer=False)))
     models, optimizers = Trainer._train_state(fake)
     assert models == [actor, ref, rm] and optimizers == [opt]
+
+
+class RecordingRM:
+    def __init__(self):
+        self.chats = None
+
+    def score(self, chats):
+        self.chats = chats
+        return torch.arange(len(chats), dtype=torch.float32) / 10
+
+
+def test_the_step_scores_weighted_parts_and_gives_the_rm_each_conversation():
+    """Trainer.score: scores = reward.rule_weight x rule + reward_model.weight x RM; the RM gets [the
+    data's prompt, the response] of a single-turn row and [prompt, the trajectory's messages] of a
+    multi-turn one (meta["messages"], from Completion.messages)."""
+    from types import SimpleNamespace
+
+    from spmd_rl.batching.batch import build_rollout_batch
+    from spmd_rl.data.rewards import RewardFunction
+    from spmd_rl.rollout.base import Completion
+    from spmd_rl.trainer import Trainer
+
+    tok = build_char_tokenizer()
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    turns = [{"role": "assistant", "content": "?"}, {"role": "user", "content": "7"}, {"role": "assistant", "content": "7"}]
+    comps = [[Completion(enc("5"), None, "stop")],
+             [Completion(enc("?") + enc("7") + enc("7"), None, "stop", mask=[1, 0, 1], messages=turns)]]
+    meta = {"data_source": ["synthetic/successor"] * 2, "ground_truth": ["5", "77"], "extra_info": [{}, {}],
+            "index": [0, 1], "prompt": ["384", [{"role": "user", "content": "ab"}]]}
+    batch = build_rollout_batch([enc("384="), enc("ab")], comps, tok.pad_token_id, meta)
+    cfg = rm_config(path="x", weight=2.0)
+    cfg.reward.rule_weight = 0.5
+    rm = RecordingRM()
+    fake = SimpleNamespace(tokenizer=tok, reward_fn=RewardFunction(cfg.reward), reward_model=rm, cfg=cfg)
+    Trainer.score(fake, batch)
+    assert rm.chats == [[{"role": "user", "content": "384"}, {"role": "assistant", "content": "5"}],
+                        [{"role": "user", "content": "ab"}, *turns]]
+    torch.testing.assert_close(batch["rule_scores"], torch.tensor([1.0, 1.0]))
+    torch.testing.assert_close(batch["scores"], 0.5 * torch.tensor([1.0, 1.0]) + 2.0 * torch.tensor([0.0, 0.1]))
+    assert "prompt" not in batch.meta and "messages" not in batch.meta  # they do not travel with the rows
