@@ -12,9 +12,10 @@ policy's; a tokenizer without a chat template gets the messages' contents joined
 The forward is transformers' own sequence classification: right-padded rows (padded with the
 model's `pad_token_id`), the score read at each row's last non-pad token. Rows are sorted by length
 and cut into forwards of `micro_batch_size` rows or, with a token budget, of at most `max_tokens`
-padded tokens. The model is FSDP-sharded, so every rank must run as many forwards as the others:
-`score` is collective (also for a rank with nothing to score, as in validation), and a rank that
-needs fewer forwards runs one-token ones.
+padded tokens (batch.plan_micro_batches does not fit: it counts the real tokens of packed rows, and
+its agreement between ranks assumes every rank holds rows). The model is FSDP-sharded, so every
+rank must run as many forwards as the others: `score` is collective (also for a rank with nothing
+to score, as in validation), and a rank that needs fewer forwards runs one-token ones.
 """
 
 from __future__ import annotations
