@@ -78,6 +78,21 @@ def test_a_chat_template_that_refuses_the_conversation_is_one_line():
         render(tok, [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])
 
 
+def _refusal_worker(rank, world, path):
+    from spmd_rl.data.reward_model import RewardModel
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{% endfor %}"
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    chats = [[{"role": "user", "content": "a"}, {"role": "tool" if rank == 1 else "assistant", "content": "b"}]]
+    with pytest.raises(RewardModelError, match="no tools"):  # on rank 0 too, with rank 1's message
+        RewardModel(model, tok, torch.device("cpu"), micro_batch_size=2).score(chats)
+
+
+def test_a_refusal_on_one_rank_stops_every_rank_with_its_message(tmp_path):
+    run_distributed(_refusal_worker, 2, save_rm(tmp_path / "rm"))
+
+
 def test_plan_forwards_sorts_by_length_and_keeps_the_budget():
     lengths = [3, 10, 4, 9, 2]
     assert plan_forwards(lengths, rows=2) == [[1, 3], [2, 0], [4]]
