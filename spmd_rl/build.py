@@ -5,7 +5,7 @@ a barrier after writing synthetic data and the models' sharded loading, meet in 
     plan = check_memory(cfg, env)                    # each GPU's predicted peak: logged, refused if over
     with clock("data"):
         data = build_data(cfg, env, reward_fn)       # tokenizer, prompts, sampler (synthetic files first)
-    models = build_models(cfg, env, data.tokenizer, resume is not None, clock)   # actor, reference, critic
+    models = build_models(cfg, env, data.tokenizer, resume is not None, clock)   # actor, reference, critic, reward model
     with clock("engine"):
         rollout = build_engine(cfg, env, models.model_dir, models.model_key, data.tokenizer)
 """
@@ -27,9 +27,11 @@ from spmd_rl.data.prompts import PromptDataset, ShardedSampler
 from spmd_rl.config import memory_check
 from spmd_rl.runtime.distributed import DistEnv, raise_together
 from spmd_rl.runtime.memory_plan import MemoryPlan
-from spmd_rl.model.files import check_vocab, model_vocab_size
+from spmd_rl.data.reward_model import RewardModel
+from spmd_rl.model.files import check_vocab, loading, model_vocab_size
 from spmd_rl.model.loading import (ARCH_PRESETS, DTYPES, allocate_meta_model, build_sharded, count_parameters, load_causal_lm,
-                            load_value_model, materialize_random_model, random_model_config)
+                            load_reward_model, load_value_model, materialize_random_model, random_model_config,
+                            reward_pad_id)
 from spmd_rl.train.optim import make_optimizer, make_scheduler
 from spmd_rl.data.rewards import RewardFunction
 from spmd_rl.telemetry.startup import StartupClock
@@ -56,6 +58,7 @@ class Models(NamedTuple):
     critic: torch.nn.Module | None  # with algorithm.adv_estimator = "gae"
     critic_opt: torch.optim.Optimizer | None
     critic_sched: Any
+    reward_model: RewardModel | None  # with reward_model.path
 
 
 class Rollout(NamedTuple):
@@ -197,11 +200,35 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
                                            m.remove_padding, critic_key, fused_kernels=m.fused_kernels), resume)
         critic_opt = make_optimizer(critic, c.lr, c.weight_decay)
         critic_sched = make_scheduler(critic_opt, c.warmup_steps, cfg.trainer.total_steps)
+    reward_model = build_reward_model(cfg, env)
     clock.end()
-    log.info("models ready: actor %.1fM parameters%s%s, %s", n_params / 1e6,
+    log.info("models ready: actor %.1fM parameters%s%s%s, %s", n_params / 1e6,
              ", reference" if ref is not None else "", ", critic" if critic is not None else "",
+             f", reward model from {cfg.reward_model.path}" if reward_model is not None else "",
              "weights left for the checkpoint" if resume else f"from {model_dir}")
-    return Models(model_dir, model_key, actor, actor_opt, actor_sched, n_params, ref, critic, critic_opt, critic_sched)
+    return Models(model_dir, model_key, actor, actor_opt, actor_sched, n_params, ref, critic, critic_opt, critic_sched,
+                  reward_model)
+
+
+def build_reward_model(cfg: Config, env: DistEnv) -> RewardModel | None:
+    """The reward model of `reward_model.path` with its own tokenizer (None without one): sharded as
+    the reference model is, in the compute dtype, frozen (used only under torch.no_grad), never
+    checkpointed."""
+    rm, m = cfg.reward_model, cfg.model
+    if not rm.enabled:
+        return None
+    from transformers import AutoTokenizer
+
+    tok_dir, tok_key = (rm.tokenizer, "reward_model.tokenizer") if rm.tokenizer else (rm.path, "reward_model.path")
+    with loading(tok_dir, tok_key, "the tokenizer", tokenizer=True):
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    check_vocab(len(tokenizer), f"{tok_key} = {tok_dir!r}", model_vocab_size(rm.path, "reward_model.path"),
+                f"reward_model.path = {rm.path!r}")
+    compute = DTYPES[m.compute_dtype]
+    load = functools.partial(load_reward_model, rm.path, compute, reward_pad_id(rm.path, tokenizer, "reward_model.path"),
+                             m.attn_implementation, "reward_model.path")
+    model = build_sharded(load, env.mesh, compute, False)
+    return RewardModel(model, tokenizer, env.device, rm.micro_batch_size_per_gpu, rm.max_token_len_per_gpu)
 
 
 def build_engine(cfg: Config, env: DistEnv, model_dir: str, model_key: str, tokenizer) -> Rollout:

@@ -3,7 +3,8 @@
 One step:
   1. sync    stream the actor's FSDP shards into the rollout engine (wake weights -> load -> wake KV)
   2. rollout generate n responses per prompt for this rank's prompts, then put the engine to sleep
-  3. reward  score the responses (rule scorers by data source, or the user's function);
+  3. reward  score the responses (rule scorers by data source, or the user's function; a reward
+             model's score added, data/reward_model.py);
      balance  move rows between ranks so each holds about as many tokens (rank_balance.py)
   4. score   old log-probs (actor; on-policy steps take them from the update's forward instead,
              old_logprobs.py), reference log-probs, values (critic)
@@ -48,6 +49,7 @@ from spmd_rl.train.offload import move_train_state
 from spmd_rl.train.old_logprobs import UpdateLogprobs
 from spmd_rl.runtime.preemption import StopFlag
 from spmd_rl.batching.rank_balance import balance_ranks, mini_batch_block_rows
+from spmd_rl.data.reward_model import conversation
 from spmd_rl.data.rewards import RewardFunction, extract_answer
 from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.rollout.multiturn import MultiTurnRollout, merge_trajectory_metrics
@@ -119,6 +121,7 @@ class Trainer:
         models = build_models(cfg, env, self.tokenizer, self.resume_path is not None, self.startup)
         self.actor, self.actor_opt, self.actor_sched = models.actor, models.actor_opt, models.actor_sched
         self.ref, self.n_params = models.ref, models.n_params
+        self.reward_model = models.reward_model  # reward_model.path: data.reward_model.RewardModel
         self.critic, self.critic_opt, self.critic_sched = models.critic, models.critic_opt, models.critic_sched
         # after every input check (data, tokenizer, model files): a run refused for one of them must
         # not add files (TensorBoard events) to an existing run_dir
@@ -209,7 +212,8 @@ class Trainer:
             self.engine.wake_up(["kv_cache"])
 
     def _train_state(self) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:
-        models = [m for m in (self.actor, self.critic, self.ref) if m is not None]
+        rm = None if self.reward_model is None else self.reward_model.model
+        models = [m for m in (self.actor, self.critic, self.ref, rm) if m is not None]
         actor_opt = None if self.cfg.actor.offload_optimizer else self.actor_opt  # already on CPU
         return models, [o for o in (actor_opt, self.critic_opt) if o is not None]
 
@@ -247,12 +251,20 @@ class Trainer:
             return None
         meta = {"data_source": [r.data_source for r in records], "ground_truth": [r.ground_truth for r in records],
                 "extra_info": [r.extra_info for r in records], "index": [r.index for r in records]}
+        if self.reward_model is not None:  # the conversation it scores starts with the data's prompt
+            meta["prompt"] = [r.prompt for r in records]
         return build_rollout_batch(prompts, completions, self.tokenizer.pad_token_id, meta)
 
-    def score(self, batch: Batch, train: bool = True) -> list[str]:
+    def score(self, batch: Batch, train: bool = True, timer: PhaseTimer | None = None) -> list[str]:
+        """batch["scores"]: reward.rule_weight x the rule reward (an environment's, where it gave one,
+        else the reward function's) + reward_model.weight x the reward model's score, + DAPO's
+        overlong penalty. Collective with a reward model: every rank calls it (score_nothing where it
+        has no batch). Returns the decoded responses."""
         texts = [decode_response(self.tokenizer, response_token_ids(batch, i)) for i in range(len(batch))]
         # multi-turn: the environment's reward where it gave one, the reward function for the rest
         env_rewards = batch.meta.pop("env_reward", [None] * len(batch))
+        prompts = batch.meta.pop("prompt", [None] * len(batch))
+        messages = batch.meta.pop("messages", [None] * len(batch))  # multi-turn: the whole conversation
         rows = [i for i, r in enumerate(env_rewards) if r is None]  # single-turn: every row
 
         def pick(key: str) -> list:
@@ -261,14 +273,26 @@ class Trainer:
         scored = iter(self.reward_fn(pick("data_source"), [texts[i] for i in rows], pick("ground_truth"),
                                      pick("extra_info"), pick("index")))
         results = [next(scored) if r is None else {"score": r} for r in env_rewards]
-        batch["scores"] = torch.tensor([float(r["score"]) for r in results])
+        rule = torch.tensor([float(r["score"]) for r in results])
         batch["acc"] = torch.tensor([float(r.get("acc", r["score"] > 0)) for r in results])
         rc = self.cfg.reward
+        batch["scores"] = rule * rc.rule_weight
+        if self.reward_model is not None:
+            with timer("reward_model") if timer is not None else contextlib.nullcontext():
+                batch["rm_scores"] = self.reward_model.score([conversation(p, t, m)
+                                                              for p, t, m in zip(prompts, texts, messages)])
+            batch["rule_scores"] = rule
+            batch["scores"] = batch["scores"] + self.cfg.reward_model.weight * batch["rm_scores"]
         if train and rc.overlong_buffer:  # DAPO soft overlong punishment
             batch["overlong_penalty"] = algos.overlong_penalty(batch["response_lens"], self.cfg.data.max_response_length,
                                                                rc.overlong_buffer, rc.overlong_penalty_factor)
             batch["scores"] = batch["scores"] + batch["overlong_penalty"]
         return texts
+
+    def score_nothing(self) -> None:
+        """A rank without responses takes part in the reward model's collective forwards."""
+        if self.reward_model is not None:
+            self.reward_model.score([])
 
     def sample_batch(self, timer: PhaseTimer) -> tuple[Batch, dict[str, float]]:
         """This rank's scored rollouts of the step: the next prompts, or with DAPO dynamic sampling
@@ -276,7 +300,7 @@ class Trainer:
         def draw(round_: int) -> Batch:
             batch = self.generate([self.train_data[i] for i in self.sampler.next_batch()], True, timer, round_)
             with timer("reward"):
-                self.score(batch)
+                self.score(batch, timer=timer)
             return batch
 
         alg = self.cfg.algorithm
@@ -392,6 +416,9 @@ class Trainer:
         }
         if "overlong_penalty" in batch:
             m["reward/overlong_penalty_mean"] = batch["overlong_penalty"].mean().item()
+        if "rm_scores" in batch:  # the parts of the score, unweighted
+            m["reward/rm_mean"] = batch["rm_scores"].mean().item()
+            m["reward/rule_mean"] = batch["rule_scores"].mean().item()
         if "values" in batch:
             m["critic/values_mean"] = algos.masked_mean(batch["values"], mask).item()
         return m
@@ -445,7 +472,7 @@ class Trainer:
         for idx in iter_eval_batches(len(self.val_data), self.cfg.data.val_batch_size, self.env.rank, self.env.world_size):
             records = [self.val_data[i] for i in idx]
             batch = self.generate(records, train=False, timer=timer)
-            texts = self.score(batch, train=False) if batch is not None else None
+            texts = self.score(batch, train=False) if batch is not None else self.score_nothing()
             self.reward_fn.sync_failures()  # collective: also on ranks without prompts in this batch
             if batch is None:
                 continue
@@ -543,7 +570,7 @@ class Trainer:
         group; then TensorBoard's writer thread and the start-up heartbeat."""
         if hasattr(self, "checkpointer"):
             self.checkpointer.close()
-        self.actor = self.ref = self.critic = self.actor_opt = self.critic_opt = None
+        self.actor = self.ref = self.critic = self.actor_opt = self.critic_opt = self.reward_model = None
         gc.collect()
         if getattr(self, "device", None) is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -127,6 +127,8 @@ def test_two_tool_calls_give_the_exact_row_and_mask():
                            {"role": "assistant", "content": texts[2]}]
     rendered = tok.apply_chat_template(conversation, tools=mt.schemas, tokenize=False)
     assert tok.decode(prompt + c.token_ids) + "\n" == rendered  # the template's glue after the last turn: none
+    # the conversation after the prompt, as a reward model scores it (data/reward_model.py)
+    assert [{k: m[k] for k in ("role", "content")} for m in c.messages] == conversation[1:]
     assert metrics["multiturn/turns_mean"] == 3 and metrics["multiturn/tool_calls_mean"] == 2
     assert metrics["multiturn/stop_answer"] == 1 and metrics["multiturn/tool_errors_mean"] == 0
     seeds = [s for _, _, s, _ in engine.calls]
@@ -286,6 +288,7 @@ def test_environment_keeps_state_across_turns_and_gives_the_reward():
     assert m["multiturn/turns_mean"] == 3
     batch = build_rollout_batch([prompt], [comps], tok.pad_token_id, {"data_source": ["test"]})
     assert batch.meta["env_reward"] == [3.0, 3.0]
+    assert [[m["role"] for m in ms] for ms in batch.meta["messages"]] == [["assistant", "user"] * 2 + ["assistant"]] * 2
 
 
 # --------------------------------------------------------------------------- the loop across ranks

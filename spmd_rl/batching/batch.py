@@ -130,7 +130,8 @@ def build_rollout_batch(prompts: list[list[int]], completions: list[list[Complet
     response, only the model's turns of a multi-turn trajectory (`Completion.mask`: the tool and
     environment tokens between turns are attended to, with mask 0 and rollout log-prob 0). A
     trajectory always ends on a model token, so the last masked column is the response's end.
-    Environment rewards (`Completion.reward`) go to meta["env_reward"] (None where none was given).
+    Environment rewards (`Completion.reward`) go to meta["env_reward"] (None where none was given), a
+    trajectory's messages (`Completion.messages`) to meta["messages"].
     `has_rollout_logprobs` marks the rows whose completion came with the engine's log-probs
     (SamplingParams.logprobs_every); `rollout_logprobs` is 0 on the others."""
     rows, logps, masks, groups, finished = [], [], [], [], []
@@ -160,6 +161,8 @@ def build_rollout_batch(prompts: list[list[int]], completions: list[list[Complet
     row_meta = {k: [v for v, c in zip(vals, counts) for _ in range(c)] for k, vals in (meta or {}).items()}
     if any(c.reward is not None for comps in completions for c in comps):
         row_meta["env_reward"] = [c.reward for comps in completions for c in comps]
+    if any(c.messages is not None for comps in completions for c in comps):
+        row_meta["messages"] = [c.messages for comps in completions for c in comps]
     return Batch(
         dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
              rollout_logprobs=rollout_logprobs, has_rollout_logprobs=torch.tensor([lp is not None for lp in logps]),

@@ -1,5 +1,5 @@
 """The checks that need the world outside the config, called by validation (run_config.validate):
-the model and tokenizer directories on disk (no weights are read), the models' attention heads
+the model and tokenizer directories on disk (no weights are read; the reward model's head too), the models' attention heads
 against trainer.ulysses_size, the user's tools, tool parser and environment (imported), and the
 arguments vLLM takes (imported only when rollout.engine_kwargs are set)."""
 
@@ -26,6 +26,20 @@ def check_model_files(cfg: Config) -> None:
         check_tokenizer_dir(m.path, "model.path")
     if cfg.use_critic and cfg.critic.path:
         check_model_dir(cfg.critic.path, "critic.path", weights=True)
+
+
+def check_reward_model_files(cfg: Config) -> None:
+    """reward_model.path is a one-label sequence classifier, and its tokenizer has files."""
+    rm = cfg.reward_model
+    if not rm.enabled:
+        return
+    from spmd_rl.model.files import check_reward_model_dir, check_tokenizer_dir
+
+    check_reward_model_dir(rm.path, "reward_model.path")
+    if rm.tokenizer:
+        check_tokenizer_dir(rm.tokenizer, "reward_model.tokenizer", "reward_model.tokenizer")
+    else:
+        check_tokenizer_dir(rm.path, "reward_model.path", "reward_model.tokenizer")
 
 
 def check_attention_heads(cfg: Config, world_size: int) -> None:

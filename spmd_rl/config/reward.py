@@ -33,6 +33,10 @@ class RewardConfig:
     -overlong_penalty_factor at the limit (0 = off)."""
     overlong_penalty_factor: float = 1.0
     """DAPO: the penalty at data.max_response_length tokens."""
+    rule_weight: float = 1.0
+    """The rule or custom reward (or a multi-turn environment's, where it gives one) counts this
+    much in the score: score = rule_weight * rule + reward_model.weight * reward model (without a
+    reward model: rule_weight * rule). It is computed whatever the weight (reward/acc, reward/rule_mean)."""
     on_error: str = "fail"
     """What a scorer that raises or returns a non-number does: "fail" stops the run with one line
     naming the data source, row and response; "zero" scores that response 0 and counts it in the
@@ -46,4 +50,5 @@ class RewardConfig:
               "reward.overlong_buffer must be in [0, data.max_response_length) (0 = off)")
 
     def ranges(self, cfg: Config) -> list[Rule]:
-        return [("format_bonus", self.format_bonus >= 0, ">= 0 (0 = off)")]
+        return [("format_bonus", self.format_bonus >= 0, ">= 0 (0 = off)"),
+                ("rule_weight", self.rule_weight >= 0, ">= 0 (0 = the reward model alone)")]

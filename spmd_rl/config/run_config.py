@@ -27,7 +27,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from spmd_rl.config import actor, algorithm, critic, data, external_checks, model, reward, rollout, toml_io, trainer
+from spmd_rl.config import (actor, algorithm, critic, data, external_checks, model, reward, reward_model, rollout, toml_io,
+                            trainer)
 from spmd_rl.config.actor import ActorConfig
 from spmd_rl.config.algorithm import AlgorithmConfig
 from spmd_rl.config.checks import need, ordinal
@@ -35,6 +36,7 @@ from spmd_rl.config.critic import CriticConfig
 from spmd_rl.config.data import DataConfig
 from spmd_rl.config.model import ModelConfig
 from spmd_rl.config.reward import RewardConfig
+from spmd_rl.config.reward_model import RewardModelConfig
 from spmd_rl.config.rollout import RolloutConfig
 from spmd_rl.config.trainer import TrainerConfig
 from spmd_rl.errors import ConfigError
@@ -64,6 +66,8 @@ class Config:
     """Advantage estimation and the KL reward penalty."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward scoring."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A reward model (Bradley-Terry) whose score is added to the rule reward's (off by default)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The loop: steps, validation, checkpoints, logging."""
 
@@ -198,7 +202,8 @@ SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 CHOICES: dict[str, tuple[str, ...]] = {
     f"{name}.{key}": values
     for name, module in (("model", model), ("data", data), ("rollout", rollout), ("actor", actor), ("critic", critic),
-                         ("algorithm", algorithm), ("reward", reward), ("trainer", trainer))
+                         ("algorithm", algorithm), ("reward", reward), ("reward_model", reward_model),
+                         ("trainer", trainer))
     for key, values in getattr(module, "CHOICES", {}).items()
 }
 """Every "section.key" that takes one of a few values (each section module's CHOICES)."""
@@ -226,6 +231,7 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     cfg.check_choices()
     cfg.model.check()
     external_checks.check_model_files(cfg)  # config.json, weights, tokenizer (no weights are read)
+    external_checks.check_reward_model_files(cfg)  # a one-label sequence classifier with a tokenizer
     cfg.data.check()
     cfg.trainer.check_layout(world_size, gpus_per_node)
     cfg.trainer.check_ulysses(cfg, world_size)

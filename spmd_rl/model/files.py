@@ -1,4 +1,5 @@
-"""The model directories a user names (`model.path`, `critic.path`, `model.tokenizer`): checked
+"""The model directories a user names (`model.path`, `critic.path`, `model.tokenizer`,
+`reward_model.path`): checked
 before any model loads, and their load failures reported as one line.
 
 `from_pretrained` on a broken directory fails late (after the process group, on every rank, with
@@ -74,12 +75,30 @@ def check_model_dir(path: str, key: str, weights: bool = True) -> None:
                                           "(an interrupted download or copy leaves a file short)")
 
 
-def check_tokenizer_dir(path: str, key: str) -> None:
-    """`path` is a directory with tokenizer files."""
-    _check_is_dir(path, key, 'a tokenizer or model directory (or set model.tokenizer = "char")')
+def check_reward_model_dir(path: str, key: str) -> None:
+    """`path` is a complete model directory (check_model_dir) of a Bradley-Terry reward model: a
+    sequence classifier (config.json's `architectures`) with one label (`num_labels`, else as many as
+    `id2label` has, else transformers' default of 2)."""
+    check_model_dir(path, key, weights=True)
+    config = _read_json(os.path.join(path, "config.json"), key, path)
+    architectures = config.get("architectures") or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        raise ModelFilesError(f"{_where(key, path)} is not a reward model: config.json's architectures are "
+                              f"{architectures or 'not given'}, not a *ForSequenceClassification (a model with a "
+                              "score head); point it at a sequence-classification model saved with its head")
+    labels = config.get("num_labels", len(config.get("id2label") or {}) or 2)
+    if labels != 1:
+        raise ModelFilesError(f"{_where(key, path)} has num_labels = {labels}: a reward model gives one score per "
+                              "sequence (num_labels = 1, a Bradley-Terry model)")
+
+
+def check_tokenizer_dir(path: str, key: str, tokenizer_key: str = "model.tokenizer") -> None:
+    """`path` is a directory with tokenizer files. `tokenizer_key`: the key that can name another."""
+    _check_is_dir(path, key, "a tokenizer or model directory" +
+                  (' (or set model.tokenizer = "char")' if tokenizer_key == "model.tokenizer" else ""))
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         raise ModelFilesError(f"{_where(key, path)} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
-                              "copy them from the model it was trained from, or set model.tokenizer to a "
+                              f"copy them from the model it was trained from, or set {tokenizer_key} to a "
                               "directory that has them")
 
 

@@ -1,4 +1,4 @@
-"""Loading the actor, critic and reference models, and wrapping them with FSDP2.
+"""Loading the actor, critic, reference and reward models, and wrapping them with FSDP2.
 
 Weights come from a local directory (`from_pretrained`). Random weights (`model.init = "random"`)
 are made once by rank 0 with plain eager construction and saved as a regular checkpoint
@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          AutoModelForTokenClassification, Qwen2Config)
 
 from spmd_rl.model import fused_kernels, logprob_head, varlen_attention
 from spmd_rl.model.files import check_no_missing_weights, loading
@@ -153,6 +154,32 @@ def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "
     set_layout(model, remove_padding)
     set_fused_kernels(model, fused_kernels)
     return model
+
+
+def load_reward_model(path: str, dtype: torch.dtype, pad_token_id: int, attn_implementation: str = "sdpa",
+                      key: str = "", weights: bool = True) -> torch.nn.Module:
+    """A Bradley-Terry reward model (a one-label sequence classifier, checked by
+    files.check_reward_model_dir) as `from_pretrained` builds it, its head included, with
+    `pad_token_id` in its config (transformers reads the score at the last token that is not one),
+    dropout off. `key`, `weights`: as for load_causal_lm."""
+    model = _from_dir(AutoModelForSequenceClassification, path, dtype, attn_implementation, weights, key,
+                      "the reward model", pad_token_id=pad_token_id)
+    set_layout(model, False)
+    return model
+
+
+def reward_pad_id(path: str, tokenizer, key: str = "") -> int:
+    """The pad id the reward model reads its scores by: its config.json's pad_token_id, else its
+    tokenizer's pad token, else its EOS token."""
+    with loading(path, key, "its config.json"):
+        config = AutoConfig.from_pretrained(path)
+    for pad in (getattr(config.get_text_config(), "pad_token_id", None), tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if pad is not None:
+            return int(pad)
+    from spmd_rl.model.files import ModelFilesError
+
+    raise ModelFilesError(f"{key} = {path!r}: neither its config.json nor its tokenizer names a pad or EOS token, "
+                          "which the reward model's score is read by: add pad_token_id to its config.json")
 
 
 def _from_dir(auto_cls, path: str, dtype: torch.dtype, attn_implementation: str, weights: bool, key: str = "",

@@ -77,10 +77,14 @@ class Completion:
     reward: float | None = None
     """Multi-turn: the environment's reward for the trajectory, when it gave one (otherwise the
     reward function scores the response)."""
+    messages: list[dict] | None = None
+    """Multi-turn: the trajectory after the prompt as chat messages (the model's turns as assistant
+    messages, the tool / environment messages between them), for a reward model. None: single-turn."""
 
     def copy(self) -> "Completion":
         return Completion(list(self.token_ids), None if self.logprobs is None else list(self.logprobs),
-                          self.finish_reason, None if self.mask is None else list(self.mask), self.reward)
+                          self.finish_reason, None if self.mask is None else list(self.mask), self.reward,
+                          None if self.messages is None else [dict(m) for m in self.messages])
 
 
 class RolloutEngine(Protocol):

@@ -70,6 +70,9 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     last_turn: list[int] = field(default_factory=list)
     """The token ids of the model's latest turn."""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The conversation after the prompt: each model turn decoded as an assistant message, and the
+    environment's messages that went into the sequence (what a reward model scores)."""
     turns: int = 0
     stop: str = ""
     reward: float | None = None
@@ -93,7 +96,7 @@ class Trajectory:
 
     def completion(self) -> Completion:
         return Completion(self.tokens, self.logprobs if self.asks_logprobs else None,
-                          "stop" if self.stop == "answer" else "length", self.mask, self.reward)
+                          "stop" if self.stop == "answer" else "length", self.mask, self.reward, self.messages)
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -114,13 +117,14 @@ def run_lockstep(engine: RolloutEngine, trajectories: list[Trajectory], sampling
         stepping = []
         for t, (c,) in zip(live, outs):
             t.add_model_turn(c)
+            t.messages.append(_assistant_message(t, setting.bridge.tokenizer))
             if c.finish_reason == "length":  # the turn was given all the budget left
                 t.stop = "length"
             elif t.env is None:  # its environment failed to start (counted then)
                 t.stop = "env_error"
             else:
                 stepping.append(t)
-        steps = [partial(t.env.step, _assistant_message(t, setting.bridge.tokenizer)) for t in stepping]
+        steps = [partial(t.env.step, dict(t.messages[-1])) for t in stepping]
         outcomes = call_all(setting.pool, steps, setting.step_timeout)
         for t, outcome in zip(stepping, outcomes):
             _after_step(t, outcome, budget, setting)
@@ -209,6 +213,7 @@ def _add_messages(t: Trajectory, messages: list[dict[str, Any]], budget: int, se
         t.stop = "bridge_overflow"
     else:
         t.add_bridge(ids)
+        t.messages += [dict(m) for m in messages]
 
 
 def _fault(t: Trajectory, setting: Setting, kind: str, detail: str, count: int = 1) -> None:
