@@ -100,6 +100,24 @@ def test_training_state_is_the_sum_over_roles(tmp_path):
     assert "params" not in off.phase("generation").parts  # offloaded while the engine generates
 
 
+def test_a_reward_model_counts_as_a_frozen_model_in_the_compute_dtype(tmp_path):
+    """qwen7b on 2 ranks with a Qwen2.5-7B-shaped reward model: its parameters (the backbone and a
+    one-label head of hidden_size weights, no bias in transformers' score layer: 1 more than counted
+    here for the value head's bias) in bf16, halved, in every phase; no gradients or optimizer."""
+    rm_dir = tmp_path / "rm"
+    rm_dir.mkdir()
+    (rm_dir / "config.json").write_text(json.dumps({**QWEN25_7B_CONFIG, "architectures": ["Qwen2ForSequenceClassification"],
+                                                    "num_labels": 1}))
+    without = mc.plan_for(qwen7b_config(tmp_path), 2, H100_TOTAL)
+    with_rm = mc.plan_for(qwen7b_config(tmp_path, f'reward_model.path="{rm_dir}"'), 2, H100_TOTAL)
+    backbone = 7_615_616_512 - QWEN25_7B_CONFIG["vocab_size"] * QWEN25_7B_CONFIG["hidden_size"]  # untied: no LM head
+    rm_bytes = (backbone + QWEN25_7B_CONFIG["hidden_size"] + 1) * 2 / 2
+    for phase in ("actor update", "generation"):
+        parts, base = with_rm.phase(phase).parts, without.phase(phase).parts
+        assert parts["params"] - base["params"] == rm_bytes, phase
+        assert parts.get("grads") == base.get("grads") and parts["optimizer"] == base["optimizer"], phase
+
+
 def test_bfloat16_masters_and_offloaded_optimizer(tmp_path):
     n = 7_615_616_512
     plan = mc.plan_for(qwen7b_config(tmp_path, 'model.dtype="bfloat16"', "actor.offload_optimizer=true"), 4,

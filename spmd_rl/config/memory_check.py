@@ -69,13 +69,18 @@ def work_of(cfg: Config, role: str) -> mp.Work:
 
 
 def roles_of(cfg: Config, shape: mp.ModelShape, critic_shape: mp.ModelShape | None) -> list[mp.Role]:
-    """Actor, reference and critic as build.build_models makes them."""
+    """Actor, reference, critic and reward model as build.build_models makes them."""
     master, compute = mp.DTYPE_BYTES[cfg.model.dtype], mp.DTYPE_BYTES[cfg.model.compute_dtype]
     roles = [mp.Role("actor", shape.parameters(), master, True, not cfg.actor.offload_optimizer)]
     if cfg.use_reference:
         roles.append(mp.Role("reference", shape.parameters(), compute, False))
     if critic_shape is not None:
         roles.append(mp.Role("critic", critic_shape.value_model_parameters(), master, True))
+    if cfg.reward_model.path:  # frozen in the compute dtype, its one-label head the size of a value head
+        from spmd_rl.model.files import model_text_config
+
+        rm = mp.shape_from_config(model_text_config(cfg.reward_model.path, "reward_model.path"))
+        roles.append(mp.Role("reward model", rm.value_model_parameters(), compute, False))
     return roles
 
 
