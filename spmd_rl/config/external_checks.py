@@ -28,6 +28,14 @@ def check_model_files(cfg: Config) -> None:
         check_model_dir(cfg.critic.path, "critic.path", weights=True)
 
 
+def check_chat_template(cfg: Config) -> None:
+    """The file rollout.chat_template names can be read."""
+    if cfg.rollout.chat_template:
+        from spmd_rl.model.tokenizer import read_chat_template
+
+        read_chat_template(cfg.rollout.chat_template)
+
+
 def check_attention_heads(cfg: Config, world_size: int) -> None:
     """With trainer.ulysses_size > 1, every trained model's attention heads split over the group."""
     sp, m = cfg.trainer.ulysses_size, cfg.model
