@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config
 
+from spmd_rl.errors import ConfigError
 from spmd_rl.model import fused_kernels, logprob_head, varlen_attention
 from spmd_rl.model.files import check_no_missing_weights, loading
 
@@ -210,13 +211,22 @@ def _from_dir(auto_cls, path: str, dtype: torch.dtype, attn_implementation: str,
 
 
 def set_layout(model: torch.nn.Module, remove_padding: bool) -> None:
-    """Padded (sdpa) or packed (variable-length attention) input; every dropout zeroed."""
+    """Padded (sdpa) or packed (variable-length attention) input; every dropout zeroed. A model that
+    packed attention cannot run right (varlen_attention.unsupported) is refused."""
     if remove_padding:  # the varlen backend runs padded batches exactly as sdpa does, too
+        check_packable(model.config)
         model.set_attn_implementation(varlen_attention.register())
     elif uses_packing(model):
         model.set_attn_implementation("sdpa")
     model.spmd_remove_padding = remove_padding
     disable_dropout(model)
+
+
+def check_packable(config, key: str = "model") -> None:
+    """A one-line ConfigError when a model of `config` cannot take packed rows here."""
+    problem = varlen_attention.unsupported(config)
+    if problem:
+        raise ConfigError(f"model.remove_padding = true cannot run {key}: {problem}; set model.remove_padding = false")
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
