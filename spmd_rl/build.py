@@ -107,7 +107,7 @@ def build_data(cfg: Config, env: DistEnv, reward_fn: RewardFunction) -> Data:
         dist.barrier()
     m = cfg.model
     tok_spec = m.tokenizer if m.tokenizer else ""
-    tokenizer = load_tokenizer(tok_spec, m.path)
+    tokenizer = load_tokenizer(tok_spec, m.path, cfg.rollout.chat_template)
     check_tokenizer_vocab(cfg, tokenizer)
     tools = tool_schemas(cfg.rollout.tools)  # multi-turn: the prompts' chat template lists the tools
     train_data = PromptDataset(d.train_files, tokenizer, d.max_prompt_length, d.apply_chat_template, tools)

@@ -42,6 +42,36 @@ def check_reward_model_files(cfg: Config) -> None:
         check_tokenizer_dir(rm.path, "reward_model.path", "reward_model.tokenizer")
 
 
+def check_chat_template(cfg: Config) -> None:
+    """The file rollout.chat_template names can be read."""
+    if cfg.rollout.chat_template:
+        from spmd_rl.model.tokenizer import read_chat_template
+
+        read_chat_template(cfg.rollout.chat_template)
+
+
+def check_packed_attention(cfg: Config) -> None:
+    """With model.remove_padding, every trained model's attention is one packed attention does right
+    (spmd_rl.model.varlen_attention.unsupported: sliding windows where the kernel takes none,
+    soft-capping)."""
+    m = cfg.model
+    if not m.remove_padding:
+        return
+    from transformers import AutoConfig
+
+    from spmd_rl.model.loading import check_packable, preset_config
+
+    models = {}
+    if m.path:
+        models[f"model.path = {m.path!r}"] = AutoConfig.from_pretrained(m.path)
+    elif m.arch:
+        models[f"model.arch = {m.arch!r}"] = preset_config(m.arch)
+    if cfg.use_critic and cfg.critic.path:
+        models[f"critic.path = {cfg.critic.path!r}"] = AutoConfig.from_pretrained(cfg.critic.path)
+    for key, config in models.items():
+        check_packable(config, key)
+
+
 def check_attention_heads(cfg: Config, world_size: int) -> None:
     """With trainer.ulysses_size > 1, every trained model's attention heads split over the group."""
     sp, m = cfg.trainer.ulysses_size, cfg.model

@@ -145,10 +145,19 @@ class RolloutConfig:
     it gives one, replaces the reward function's score. Empty = single-turn (or tools)."""
     max_turns: int = 5
     """Multi-turn: most model turns per trajectory (1 = the model answers once; tools never run)."""
+    chat_template: str = ""
+    """The chat template that renders the prompts (data.apply_chat_template) and the messages
+    between turns: a Jinja file's path, or the name of one shipped in
+    spmd_rl/rollout/multiturn/templates/; empty = the tokenizer's own. Multi-turn needs a template
+    that leaves earlier turns unchanged when messages are added; Qwen3's own drops the `<think>`
+    blocks of earlier turns and is refused: use "qwen3_keep_thinking" (Qwen3's template keeping
+    every turn as the model wrote it; single-turn prompts render as with Qwen3's own)."""
     tool_parser: str = "hermes"
-    """Multi-turn: how tool calls are read from a turn: "hermes" (Qwen2.5's
-    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, several per turn, none inside
-    `<think>`), or "package.module:Class" with `parse(text) -> list[ToolCall | CallError]`."""
+    """Multi-turn: how tool calls are read from a turn, by the model's format: "hermes" (Qwen2.5's and
+    Qwen3's `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, several per turn, none inside
+    `<think>`), "llama3_json" (Llama 3.x: the turn is `{"name": ..., "parameters": {...}}`, several
+    separated by ";", possibly after `<|python_tag|>`), or "package.module:Class" with
+    `parse(text) -> list[ToolCall | CallError]`."""
     tool_timeout: float = 10.0
     """Multi-turn: seconds a tool call may take from its start, past which the model is told it timed
     out (a call still waiting for a pool thread after this long never runs, and the model is told

@@ -232,6 +232,8 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     cfg.model.check()
     external_checks.check_model_files(cfg)  # config.json, weights, tokenizer (no weights are read)
     external_checks.check_reward_model_files(cfg)  # a one-label sequence classifier with a tokenizer
+    external_checks.check_chat_template(cfg)
+    external_checks.check_packed_attention(cfg)
     cfg.data.check()
     cfg.trainer.check_layout(world_size, gpus_per_node)
     cfg.trainer.check_ulysses(cfg, world_size)

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoModelForTokenClassification, Qwen2Config)
 
+from spmd_rl.errors import ConfigError
 from spmd_rl.model import fused_kernels, logprob_head, varlen_attention
 from spmd_rl.model.files import check_no_missing_weights, loading
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Shapes of real Qwen2/Qwen2.5 models (random weights: no hub here), plus a tiny one for CPU.
+# Shapes of real models (random weights: no hub here), plus tiny ones for CPU. Without `model_type`: Qwen2.
 ARCH_PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
@@ -53,6 +54,35 @@ ARCH_PRESETS: dict[str, dict] = {
     "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                      num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
                      max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # Other families: the values of each model's public config.json (Qwen/Qwen3-0.6B, Qwen/Qwen3-8B,
+    # meta-llama/Llama-3.1-8B, meta-llama/Llama-3.2-1B, google/gemma-3-1b-pt), written from memory (no hub
+    # here): sizes, heads, head_dim, rope theta and scaling, norm eps, tying, Gemma 3's window and
+    # query_pre_attn_scalar. `model_type` picks the config class (random_model_config).
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1000000.0,
+                     rms_norm_eps=1e-6),
+    "llama3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                        tie_word_embeddings=False, max_position_embeddings=131072, rope_theta=500000.0,
+                        rms_norm_eps=1e-5, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                             high_freq_factor=4.0,
+                                                             original_max_position_embeddings=8192)),
+    "llama3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                        tie_word_embeddings=True, max_position_embeddings=131072, rope_theta=500000.0,
+                        rms_norm_eps=1e-5, rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                                             high_freq_factor=4.0,
+                                                             original_max_position_embeddings=8192)),
+    "gemma3-1b": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                      num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                      tie_word_embeddings=True, max_position_embeddings=32768, query_pre_attn_scalar=256,
+                      sliding_window=512, sliding_window_pattern=6, rope_theta=1000000.0,
+                      rope_local_base_freq=10000.0, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh"),
 }
 
 
@@ -61,12 +91,21 @@ def random_model_config(arch: str = "", config_dir: str = "", tokenizer=None):
     if config_dir:
         config = AutoConfig.from_pretrained(config_dir)
     else:
-        config = Qwen2Config(**ARCH_PRESETS[arch])
+        config = preset_config(arch)
     if tokenizer is not None:  # its size against vocab_size: model_files.check_vocab, at start-up
         config.eos_token_id = tokenizer.eos_token_id
         config.pad_token_id = tokenizer.pad_token_id
         config.bos_token_id = tokenizer.bos_token_id
     return config
+
+
+def preset_config(arch: str):
+    """The transformers config of preset `arch`, of its family's class (Qwen2Config when it names none)."""
+    values = dict(ARCH_PRESETS[arch])
+    model_type = values.pop("model_type", "qwen2")
+    if model_type == "qwen2":
+        return Qwen2Config(**values)
+    return AutoConfig.for_model(model_type, **values)
 
 
 def materialize_random_model(out_dir: str, config, seed: int, dtype: torch.dtype, tokenizer=None,
@@ -199,13 +238,22 @@ def _from_dir(auto_cls, path: str, dtype: torch.dtype, attn_implementation: str,
 
 
 def set_layout(model: torch.nn.Module, remove_padding: bool) -> None:
-    """Padded (sdpa) or packed (variable-length attention) input; every dropout zeroed."""
+    """Padded (sdpa) or packed (variable-length attention) input; every dropout zeroed. A model that
+    packed attention cannot run right (varlen_attention.unsupported) is refused."""
     if remove_padding:  # the varlen backend runs padded batches exactly as sdpa does, too
+        check_packable(model.config)
         model.set_attn_implementation(varlen_attention.register())
     elif uses_packing(model):
         model.set_attn_implementation("sdpa")
     model.spmd_remove_padding = remove_padding
     disable_dropout(model)
+
+
+def check_packable(config, key: str = "model") -> None:
+    """A one-line ConfigError when a model of `config` cannot take packed rows here."""
+    problem = varlen_attention.unsupported(config)
+    if problem:
+        raise ConfigError(f"model.remove_padding = true cannot run {key}: {problem}; set model.remove_padding = false")
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

@@ -7,11 +7,14 @@ so chat-message prompts work exactly as with a real model.
 
 from __future__ import annotations
 
+import importlib.resources
+import os
 from typing import Iterable
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from spmd_rl.errors import ConfigError
 from spmd_rl.model.files import ModelFilesError, check_tokenizer_dir, loading
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
@@ -68,12 +71,40 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def load_tokenizer(spec: str, model_path: str):
-    """The tokenizer named by `model.tokenizer` ("char", "" = `model_path`, or a directory).
+def chat_template_file(value: str) -> str:
+    """The Jinja file `rollout.chat_template` names: a template shipped in
+    spmd_rl/rollout/multiturn/templates/ by its name ("qwen3_keep_thinking"), or a path."""
+    if value and "/" not in value and os.sep not in value and not value.endswith(".jinja"):
+        return str(importlib.resources.files("spmd_rl.rollout.multiturn") / "templates" / f"{value}.jinja")
+    return value
+
+
+def read_chat_template(value: str) -> str:
+    """The text of the chat template `rollout.chat_template` names; one-line ConfigError if it cannot be read."""
+    path = chat_template_file(value)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"rollout.chat_template = {value!r}: cannot read {path!r} ({e.strerror}); give a Jinja "
+                          "file's path, a shipped template's name (qwen3_keep_thinking), or \"\" for the "
+                          "tokenizer's own") from None
+
+
+def load_tokenizer(spec: str, model_path: str, chat_template: str = ""):
+    """The tokenizer named by `model.tokenizer` ("char", "" = `model_path`, or a directory), with
+    the chat template `chat_template` names (rollout.chat_template; "" = its own).
 
     A tokenizer without a pad token gets its EOS token as pad (decoder-only models rarely define
     one, and batching needs it).
     """
+    tokenizer = _load_tokenizer(spec, model_path)
+    if chat_template:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
+
+
+def _load_tokenizer(spec: str, model_path: str):
     if spec == "char":
         return build_char_tokenizer()
     source = spec or model_path

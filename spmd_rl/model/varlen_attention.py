@@ -9,6 +9,13 @@ attention call). This backend, registered as "spmd_varlen", attends within each 
   torch >= 2.10; no flash-attn wheel needed);
 - elsewhere (CPU tests): scaled_dot_product_attention sequence by sequence, exact and simple.
 
+Sliding-window layers (Gemma 3: five of every six) pass their window, as transformers' mask does:
+a query sees itself and the `sliding_window - 1` tokens before it, within its sequence. The CUDA
+kernel takes it as `window_size = (sliding_window - 1, 0)` where this torch's varlen_attn has that
+argument (2.13; 2.10/2.11 have only is_causal); where it has not, such a model is refused
+(`unsupported`), never run without its window. Attention-logit soft-capping (Gemma 2) and
+bidirectional attention are refused too.
+
 Called without boundaries (a padded batch, or generation) it is exactly transformers' "sdpa"
 backend, mask included, so one loaded model serves both layouts. With sequence parallelism
 (trainer.ulysses_size) spmd_rl.batching.sequence_parallel wraps it: the heads are split across the ranks
@@ -36,34 +43,52 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
-    if query.shape[0] != 1 or (attention_mask is not None and attention_mask.numel()) or sliding_window is not None \
-            or dropout:  # a packed row's mask is empty (packing.empty_mask)
-        raise ValueError("packed attention takes one packed row, no attention mask, no sliding window, no dropout")
+    if query.shape[0] != 1 or (attention_mask is not None and attention_mask.numel()) or dropout \
+            or kwargs.get("softcap") is not None or not getattr(module, "is_causal", True):
+        # a packed row's mask is empty (packing.empty_mask)
+        raise ValueError("packed attention takes one packed row of causal attention, no attention mask, no dropout, "
+                         "no soft-capping")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     if q.is_cuda:
         # max_length_q: packing's Python int, symbolic under torch.compile (no int() here: it would specialize)
-        out = _cuda_varlen(q, k, v, cu.to(torch.int32), kwargs["max_length_q"], scaling)
+        out = _cuda_varlen(q, k, v, cu.to(torch.int32), kwargs["max_length_q"], scaling, sliding_window)
     else:
-        out = _sdpa_per_sequence(q, k, v, cu, scaling)
+        out = _sdpa_per_sequence(q, k, v, cu, scaling, sliding_window)
     return out.unsqueeze(0), None
 
 
 @torch.compiler.disable  # a Python loop over the sequences: eager under a compiled layer (CPU only)
-def _sdpa_per_sequence(q, k, v, cu: torch.Tensor, scale: float | None) -> torch.Tensor:
+def _sdpa_per_sequence(q, k, v, cu: torch.Tensor, scale: float | None, window: int | None = None) -> torch.Tensor:
     parts = []
     cu = cu.tolist()
     for s, e in zip(cu[:-1], cu[1:]):
         qi, ki, vi = (x[s:e].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
-        parts.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+        mask = window_mask(e - s, window, q.device)
+        parts.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale,
                                                     enable_gqa=ki.shape[0] != qi.shape[0]).transpose(0, 1))
     return torch.cat(parts)
 
 
-def _cuda_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None) -> torch.Tensor:
+def window_mask(n: int, window: int | None, device) -> torch.Tensor | None:
+    """[n, n] bool: query i sees key j when 0 <= i - j < window (transformers' sliding_window_overlay on
+    the causal mask); None when every query sees all of its past (no window, or one as long as the
+    sequence)."""
+    if window is None or window >= n:
+        return None
+    i = torch.arange(n, device=device)
+    gap = i[:, None] - i[None, :]
+    return (gap >= 0) & (gap < window)
+
+
+def _cuda_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None, window: int | None = None) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     causal, gqa = _VARLEN_KW or _varlen_kwargs()  # computed eagerly by register(): nothing for dynamo to trace
     kw = dict(causal)
+    if window is not None:
+        if "window_size" not in kw:  # refused at start (unsupported); never run a window as full attention
+            raise ValueError("this torch's varlen_attn takes no window_size: sliding-window layers cannot be packed")
+        kw["window_size"] = (window - 1, 0)
     if q.shape[1] != k.shape[1] and gqa:
         kw["enable_gqa"] = True
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **kw)
@@ -88,6 +113,34 @@ def _varlen_params() -> frozenset[str]:
 def _causal_kwargs() -> tuple:
     # torch 2.10/2.11 take is_causal=True; later versions express causality as window (-1, 0).
     return (("window_size", (-1, 0)),) if "window_size" in _varlen_params() else (("is_causal", True),)
+
+
+def kernel_takes_windows() -> bool:
+    """Whether packed attention applies sliding windows here: always on CPU (the per-sequence
+    path), on CUDA where torch's varlen_attn has window_size."""
+    return not torch.cuda.is_available() or "window_size" in _varlen_params()
+
+
+def unsupported(config) -> str:
+    """Why a model of this transformers config cannot take packed rows here ("" when it can)."""
+    config = getattr(config, "get_text_config", lambda: config)()
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "its attention logits are soft-capped (attn_logit_softcapping), which packed attention does not do"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "its attention is bidirectional (use_bidirectional_attention)"
+    if has_sliding_window(config) and not kernel_takes_windows():
+        return (f"it has sliding-window layers and torch {torch.__version__}'s varlen_attn takes no window_size "
+                "(torch >= 2.13 does)")
+    return ""
+
+
+def has_sliding_window(config) -> bool:
+    """Whether any layer attends within a sliding window (Gemma 2/3's "sliding_attention" layers;
+    Mistral-style configs with a sliding_window and no layer types)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return "sliding_attention" in types and getattr(config, "sliding_window", None) is not None
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
 
 
 def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,

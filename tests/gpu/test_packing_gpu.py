@@ -68,3 +68,26 @@ def test_packed_varlen_matches_padded_on_gpu(arch):
     rel = (grads["packed"].norm() / grads["padded"].norm()).item()
     print(f"{arch} gradient cosine packed vs padded {cos:.5f}, norm ratio {rel:.4f}")
     assert cos > 0.99 and abs(rel - 1) < 0.02
+
+
+def test_varlen_kernel_applies_sliding_windows_as_the_cpu_reference():
+    """Gemma 3's sliding-window layers on CUDA: torch's varlen kernel given window_size = (W - 1, 0)
+    against the CPU path's per-sequence attention with transformers' window mask (the CPU tests'
+    reference: tests/test_model_families.py), float32 inputs in bf16 compute."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from spmd_rl.model import varlen_attention
+
+    if not varlen_attention.kernel_takes_windows():
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn takes no window_size: such models are refused")
+    varlen_attention.register()
+    g = torch.Generator().manual_seed(0)
+    lens = [700, 64, 513, 1030]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    q, k, v = (torch.randn(sum(lens), h, 64, generator=g).to(torch.bfloat16) for h in (8, 2, 2))
+    for window in (512, 4096):  # shorter and longer than the rows
+        got = varlen_attention._cuda_varlen(q.cuda(), k.cuda(), v.cuda(), cu.cuda(), max(lens), 0.125, window)
+        want = varlen_attention._sdpa_per_sequence(q.float(), k.float(), v.float(), cu, 0.125, window)
+        err = (got.float().cpu() - want).abs()
+        print(f"window {window}: |varlen - reference| mean {err.mean():.2e} max {err.max():.2e}")
+        assert err.max() < 2e-2, window

@@ -5,7 +5,8 @@
     merge_trajectory_metrics(step_metrics, metrics)           # a step of several generate calls
 
 One concept per module: tools.py (load tools, run calls with timeouts), parsers.py (tool calls in a
-turn's text), environment.py (the Environment protocol; tools as an environment), bridge.py (the
+turn's text: hermes, llama3_json), templates/ (chat templates shipped for multi-turn, by name in
+rollout.chat_template), environment.py (the Environment protocol; tools as an environment), bridge.py (the
 tokens between turns, from the chat template), loop.py (the lockstep loop over a rank's
 trajectories), deadline.py (a batch of calls into user code under one deadline), faults.py (user
 code's faults: counted, logged once). Each returned Completion is a whole trajectory: its tokens, a mask with 1 on the

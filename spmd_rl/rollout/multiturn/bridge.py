@@ -10,8 +10,9 @@ trained, and only the glue after it (`\\n<|im_start|>tool...<|im_start|>assistan
 
 A template that rewrites earlier turns when messages are added (Qwen3 drops `<think>` blocks from
 earlier assistant turns) breaks this: the rendering with the new messages no longer starts with
-the rendering without them. It is refused with a clear error; use a template that keeps history
-(TRL ships such "training" templates for Qwen3).
+the rendering without them. It is refused with a clear error naming rollout.chat_template and the
+template shipped for Qwen3 that keeps history (templates/qwen3_keep_thinking.jinja; TRL ships such
+"training" templates too).
 
 Tool and environment text is text: a special or added token's text inside a message's content
 (`<|im_end|>`, `</tool_response>` in a tool's answer) is tokenized as plain characters, never as
@@ -29,6 +30,7 @@ from typing import Any
 from spmd_rl.errors import ConfigError
 
 SENTINEL = "SPMDRL_ASSISTANT_TURN"
+SHIPPED_QWEN3 = "spmd_rl/rollout/multiturn/templates/qwen3_keep_thinking.jinja"
 BASE = [{"role": "user", "content": "SPMDRL_USER_TURN"}, {"role": "assistant", "content": SENTINEL}]
 
 
@@ -86,8 +88,9 @@ class Bridge:
             raise TemplateError(
                 "the chat template rewrites the conversation when messages are added after an assistant turn "
                 f"(rendered without them: ...{self.head[-80:]!r}; with them: ...{full[:len(self.head)][-80:]!r}), so "
-                "the sampled tokens would not be the trained ones: use a chat template that keeps earlier turns "
-                "unchanged (e.g. a *_training.jinja template)")
+                "the sampled tokens would not be the trained ones: set rollout.chat_template to a template that keeps "
+                "earlier turns unchanged; for Qwen3 rollout.chat_template = \"qwen3_keep_thinking\" "
+                f"({SHIPPED_QWEN3}, which keeps <think> blocks)")
         tail = full[len(self.head):]
         stop = self._text(last_token)
         if stop and tail.startswith(stop):  # the template's end-of-turn is the model's sampled token
