@@ -178,3 +178,46 @@ def test_the_critic_takes_the_actors_micro_batching_unless_set(tmp_path):
                                           r"taken as critic.micro_batch_size_per_gpu = 0\) must divide the 8 sequences"):
         valid_cfg(tmp_path, ['algorithm.adv_estimator="gae"', "actor.micro_batch_size_per_gpu=16",
                              "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=2"]).validate()
+
+
+LORA = ["model.lora_rank=8"]
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.lora_rank=-1"], "model.lora_rank = -1 must be >= 1 for LoRA, or 0 for full fine-tuning"),
+    ([*LORA, "model.lora_alpha=0"], "model.lora_alpha = 0.0 must be > 0"),
+    ([*LORA, "model.lora_dropout=0.1"], "model.lora_dropout = 0.1 is not supported: every dropout is off"),
+    ([*LORA, 'model.lora_target_modules=["q_proj", "qkv"]'],
+     "model.lora_target_modules names 'qkv', not a linear layer of the decoder of model.arch = 'tiny': it has "
+     "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (or [] for all of them)"),
+    ([*LORA, 'model.lora_target_modules=["lm_head"]'], "model.lora_target_modules names lm_head: the embeddings and "
+     "the LM head are not adapted"),
+    ([*LORA, 'trainer.export_hf_dir="/tmp/x"'], "the export of a LoRA checkpoint (adapter only) is not implemented yet"),
+])
+def test_lora_refusals(tmp_path, overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        valid_cfg(tmp_path, overrides).validate(world_size=1)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_lora_targets_accepted(tmp_path):
+    for targets in ('[]', '["all-linear"]', '["q_proj", "self_attn.v_proj", "down_proj"]'):
+        valid_cfg(tmp_path, [*LORA, f"model.lora_target_modules={targets}"]).validate(world_size=1)
+
+
+def test_lora_without_peft_is_one_user_error(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_peft(name, *args, **kwargs):
+        if name == "peft" or name.startswith("peft."):
+            raise ImportError("No module named 'peft'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_peft)
+    with pytest.raises(ConfigError) as e:
+        valid_cfg(tmp_path, LORA).validate(world_size=1)
+    assert str(e.value) == ("model.lora_rank = 8 needs PEFT: peft is not installed (No module named 'peft'); "
+                            "pip install -e '.[lora]' (peft==0.21.*), or set model.lora_rank = 0")
