@@ -221,3 +221,25 @@ def test_lora_without_peft_is_one_user_error(tmp_path, monkeypatch):
         valid_cfg(tmp_path, LORA).validate(world_size=1)
     assert str(e.value) == ("model.lora_rank = 8 needs PEFT: peft is not installed (No module named 'peft'); "
                             "pip install -e '.[lora]' (peft==0.21.*), or set model.lora_rank = 0")
+
+
+@pytest.mark.parametrize("old, new, needle", [
+    (["model.lora_rank=8"], ["model.lora_rank=16"], "cannot resume with model.lora_rank changed (8 -> 16): it changes the "
+     "LoRA adapter's shape (0: none) of the checkpoint; set it back, or start a new trainer.run_dir"),
+    (["model.lora_rank=8"], ["model.lora_rank=0"], "model.lora_rank changed (8 -> 0)"),
+    (["model.lora_rank=8"], ["model.lora_rank=8", 'model.lora_target_modules=["q_proj"]'],
+     "cannot resume with model.lora_target_modules changed ([] -> ['q_proj']): it changes the layers that hold the LoRA "
+     "adapter"),
+    (["model.lora_rank=8"], ["model.lora_rank=8", "model.lora_alpha=64"], "model.lora_alpha changed (32.0 -> 64.0)"),
+])
+def test_a_resume_with_another_lora_adapter_is_refused(tmp_path, old, new, needle):
+    from spmd_rl.config.resume_check import check_resume_config
+    from spmd_rl.config.toml_io import to_toml
+
+    (tmp_path / "config.toml").write_text(to_toml(load_config(None, [f"trainer.run_dir={tmp_path}", *old])))
+    (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)
+    with pytest.raises(ConfigError) as e:
+        check_resume_config(load_config(None, [f"trainer.run_dir={tmp_path}", *new]))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    lr_only = load_config(None, [f"trainer.run_dir={tmp_path}", *old, "actor.lr=1e-4"])
+    assert check_resume_config(lr_only) == {"actor.lr": (1e-6, 1e-4)}

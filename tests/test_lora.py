@@ -23,6 +23,7 @@ def tiny_dir(tmp_path):
 def sharded_lora(path, rank, base_dtype, compute_dtype, targets=()):
     """The actor as build.build_models makes it with LoRA: rank 0 reads the base, the adapter is drawn
     there and broadcast."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from spmd_rl.model.loading import build_sharded, load_causal_lm
@@ -30,7 +31,7 @@ def sharded_lora(path, rank, base_dtype, compute_dtype, targets=()):
 
     settings = LoraSettings(rank, 16.0, tuple(targets), torch.float32)
     load = functools.partial(load_causal_lm, path, base_dtype, lora=settings)
-    return build_sharded(load, init_device_mesh("cpu", (WORLD,)), compute_dtype, False), settings
+    return build_sharded(load, init_device_mesh("cpu", (dist.get_world_size(),)), compute_dtype, False), settings
 
 
 def logprobs(model, ids):
@@ -115,3 +116,57 @@ def _train_cases(rank, world, path):
 
 def test_lora_trains_the_adapter_alone(tmp_path):
     run_distributed(_train_cases, WORLD, tiny_dir(tmp_path))
+
+
+def _save_body(rank, world, path, ckpt_root, out_file):
+    """Train the adapter a step on `world` ranks and checkpoint it; rank 0 writes the full adapter and
+    optimizer moments it saved."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from spmd_rl.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer
+    from spmd_rl.train.optim import make_optimizer
+
+    torch.manual_seed(0)
+    model, _ = sharded_lora(path, 4, torch.bfloat16, torch.float32)
+    opt = make_optimizer(model, 1e-2, 0.0)
+    for _ in range(2):
+        logprobs(model, torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(rank))).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ck = Checkpointer(ckpt_root, keep_last=1, async_save=False)
+    ck.save(2, {"actor": ModelAndOptimizer(model, opt, trainable_only=True)}, {"step": 2})
+    ck.wait()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    moments = {n: opt.state[p]["exp_avg"].full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+    if rank == 0:
+        torch.save({"model": full, "exp_avg": moments}, out_file)
+
+
+def _resume_body(rank, world, path, ckpt_root, saved_file):
+    """A fresh actor (base from the files, another random adapter) on `world` ranks resumes the adapter
+    and its optimizer; the checkpoint holds no base tensor."""
+    import torch.distributed.checkpoint as dcp
+
+    from spmd_rl.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer
+    from spmd_rl.train.optim import make_optimizer
+
+    torch.manual_seed(123)  # another adapter A than the saved run's
+    model, _ = sharded_lora(path, 4, torch.bfloat16, torch.float32)
+    opt = make_optimizer(model, 1e-2, 0.0)
+    ck = Checkpointer(ckpt_root, keep_last=1, async_save=False)
+    assert ck.load(ck.find_resume("auto"), {"actor": ModelAndOptimizer(model, opt, trainable_only=True)}) == {"step": 2}
+    saved = torch.load(saved_file)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), saved["model"][name]), name  # base from the files, adapter resumed
+        if p.requires_grad:
+            assert torch.equal(opt.state[p]["exp_avg"].full_tensor(), saved["exp_avg"][name]), name
+    keys = dcp.FileSystemReader(ck.latest()).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith("actor.model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys), model_keys
+
+
+def test_lora_checkpoint_holds_the_adapter_and_resumes_on_another_world_size(tmp_path):
+    path = tiny_dir(tmp_path)
+    root, saved = str(tmp_path / "ckpt"), str(tmp_path / "saved.pt")
+    run_distributed(_save_body, 2, path, root, saved)
+    run_distributed(_resume_body, 3, path, root, saved)
