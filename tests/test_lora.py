@@ -82,6 +82,7 @@ def test_lora_forward_equals_peft_and_reference_is_the_adapter_disabled(tmp_path
 
 
 def _train_body(rank, world, path, lora_rank, base_dtype, compute_dtype):
+    from spmd_rl.model.lora import adapter_disabled
     from spmd_rl.train.optim import make_optimizer
 
     model, _ = sharded_lora(path, lora_rank, base_dtype, compute_dtype)
@@ -94,9 +95,12 @@ def _train_body(rank, world, path, lora_rank, base_dtype, compute_dtype):
     before = {n: p.full_tensor().clone() for n, p in base.items()}
     opt = make_optimizer(model, 1e-2, 0.0)
     ids = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad(), adapter_disabled(model) as ref:  # a step's reference pass comes before its update
+        logprobs(ref, ids)
     for _ in range(2):  # B starts at 0: A gets its first gradient at the second step
         logprobs(model, ids).mean().backward()
         assert all(p.grad is None for p in base.values())
+        assert all(p.grad is not None for n, p in adapter.items() if "lora_B" in n)
         opt.step()
         opt.zero_grad()
     assert all(p.grad is None for p in base.values())

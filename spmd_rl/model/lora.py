@@ -88,10 +88,16 @@ def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 @contextlib.contextmanager
 def adapter_disabled(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """The model as its base alone (PEFT's switch on each LoRA layer): the reference policy."""
+    """The model as its base alone (PEFT's switch on each LoRA layer): the reference policy, for
+    no-grad forwards. PEFT's switch also freezes the adapter; the adapter stays trainable here:
+    FSDP2 takes a unit's trainable parameters and their dtype at its first forward (lazy init), and
+    a reference pass first (step 1) left the adapter without gradients, or with bf16 ones."""
     layers = lora_layers(model).values()
+    trainable = [p for p in model.parameters() if p.requires_grad]
     for layer in layers:
         layer.enable_adapters(False)
+    for p in trainable:
+        p.requires_grad_(True)
     try:
         yield model
     finally:
