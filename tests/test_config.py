@@ -192,7 +192,6 @@ LORA = ["model.lora_rank=8"]
      "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (or [] for all of them)"),
     ([*LORA, 'model.lora_target_modules=["lm_head"]'], "model.lora_target_modules names lm_head: the embeddings and "
      "the LM head are not adapted"),
-    ([*LORA, 'trainer.export_hf_dir="/tmp/x"'], "the export of a LoRA checkpoint (adapter only) is not implemented yet"),
 ])
 def test_lora_refusals(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as e:

@@ -1,6 +1,6 @@
 """Whole LoRA runs of the trainer on CPU: GRPO learns the tiny task with the adapter alone, the
-checkpoint holds the adapter, it resumes on another number of ranks, and a resume with another
-adapter is refused.
+checkpoint holds the adapter, the export writes the merged model and PEFT's adapter directory, it
+resumes on another number of ranks, and a resume with another adapter is refused.
 
 The model is the tiny preset's shape with initializer_range 0.1 instead of 0.02: LoRA leaves the
 embeddings and the (tied) head frozen, and at 0.02 a random head's logits span about +-1.3 whatever
@@ -27,6 +27,27 @@ def tiny_model(tmp_path):
     return path
 
 
+def check_export(ckpt, base_dir, merged_dir, tmp_path):
+    """The run's merged export (trainer.export_hf_dir) is PEFT's adapter, exported by
+    `python -m spmd_rl.export --adapter-out`, on the base; and not the base (verl #4553)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from spmd_rl.export import main as export
+
+    assert export(["--checkpoint", str(ckpt), "--out", str(tmp_path / "merged_again"),
+                   "--adapter-out", str(tmp_path / "adapter")]) == 0
+    ids = torch.randint(0, 60, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir)(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(base_dir)
+        base_logits = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "adapter")(input_ids=ids).logits
+    torch.testing.assert_close(merged, adapted, atol=1e-4, rtol=1e-4)
+    assert (merged - base_logits).abs().max() > 0.1
+
+
 def test_lora_grpo_learns_on_two_ranks_and_resumes_on_one(tmp_path):
     import torch.distributed.checkpoint as dcp
 
@@ -34,7 +55,8 @@ def test_lora_grpo_learns_on_two_ranks_and_resumes_on_one(tmp_path):
     common = [f"trainer.run_dir={run_dir}", 'model.arch=""', f"model.path={tiny_model(tmp_path)}",
               "model.lora_rank=8", "trainer.tensorboard=false", *data_overrides(tmp_path)]
     # lr 5e-3 where the full run takes 3e-3 (at 2e-2 it did not learn in 80 steps)
-    out = run(torchrun_cmd(2, *common, "actor.lr=5e-3", "trainer.total_steps=40"))
+    out = run(torchrun_cmd(2, *common, "actor.lr=5e-3", "trainer.total_steps=40",
+                           f"trainer.export_hf_dir={tmp_path / 'merged'}"))
     assert "(LoRA rank 8, alpha 32: 0.02M trained, the base frozen; LoRA usually wants ~10x" in out
     m = read_metrics(run_dir)
     steps = sorted(s for s in m if "reward/mean" in m[s])
@@ -47,6 +69,7 @@ def test_lora_grpo_learns_on_two_ranks_and_resumes_on_one(tmp_path):
     ckpt = run_dir / "checkpoints" / "step_40"
     keys = [k for k in dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if k.startswith("actor.model.")]
     assert len(keys) == 2 * 7 * 2 and all(".lora_" in k for k in keys), keys
+    check_export(ckpt, run_dir / "init_model", tmp_path / "merged", tmp_path)
 
     out = run(torchrun_cmd(1, *common, "actor.lr=5e-3", "trainer.total_steps=42"))
     assert f"resumed from {ckpt} at step 40" in out

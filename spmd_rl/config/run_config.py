@@ -244,13 +244,6 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     external_checks.check_multi_turn_code(cfg)
     cfg.rollout.check_logprobs(cfg.rollout_logprob_readers())
     cfg.trainer.check(cfg.run_dir, cfg.checkpoint_dir)
-    check_lora_export(cfg)
     cfg.check_ranges()
     external_checks.check_engine_kwargs(cfg)  # last: with engine kwargs set, it imports vLLM to know its argument names
 
-
-def check_lora_export(cfg: Config) -> None:
-    """trainer.export_hf_dir reads full weights from the checkpoint; a LoRA run's holds the adapter only."""
-    need(not (cfg.model.use_lora and cfg.trainer.export_hf_dir),
-         f"trainer.export_hf_dir = {cfg.trainer.export_hf_dir!r} with model.lora_rank = {cfg.model.lora_rank}: the export of "
-         "a LoRA checkpoint (adapter only) is not implemented yet; unset trainer.export_hf_dir")
