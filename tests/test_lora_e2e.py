@@ -54,8 +54,10 @@ def test_lora_grpo_learns_on_two_ranks_and_resumes_on_one(tmp_path):
     run_dir = tmp_path / "run"
     common = [f"trainer.run_dir={run_dir}", 'model.arch=""', f"model.path={tiny_model(tmp_path)}",
               "model.lora_rank=8", "trainer.tensorboard=false", *data_overrides(tmp_path)]
-    # lr 5e-3 where the full run takes 3e-3 (at 2e-2 it did not learn in 80 steps)
-    out = run(torchrun_cmd(2, *common, "actor.lr=5e-3", "trainer.total_steps=40",
+    # 80 steps of this model, reward at step 40 / 80 (val acc at 80): full fine-tuning at lr 3e-3 0.87 / 0.87
+    # (0.86); LoRA r8 alpha 32 at lr 2e-3 0.45 / 0.65 (0.81), 5e-3 0.30 / 0.61 (0.66), 1e-2 0.10 / 0.14 (0.05).
+    # Here ~10x the full lr is too much: alpha / r = 4 already scales the adapter's update.
+    out = run(torchrun_cmd(2, *common, "actor.lr=2e-3", "trainer.total_steps=40",
                            f"trainer.export_hf_dir={tmp_path / 'merged'}"))
     assert "(LoRA rank 8, alpha 32: 0.02M trained, the base frozen; LoRA usually wants ~10x" in out
     m = read_metrics(run_dir)
@@ -63,7 +65,7 @@ def test_lora_grpo_learns_on_two_ranks_and_resumes_on_one(tmp_path):
     assert steps == list(range(1, 41)), steps
     first = sum(m[s]["reward/mean"] for s in steps[:10]) / 10
     last = sum(m[s]["reward/mean"] for s in steps[-10:]) / 10
-    assert last > first + 0.1 and m[40]["val/acc"] > 0.25, (first, last, m[40]["val/acc"])
+    assert last > first + 0.15 and m[40]["val/acc"] > 0.35, (first, last, m[40]["val/acc"])
     # the engine got the merged weights every step (fp32 on CPU)
     assert max(m[s]["rollout/logprob_diff_max"] for s in steps) < 1e-4
     ckpt = run_dir / "checkpoints" / "step_40"
@@ -71,7 +73,7 @@ def test_lora_grpo_learns_on_two_ranks_and_resumes_on_one(tmp_path):
     assert len(keys) == 2 * 7 * 2 and all(".lora_" in k for k in keys), keys
     check_export(ckpt, run_dir / "init_model", tmp_path / "merged", tmp_path)
 
-    out = run(torchrun_cmd(1, *common, "actor.lr=5e-3", "trainer.total_steps=42"))
+    out = run(torchrun_cmd(1, *common, "actor.lr=2e-3", "trainer.total_steps=42"))
     assert f"resumed from {ckpt} at step 40" in out
     assert "resuming a checkpoint of 2 ranks on 1" in out
     m = read_metrics(run_dir)
