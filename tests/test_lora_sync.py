@@ -157,3 +157,43 @@ def test_a_bf16_adapter_kept_apart_keeps_small_updates_while_b_is_small(measured
                    "(vLLM's lora_dtype) for the adapter sync to keep them")
 def test_a_bf16_adapter_kept_apart_keeps_small_updates_once_b_has_grown(measured):
     assert measured["miss_bf16_adapter_apart_grown"] < 0.05, measured
+
+
+def _hsdp_body(rank, world, path):
+    from peft import get_peft_model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from spmd_rl.model.loading import build_sharded, load_causal_lm
+    from spmd_rl.model.lora import LoraSettings, base_name, lora_config
+    from spmd_rl.rollout.weight_sync import iter_weights
+    from spmd_rl.runtime.distributed import fsdp_mesh
+
+    torch.manual_seed(0)
+    settings = LoraSettings(RANK, ALPHA, ("q_proj", "down_proj"), torch.float32)
+    actor = build_sharded(functools.partial(load_causal_lm, path, torch.float32, lora=settings),
+                          fsdp_mesh("cpu", world, 2), torch.float32, False)  # 2 replicas x shard groups of 2
+    opt = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        actor(input_ids=ids, logprob_targets=ids, temperature=1.0)[0].mean().backward()
+        opt.step()
+        opt.zero_grad()
+    full = get_model_state_dict(actor, options=StateDictOptions(full_state_dict=True))
+    twin = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora_config(settings))
+    twin.load_state_dict({f"base_model.model.{k}": v for k, v in full.items() if ".lora_" in k}, strict=False)
+    merged = twin.merge_and_unload().state_dict()
+    synced = dict(iter_weights(actor, torch.float32, 1))
+    assert sorted(synced) == sorted(k for k in merged if k != "lm_head.weight")
+    base = {base_name(k): v for k, v in full.items() if ".lora_" not in k}
+    changed = [k for k in synced if not torch.equal(synced[k], base[k])]
+    assert sorted({k.split(".")[-2] for k in changed}) == ["down_proj", "q_proj"], changed  # the targets alone
+    for k, t in synced.items():
+        torch.testing.assert_close(t, merged[k], atol=1e-6, rtol=1e-6)
+
+
+def test_merged_sync_under_hsdp_with_some_targets(tmp_path):
+    from spmd_rl.model.loading import materialize_random_model, random_model_config
+
+    path = materialize_random_model(str(tmp_path / "tiny"), random_model_config("tiny"), 0, torch.float32)
+    run_distributed(_hsdp_body, 4, path)
