@@ -191,7 +191,8 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
     clock.end()
     log.info("models ready: actor %.1fM parameters%s%s%s, %s", n_params / 1e6, lora_note(cfg, actor),
              ", reference" if ref is not None else "", ", critic" if critic is not None else "",
-             "weights left for the checkpoint" if resume else f"from {model_dir}")
+             (f"the base from {model_dir}, the adapter left for the checkpoint" if m.use_lora else
+              "weights left for the checkpoint") if resume else f"from {model_dir}")
     return Models(model_dir, model_key, actor, actor_opt, actor_sched, n_params, ref, critic, critic_opt, critic_sched)
 
 

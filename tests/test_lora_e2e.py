@@ -76,6 +76,7 @@ def test_lora_grpo_learns_on_two_ranks_and_resumes_on_one(tmp_path):
     out = run(torchrun_cmd(1, *common, "actor.lr=2e-3", "trainer.total_steps=42"))
     assert f"resumed from {ckpt} at step 40" in out
     assert "resuming a checkpoint of 2 ranks on 1" in out
+    assert f"the base from {run_dir / 'init_model'}, the adapter left for the checkpoint" in out
     m = read_metrics(run_dir)
     assert m[42]["reward/mean"] >= 0 and max(m[s]["rollout/logprob_diff_max"] for s in (41, 42)) < 1e-4
 
