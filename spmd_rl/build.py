@@ -32,6 +32,7 @@ from spmd_rl.model.files import check_vocab, loading, model_vocab_size
 from spmd_rl.model.loading import (ARCH_PRESETS, DTYPES, allocate_meta_model, build_sharded, count_parameters, load_causal_lm,
                             load_reward_model, load_value_model, materialize_random_model, random_model_config,
                             reward_pad_id)
+from spmd_rl.model.lora import LoraSettings
 from spmd_rl.train.optim import make_optimizer, make_scheduler
 from spmd_rl.data.rewards import RewardFunction
 from spmd_rl.telemetry.startup import StartupClock
@@ -54,7 +55,7 @@ class Models(NamedTuple):
     actor_opt: torch.optim.Optimizer
     actor_sched: Any
     n_params: int  # the actor's
-    ref: torch.nn.Module | None  # with actor.use_kl_loss or algorithm.use_kl_in_reward
+    ref: torch.nn.Module | None  # with actor.use_kl_loss or algorithm.use_kl_in_reward, without LoRA
     critic: torch.nn.Module | None  # with algorithm.adv_estimator = "gae"
     critic_opt: torch.optim.Optimizer | None
     critic_sched: Any
@@ -174,18 +175,23 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
         model = build_sharded(load, env.mesh, compute, from_checkpoint, gradient_checkpointing, m.fsdp_forward_prefetch)
         return sequence_parallel.apply(model, env.sp)  # trainer.ulysses_size: each rank takes a slice of a row
 
-    def policy_model(dtype):
+    def policy_model(dtype, lora=None):
         return functools.partial(load_causal_lm, model_dir, dtype, m.attn_implementation, m.remove_padding,
                                  m.chunked_logprobs, model_key, fused_kernels=m.fused_kernels,
-                                 fused_logprob_head=m.fused_logprob_head)
+                                 fused_logprob_head=m.fused_logprob_head, lora=lora)
 
-    actor = sharded(policy_model(master), resume)
+    if m.use_lora:  # the base frozen in the compute dtype, the adapter in the master dtype; the checkpoint
+        # holds the adapter only, so the base is read from the model directory on a resume too
+        lora = LoraSettings(m.lora_rank, m.lora_alpha, tuple(m.lora_target_modules), master)
+        actor = sharded(policy_model(compute, lora), False)
+    else:
+        actor = sharded(policy_model(master), resume)
     n_params = count_parameters(actor)
     actor_opt = make_optimizer(actor, a.lr, a.weight_decay, a.betas)
     actor_sched = make_scheduler(actor_opt, a.warmup_steps, cfg.trainer.total_steps, a.lr_schedule, a.min_lr_ratio)
     clock.begin("reference_critic")
     ref = None
-    if cfg.use_reference:
+    if cfg.use_reference and not m.use_lora:  # with LoRA: the actor with its adapter disabled (Trainer.reference)
         # frozen, never checkpointed: always from the model directory. Stored in the compute dtype
         # (forward numerics are the same as fp32 masters cast to it for every forward, at half or a
         # quarter of the memory). Frozen by use, not by flag: it is in no optimizer and runs only
@@ -202,10 +208,11 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
         critic_sched = make_scheduler(critic_opt, c.warmup_steps, cfg.trainer.total_steps)
     reward_model = build_reward_model(cfg, env)
     clock.end()
-    log.info("models ready: actor %.1fM parameters%s%s%s, %s", n_params / 1e6,
+    log.info("models ready: actor %.1fM parameters%s%s%s%s, %s", n_params / 1e6, lora_note(cfg, actor),
              ", reference" if ref is not None else "", ", critic" if critic is not None else "",
              f", reward model from {cfg.reward_model.path}" if reward_model is not None else "",
-             "weights left for the checkpoint" if resume else f"from {model_dir}")
+             (f"the base from {model_dir}, the adapter left for the checkpoint" if m.use_lora else
+              "weights left for the checkpoint") if resume else f"from {model_dir}")
     return Models(model_dir, model_key, actor, actor_opt, actor_sched, n_params, ref, critic, critic_opt, critic_sched,
                   reward_model)
 
@@ -229,6 +236,18 @@ def build_reward_model(cfg: Config, env: DistEnv) -> RewardModel | None:
                              m.attn_implementation, "reward_model.path")
     model = build_sharded(load, env.mesh, compute, False)
     return RewardModel(model, tokenizer, env.device, rm.micro_batch_size_per_gpu, rm.max_token_len_per_gpu)
+
+
+def lora_note(cfg: Config, actor: torch.nn.Module) -> str:
+    """With LoRA: what is trained, where the reference comes from, and the learning-rate rule of thumb."""
+    m = cfg.model
+    if not m.use_lora:
+        return ""
+    trained = sum(p.numel() for p in actor.parameters() if p.requires_grad)
+    reference = "; the reference is the actor with its adapter disabled" if cfg.use_reference else ""
+    return (f" (LoRA rank {m.lora_rank}, alpha {m.lora_alpha:g}: {trained / 1e6:.2f}M trained, the base frozen"
+            f"{reference}; LoRA usually wants ~10x full fine-tuning's learning rate: actor.lr = {cfg.actor.lr:g} "
+            "is used as set)")
 
 
 def build_engine(cfg: Config, env: DistEnv, model_dir: str, model_key: str, tokenizer) -> Rollout:

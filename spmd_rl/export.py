@@ -13,6 +13,11 @@ The run's config.toml (in the run directory the checkpoint's manifest.json names
 `checkpoints/`) says which model directory the run started from
 (`model.path`, or `<run_dir>/init_model` for random init); its config.json, generation config and
 tokenizer are the ones exported.
+
+A LoRA run's checkpoint holds the adapter only (model.lora_rank > 0): DIR gets the merged model,
+W + (alpha / r) * B @ A computed by PEFT (`merge_and_unload`) in float32 on the base read from the
+model directory, then cast; `--adapter-out ADIR` also writes PEFT's adapter directory
+(`PeftModel.from_pretrained(base, ADIR)`). This path holds the whole model in float32 in memory.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from spmd_rl.checkpoint.checkpointer import run_dir_of
 from spmd_rl.errors import UserError
+from spmd_rl.model import lora
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +49,21 @@ class ExportError(UserError):
     """A checkpoint or output directory that cannot be exported, with the fix."""
 
 
-def source_model_dir(checkpoint: str) -> str:
-    """The model directory the run started from (config.json, tokenizer, generation config)."""
+def run_model_config(checkpoint: str):
+    """The [model] section of the config of the run that wrote `checkpoint`."""
     from spmd_rl.config.run_config import load_config
 
-    run_dir = run_dir_of(checkpoint)
-    config_file = os.path.join(run_dir, "config.toml")
+    config_file = os.path.join(run_dir_of(checkpoint), "config.toml")
     if not os.path.isfile(config_file):
         raise ExportError(f"{config_file} does not exist: --checkpoint must be a step_N directory of a "
                           "spmd_rl run, or pass --model-dir (the model directory the run started from)")
-    m = load_config(config_file).model
-    path = os.path.join(run_dir, "init_model") if m.init == "random" else m.path
+    return load_config(config_file).model
+
+
+def source_model_dir(checkpoint: str) -> str:
+    """The model directory the run started from (config.json, tokenizer, generation config)."""
+    m = run_model_config(checkpoint)
+    path = os.path.join(run_dir_of(checkpoint), "init_model") if m.init == "random" else m.path
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ExportError(f"the run's model directory {path!r} has no config.json; pass --model-dir")
     return path
@@ -96,10 +106,11 @@ def read_tensors(checkpoint: str, tensors: dict[str, TensorStorageMetadata], nam
 
 
 def export_checkpoint(checkpoint: str, out: str, dtype: str = "auto", model_dir: str | None = None,
-                      shard_size_gb: float = 5.0) -> str:
-    """Write the actor of `checkpoint` to `out` as a Hugging Face model directory; returns `out`."""
+                      shard_size_gb: float = 5.0, adapter_out: str | None = None) -> str:
+    """Write the actor of `checkpoint` to `out` as a Hugging Face model directory; returns `out`.
+    A LoRA checkpoint: the merged model, and with `adapter_out` PEFT's adapter directory too."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig
 
     model_dir = model_dir or source_model_dir(checkpoint)
     tensors = actor_tensors(checkpoint)
@@ -112,11 +123,18 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "auto", model_dir:
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
-    if os.path.exists(out) and os.listdir(out):
-        raise ExportError(f"--out {out!r} exists and is not empty: choose a new directory")
+    is_lora = any(lora.is_adapter(n) for n in tensors)
+    if adapter_out and not is_lora:
+        raise ExportError(f"--adapter-out: checkpoint {checkpoint!r} holds no LoRA adapter (a full fine-tuning run)")
+    for d in (out, adapter_out):
+        if d and os.path.exists(d) and os.listdir(d):
+            raise ExportError(f"{d!r} exists and is not empty: choose a new directory")
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    if is_lora:
+        export_lora(checkpoint, tensors, model_dir, torch_dtype, tmp, adapter_out, shard_size_gb)
+        return _finish(tmp, out)
 
     shards = plan_shards(tensors, torch_dtype, int(shard_size_gb * 2**30))
     files = (["model.safetensors"] if len(shards) == 1 else
@@ -135,16 +153,52 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "auto", model_dir:
 
     config.dtype = torch_dtype
     config.save_pretrained(tmp)
+    save_generation_config_and_tokenizer(model_dir, config, tmp)
+    return _finish(tmp, out)
+
+
+def save_generation_config_and_tokenizer(model_dir: str, config, out: str) -> None:
+    from transformers import AutoTokenizer, GenerationConfig
+
     try:
         gen = GenerationConfig.from_pretrained(model_dir)
     except OSError:  # no generation_config.json in the source: derive it as save_pretrained would
         gen = GenerationConfig.from_model_config(config)
-    gen.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp)
+    gen.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+
+
+def _finish(tmp: str, out: str) -> str:
     if os.path.isdir(out):
         os.rmdir(out)
     os.replace(tmp, out)  # a crash mid-export leaves only OUT.tmp, never a half-written OUT
     return out
+
+
+def export_lora(checkpoint: str, tensors: dict[str, TensorStorageMetadata], model_dir: str, dtype: torch.dtype,
+                out: str, adapter_out: str | None, shard_size_gb: float) -> None:
+    """The merged model of a LoRA checkpoint into `out` (and PEFT's adapter directory into `adapter_out`):
+    the base from `model_dir` in float32, the run's adapter on it, merged by PEFT, cast to `dtype`."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    m = run_model_config(checkpoint)
+    settings = lora.LoraSettings(m.lora_rank, m.lora_alpha, tuple(m.lora_target_modules), torch.float32)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                           lora.lora_config(settings))
+    adapter = {f"base_model.model.{n}": t for n, t in read_tensors(checkpoint, tensors, list(tensors)).items()}
+    result = model.load_state_dict(adapter, strict=False)
+    missing = [k for k in result.missing_keys if lora.is_adapter(k)]
+    if result.unexpected_keys or missing:
+        raise ExportError(f"checkpoint {checkpoint!r} does not fit the run's LoRA settings (rank {m.lora_rank}, targets "
+                          f"{list(m.lora_target_modules) or 'all-linear'}): {len(missing)} adapter tensors missing, "
+                          f"unexpected {result.unexpected_keys[:3]}")
+    if adapter_out:
+        model.save_pretrained(adapter_out)
+        log.info("wrote the PEFT adapter to %s", adapter_out)
+    merged = model.merge_and_unload().to(dtype)
+    merged.save_pretrained(out, max_shard_size=f"{int(shard_size_gb * 1024)}MB")
+    save_generation_config_and_tokenizer(model_dir, merged.config, out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,10 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", help="auto (the source model's), float32, bfloat16 or float16")
     ap.add_argument("--model-dir", default=None, help="source model directory (default: from the run's config.toml)")
     ap.add_argument("--shard-size-gb", type=float, default=5.0, help="largest safetensors shard")
+    ap.add_argument("--adapter-out", default=None, help="a LoRA run's checkpoint: also write PEFT's adapter directory here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        out = export_checkpoint(args.checkpoint, args.out, args.dtype, args.model_dir, args.shard_size_gb)
+        out = export_checkpoint(args.checkpoint, args.out, args.dtype, args.model_dir, args.shard_size_gb,
+                                args.adapter_out)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from spmd_rl.algo import algorithms as algos
 from spmd_rl.model import fused_kernels
+from spmd_rl.model.lora import adapter_disabled
 from spmd_rl.batching import sequence_parallel
 from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
 from spmd_rl.batching.batch import Batch, build_rollout_batch, response_token_ids
@@ -143,7 +144,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _stateful(self) -> dict:
-        models = {"actor": ModelAndOptimizer(self.actor, self.actor_opt)}
+        # a LoRA actor's checkpoint holds its adapter and the adapter's optimizer (the base is in model.path)
+        models = {"actor": ModelAndOptimizer(self.actor, self.actor_opt, trainable_only=self.cfg.model.use_lora)}
         if self.critic is not None:
             models["critic"] = ModelAndOptimizer(self.critic, self.critic_opt)
         return models
@@ -210,6 +212,13 @@ class Trainer:
                 timer.metrics["memory/offloaded_gb"] = (before - torch.cuda.memory_allocated(self.device)) / 2**30
         with timer("wake"):
             self.engine.wake_up(["kv_cache"])
+
+    def reference(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
+        """The reference policy: its own frozen model, or with LoRA the actor with its adapter
+        disabled (the base is never held twice)."""
+        if self.ref is not None:
+            return contextlib.nullcontext(self.ref)
+        return adapter_disabled(self.actor)
 
     def _train_state(self) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:
         rm = None if self.reward_model is None else self.reward_model.model
@@ -329,9 +338,9 @@ class Trainer:
             with timer("old_logprob"):
                 batch["old_logprobs"] = compute_logprobs(self.actor, batch, temp, amb.rows, self.device,
                                                          amb.forward_tokens)
-        if self.ref is not None:
-            with timer("ref_logprob"):
-                batch["ref_logprobs"] = compute_logprobs(self.ref, batch, temp, amb.rows, self.device, amb.forward_tokens)
+        if cfg.use_reference:
+            with timer("ref_logprob"), self.reference() as ref:
+                batch["ref_logprobs"] = compute_logprobs(ref, batch, temp, amb.rows, self.device, amb.forward_tokens)
         if self.critic is not None:
             with timer("values"):
                 batch["values"] = compute_values(self.critic, batch, cmb.rows, self.device, cmb.forward_tokens)

@@ -178,3 +178,67 @@ def test_the_critic_takes_the_actors_micro_batching_unless_set(tmp_path):
                                           r"taken as critic.micro_batch_size_per_gpu = 0\) must divide the 8 sequences"):
         valid_cfg(tmp_path, ['algorithm.adv_estimator="gae"', "actor.micro_batch_size_per_gpu=16",
                              "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=2"]).validate()
+
+
+LORA = ["model.lora_rank=8"]
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.lora_rank=-1"], "model.lora_rank = -1 must be >= 1 for LoRA, or 0 for full fine-tuning"),
+    ([*LORA, "model.lora_alpha=0"], "model.lora_alpha = 0.0 must be > 0"),
+    ([*LORA, "model.lora_dropout=0.1"], "model.lora_dropout = 0.1 is not supported: every dropout is off"),
+    ([*LORA, 'model.lora_target_modules=["q_proj", "qkv"]'],
+     "model.lora_target_modules names 'qkv', not a linear layer of the decoder of model.arch = 'tiny': it has "
+     "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (or [] for all of them)"),
+    ([*LORA, 'model.lora_target_modules=["lm_head"]'], "model.lora_target_modules names lm_head: the embeddings and "
+     "the LM head are not adapted"),
+])
+def test_lora_refusals(tmp_path, overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        valid_cfg(tmp_path, overrides).validate(world_size=1)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_lora_targets_accepted(tmp_path):
+    for targets in ('[]', '["all-linear"]', '["q_proj", "self_attn.v_proj", "down_proj"]'):
+        valid_cfg(tmp_path, [*LORA, f"model.lora_target_modules={targets}"]).validate(world_size=1)
+
+
+def test_lora_without_peft_is_one_user_error(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_peft(name, *args, **kwargs):
+        if name == "peft" or name.startswith("peft."):
+            raise ImportError("No module named 'peft'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_peft)
+    with pytest.raises(ConfigError) as e:
+        valid_cfg(tmp_path, LORA).validate(world_size=1)
+    assert str(e.value) == ("model.lora_rank = 8 needs PEFT: peft is not installed (No module named 'peft'); "
+                            "pip install -e '.[lora]' (peft==0.21.*), or set model.lora_rank = 0")
+
+
+@pytest.mark.parametrize("old, new, needle", [
+    (["model.lora_rank=8"], ["model.lora_rank=16"], "cannot resume with model.lora_rank changed (8 -> 16): it changes the "
+     "LoRA adapter's shape (0: none) of the checkpoint; set it back, or start a new trainer.run_dir"),
+    (["model.lora_rank=8"], ["model.lora_rank=0"], "model.lora_rank changed (8 -> 0)"),
+    (["model.lora_rank=8"], ["model.lora_rank=8", 'model.lora_target_modules=["q_proj"]'],
+     "cannot resume with model.lora_target_modules changed ([] -> ['q_proj']): it changes the layers that hold the LoRA "
+     "adapter"),
+    (["model.lora_rank=8"], ["model.lora_rank=8", "model.lora_alpha=64"], "model.lora_alpha changed (32.0 -> 64.0)"),
+])
+def test_a_resume_with_another_lora_adapter_is_refused(tmp_path, old, new, needle):
+    from spmd_rl.config.resume_check import check_resume_config
+    from spmd_rl.config.toml_io import to_toml
+
+    (tmp_path / "config.toml").write_text(to_toml(load_config(None, [f"trainer.run_dir={tmp_path}", *old])))
+    (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)
+    with pytest.raises(ConfigError) as e:
+        check_resume_config(load_config(None, [f"trainer.run_dir={tmp_path}", *new]))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    lr_only = load_config(None, [f"trainer.run_dir={tmp_path}", *old, "actor.lr=1e-4"])
+    assert check_resume_config(lr_only) == {"actor.lr": (1e-6, 1e-4)}

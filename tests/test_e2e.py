@@ -147,6 +147,9 @@ ALGOS = {
                                      'actor.loss_agg_mode="seq-mean-token-mean"', "algorithm.norm_adv_by_std_in_grpo=false",
                                      "actor.ppo_epochs=2"],
     "rloo": ['algorithm.adv_estimator="rloo"', 'actor.loss_agg_mode="seq-mean-token-sum"'],
+    # the reference is the actor with its LoRA adapter disabled (no second model)
+    "lora_grpo_kl_loss": ["model.lora_rank=4", "actor.lr=5e-3", "actor.use_kl_loss=true", 'actor.kl_loss_type="k3"',
+                          "actor.entropy_coeff=0.01", "actor.ppo_epochs=2"],
     "reinforce_plus_plus": ['algorithm.adv_estimator="reinforce_plus_plus"', "algorithm.use_kl_in_reward=true",
                             'algorithm.kl_penalty="k2"'],
 }

@@ -61,7 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from spmd_rl.checkpoint import space as space
@@ -95,16 +95,31 @@ class CheckpointError(RuntimeError):
 
 
 class ModelAndOptimizer(Stateful):
-    """DCP view of one FSDP model and its optimizer (sharded, resharding-safe)."""
+    """DCP view of one FSDP model and its optimizer (sharded, resharding-safe). `trainable_only`: the
+    model's frozen parameters are left out (a LoRA actor: the adapter is saved, the base is read
+    from the model directory again on resume)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool = False):
         self.model, self.optimizer = model, optimizer
+        self.trainable_only = trainable_only
+        self.options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
     def state_dict(self) -> dict[str, Any]:
         if self.optimizer is None:
-            return {"model": get_state_dict(self.model, [])[0]}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+            return {"model": self._model_state()}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
+        return {"model": self._kept(model_sd), "optim": optim_sd}
+
+    def _model_state(self) -> dict[str, Any]:
+        return self._kept(get_state_dict(self.model, [], options=self.options)[0])
+
+    def _kept(self, model_sd: dict[str, Any]) -> dict[str, Any]:
+        """With trainable_only, the trainable parameters alone: ignore_frozen_params keeps the second
+        name of a tied frozen parameter (a tied `lm_head.weight`: a vocabulary-sized tensor)."""
+        if not self.trainable_only:
+            return model_sd
+        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in model_sd.items() if k in trainable}
 
     def planned_state(self) -> dict[str, Any]:
         """What state_dict() holds, to measure it (checkpoint_space), without creating the
@@ -123,15 +138,17 @@ class ModelAndOptimizer(Stateful):
             for p in group["params"]:
                 state[names[id(p)]] = {**dict.fromkeys(moments, p), "step": torch.zeros(())}
             groups.append({**group, "params": [names[id(p)] for p in group["params"]]})
-        return {"model": get_state_dict(self.model, [])[0], "optim": {"state": state, "param_groups": groups}}
+        return {"model": self._model_state(), "optim": {"state": state, "param_groups": groups}}
 
     def model_shapes(self) -> dict[str, tuple[int, ...]]:
         """Full (unsharded) shape of every model tensor, by its key under "model"."""
-        return {k: tuple(v.shape) for k, v in get_state_dict(self.model, [])[0].items()}
+        return {k: tuple(v.shape) for k, v in self._model_state().items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # not strict with trainable_only: the frozen keys are missing by design (DCP's load still
+        # refuses a checkpoint that lacks a key the model asks for)
         set_state_dict(self.model, self.optimizer or [], model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}))
+                       optim_state_dict=state.get("optim", {}), options=self.options)
 
 
 def _rank() -> int:

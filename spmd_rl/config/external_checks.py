@@ -1,6 +1,7 @@
 """The checks that need the world outside the config, called by validation (run_config.validate):
-the model and tokenizer directories on disk (no weights are read; the reward model's head too), the models' attention heads
-against trainer.ulysses_size, the user's tools, tool parser and environment (imported), and the
+the model and tokenizer directories on disk (no weights are read; the reward model's head too), the
+LoRA target names against the model's decoder, the models' attention heads against
+trainer.ulysses_size, the user's tools, tool parser and environment (imported), and the
 arguments vLLM takes (imported only when rollout.engine_kwargs are set)."""
 
 from __future__ import annotations
@@ -112,3 +113,28 @@ def check_engine_kwargs(cfg: Config) -> None:
     from spmd_rl.rollout.vllm.kwargs import check_engine_kwargs as check
 
     check(cfg.rollout)
+
+
+def check_lora_targets(cfg: Config) -> None:
+    """model.lora_target_modules name linear layers of the model's decoder (the model is built on
+    the meta device from its config: nothing is read but config.json)."""
+    m = cfg.model
+    from spmd_rl.model.lora import peft_targets
+
+    if not m.use_lora or peft_targets(m.lora_target_modules) == "all-linear":
+        return
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from spmd_rl.model.lora import decoder_linear_names
+    from spmd_rl.model.loading import random_model_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(random_model_config(m.arch, m.path))
+    names = decoder_linear_names(model)
+    unknown = [t for t in m.lora_target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    if unknown:
+        which = f"model.path = {m.path!r}" if m.path else f"model.arch = {m.arch!r}"
+        have = sorted({n.rsplit(".", 1)[-1] for n in names})
+        raise ConfigError(f"model.lora_target_modules names {', '.join(map(repr, unknown))}, not a linear layer of the "
+                          f"decoder of {which}: it has {', '.join(have)} (or [] for all of them)")

@@ -3,7 +3,7 @@ fused kernels). The files it names are checked in spmd_rl/config/external_checks
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from spmd_rl.config.checks import Rule, need
@@ -82,6 +82,24 @@ class ModelConfig:
     [chunk, vocab] logits; "compile" = torch.compile'd, one or two fused kernels per chunk reading
     the bf16 logits (same formulas and chunks; needs `chunked_logprobs`). No liger-kernel op fits:
     its fused linear losses take no temperature and give no per-token entropy."""
+    lora_rank: int = 0
+    """LoRA (PEFT's, spmd_rl/model/lora.py): the rank of the adapter trained on the actor instead of
+    its weights; 0 = off (full fine-tuning). The base weights stay frozen in `compute_dtype`, the
+    adapter in `dtype` (the optimizer holds the adapter only); the reference model is the actor with
+    its adapter disabled; checkpoints hold the adapter and its optimizer (the base is read from
+    `path` on resume). The critic (algorithm.adv_estimator = "gae") is trained in full. LoRA usually
+    wants about 10x full fine-tuning's `actor.lr` (the start-up line says so; the value is never
+    changed). Needs the `lora` extra (pip install -e '.[lora]': peft)."""
+    lora_alpha: float = 32.0
+    """With `lora_rank` > 0: LoRA's alpha; the adapter's update is scaled by lora_alpha / lora_rank."""
+    lora_target_modules: list[str] = field(default_factory=list)
+    """With `lora_rank` > 0: the names of the decoder's linear layers that get an adapter (e.g.
+    ["q_proj", "v_proj"]); empty or ["all-linear"] = every linear layer of the decoder, attention
+    and MLP. The embeddings and the LM head are never adapted (vLLM cannot apply LoRA to them for
+    Qwen), and stay frozen."""
+    lora_dropout: float = 0.0
+    """With `lora_rank` > 0: dropout on the adapter's input. Only 0 is taken: every dropout is off
+    here, as the PPO ratio compares log-probs of two forwards of the same weights."""
 
     def check(self) -> None:
         """The model keys together (the files they name: external_checks.check_model_files)."""
@@ -102,8 +120,30 @@ class ModelConfig:
               f"model.fused_logprob_head = {self.fused_logprob_head!r} fuses the chunked log-prob head: set "
               "model.chunked_logprobs = true, or model.fused_logprob_head = \"none\"")
 
+        if self.lora_rank:
+            self.check_lora()
+
+    def check_lora(self) -> None:
+        """The LoRA keys together (the target names against the model: external_checks.check_lora_targets)."""
+        need(self.lora_dropout == 0, f"model.lora_dropout = {self.lora_dropout} is not supported: every dropout is off "
+              "(the PPO ratio compares two forwards of the same weights); set model.lora_dropout = 0")
+        adapted = {"embed_tokens", "lm_head"} & set(self.lora_target_modules)
+        need(not adapted, f"model.lora_target_modules names {', '.join(sorted(adapted))}: the embeddings and the LM "
+              "head are not adapted (vLLM cannot apply LoRA to them); list decoder linear layers, or [] for all")
+        from spmd_rl.model.lora import peft_problem
+
+        problem = peft_problem()
+        need(problem is None, f"model.lora_rank = {self.lora_rank} needs PEFT: {problem}; pip install -e '.[lora]' "
+              "(peft==0.21.*), or set model.lora_rank = 0")
+
+    @property
+    def use_lora(self) -> bool:
+        return self.lora_rank > 0
+
     def ranges(self, cfg: Config) -> list[Rule]:
         return [("seed", self.seed >= 0, ">= 0"),
+                ("lora_rank", self.lora_rank >= 0, ">= 1 for LoRA, or 0 for full fine-tuning"),
+                ("lora_alpha", self.lora_alpha > 0, "> 0"),
                 ("gradient_checkpointing_layers", 0 < self.gradient_checkpointing_layers <= 1, "in (0, 1]")]
 
     def checkpointed_share(self) -> float:

@@ -20,8 +20,9 @@ from spmd_rl.errors import ConfigError
 log = logging.getLogger("spmd_rl")
 
 # Keys whose change makes the checkpoint unusable: another architecture or vocabulary (the
-# tensors do not fit), another master dtype (optimizer states), or another starting model (the
-# reference model and, for random init, <run_dir>/init_model would silently differ).
+# tensors do not fit), another master dtype (optimizer states), another starting model (the
+# reference model and, for random init, <run_dir>/init_model would silently differ), or another
+# LoRA adapter (its tensors, the layers holding them, or the policy they give).
 FIXED_KEYS = {
     "model.path": "the model (architecture and starting weights)",
     "model.init": "how the starting weights are made",
@@ -29,6 +30,9 @@ FIXED_KEYS = {
     "model.tokenizer": "the vocabulary",
     "model.dtype": "the dtype of the weights and optimizer states in the checkpoint",
     "critic.path": "the critic's architecture",
+    "model.lora_rank": "the LoRA adapter's shape (0: none)",
+    "model.lora_target_modules": "the layers that hold the LoRA adapter",
+    "model.lora_alpha": "the scale of the LoRA adapter's update (the policy the checkpoint holds)",
 }
 FIXED_WITH_RANDOM_INIT = {"model.seed": "the random starting weights (and so the reference model)"}
 

@@ -234,6 +234,7 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     external_checks.check_reward_model_files(cfg)  # a one-label sequence classifier with a tokenizer
     external_checks.check_chat_template(cfg)
     external_checks.check_packed_attention(cfg)
+    external_checks.check_lora_targets(cfg)
     cfg.data.check()
     cfg.trainer.check_layout(world_size, gpus_per_node)
     cfg.trainer.check_ulysses(cfg, world_size)
@@ -253,3 +254,4 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     cfg.trainer.check(cfg.run_dir, cfg.checkpoint_dir)
     cfg.check_ranges()
     external_checks.check_engine_kwargs(cfg)  # last: with engine kwargs set, it imports vLLM to know its argument names
+

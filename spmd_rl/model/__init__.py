@@ -1,4 +1,4 @@
 """The model side, taking plain values, never the config: loading, random init and FSDP2 wrapping
 (loading), model and tokenizer directories checked before loading (files), tokenizers (tokenizer),
-fused decoder kernels (fused_kernels), the chunked log-prob head (logprob_head) and packed
-variable-length attention (varlen_attention)."""
+fused decoder kernels (fused_kernels), the chunked log-prob head (logprob_head), packed
+variable-length attention (varlen_attention) and the actor's LoRA adapter, PEFT's (lora)."""

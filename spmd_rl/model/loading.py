@@ -30,6 +30,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 from spmd_rl.errors import ConfigError
 from spmd_rl.model import fused_kernels, logprob_head, varlen_attention
 from spmd_rl.model.files import check_no_missing_weights, loading
+from spmd_rl.model.lora import LoraSettings, add_adapter
 
 log = logging.getLogger(__name__)
 
@@ -147,15 +148,18 @@ def materialize_random_model(out_dir: str, config, seed: int, dtype: torch.dtype
 
 def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", remove_padding: bool = False,
                    chunked_logprobs: bool = True, key: str = "", weights: bool = True, fused_kernels: str = "none",
-                   fused_logprob_head: str = "none") -> torch.nn.Module:
+                   fused_logprob_head: str = "none", lora: LoraSettings | None = None) -> torch.nn.Module:
     """A causal LM on CPU in `dtype`, exactly as `from_pretrained` builds it, that can also be
     called for token log-probs (spmd_rl.model.logprob_head; chunked from the hidden states unless
     `chunked_logprobs` is false). `remove_padding`: it takes packed rows (spmd_rl.batching.packing) through
     the variable-length attention backend (which runs padded batches as sdpa does). `key`: the
     config key that named `path`, for the one-line error when its files cannot be loaded.
     `weights` false: the same model on the meta device, nothing read but the config (see
-    build_sharded). `fused_kernels`, `fused_logprob_head`: see prepare_policy."""
+    build_sharded). `fused_kernels`, `fused_logprob_head`: see prepare_policy. `lora`: a LoRA
+    adapter (spmd_rl.model.lora) on the frozen model, which stays in `dtype`."""
     model = _from_dir(AutoModelForCausalLM, path, dtype, attn_implementation, weights, key)
+    if lora is not None:
+        add_adapter(model, lora)
     return prepare_policy(model, remove_padding, chunked_logprobs, fused_kernels, fused_logprob_head)
 
 

@@ -11,16 +11,25 @@ memory peaks at about two buckets -- never a whole state dict, never a CPU copy.
 
 Tied parameters (Qwen2.5-0.5B's embedding / lm_head) appear once in `named_parameters()`, under
 the embedding's name; engines tie lm_head to it themselves.
+
+A LoRA actor (spmd_rl.model.lora) is synced merged: each adapted layer's base weight (gathered in
+its own dtype, losslessly) and its adapter (gathered in float32) travel in one bucket, and the
+engine gets W + (alpha / r) * B @ A computed in float32, then cast, under the transformers name
+(`q_proj.weight`, not `q_proj.base_layer.weight`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Iterator
+from collections import defaultdict
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+
+from spmd_rl.model import lora
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -42,12 +51,16 @@ def _whole_locally(p: DTensor) -> bool:
     return all(pl.is_replicate() or p.device_mesh.size(i) == 1 for i, pl in enumerate(p.placements))
 
 
-def _bucket_plan(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+def _bucket_plan(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int,
+                 group_of: Callable[[str], str] = lambda name: "") -> list[list[tuple[str, torch.Tensor]]]:
+    """The parameters in buckets of about `bucket_bytes`; consecutive parameters of one non-empty
+    `group_of` (a LoRA layer's base weight and adapter) stay in one bucket."""
     buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
     for name, p in model.named_parameters():
         nbytes = p.numel() * dtype.itemsize
-        if buckets[-1] and size + nbytes > bucket_bytes:
+        joins = buckets[-1] and group_of(name) and group_of(name) == group_of(buckets[-1][-1][0])
+        if buckets[-1] and size + nbytes > bucket_bytes and not joins:
             buckets.append([])
             size = 0
         buckets[-1].append((name, p))
@@ -97,10 +110,33 @@ def _gather_bucket(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -
 @torch.no_grad()
 def iter_weight_buckets(model: torch.nn.Module, dtype: torch.dtype, bucket_mb: int) -> Iterator[NamedTensors]:
     """Yield the model's parameters as full tensors of `dtype`, one bucket (list of (name, tensor))
-    at a time. Collective: every rank of the FSDP mesh must iterate it to the end (under hybrid
-    sharding, every rank of each shard group)."""
-    for bucket in _bucket_plan(model, dtype, bucket_mb * 2**20):
-        yield _gather_bucket(bucket, dtype)
+    at a time; a LoRA actor's merged (module doc). Collective: every rank of the FSDP mesh must
+    iterate it to the end (under hybrid sharding, every rank of each shard group)."""
+    if not lora.has_adapter(model):
+        for bucket in _bucket_plan(model, dtype, bucket_mb * 2**20):
+            yield _gather_bucket(bucket, dtype)
+        return
+    scale = lora.scalings(model)
+    for bucket in _bucket_plan(model, dtype, bucket_mb * 2**20, lora.group_of):
+        yield lora.merge(_gather_by_dtype(bucket, functools.partial(_merge_input_dtype, dtype)), scale, dtype)
+
+
+def _merge_input_dtype(engine_dtype: torch.dtype, name: str, p: torch.Tensor) -> torch.dtype:
+    """The dtype a LoRA actor's parameter is gathered in: the adapter float32, the adapted base
+    weights their own (lossless: the merge is computed from them), the rest the engine's."""
+    if lora.is_adapter(name):
+        return torch.float32
+    return p.dtype if lora.BASE_LAYER in name else engine_dtype
+
+
+def _gather_by_dtype(params: list[tuple[str, torch.Tensor]],
+                     dtype_of: Callable[[str, torch.Tensor], torch.dtype]) -> NamedTensors:
+    """_gather_bucket per gather dtype (one collective each), in the bucket's order."""
+    groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+    for name, p in params:
+        groups[dtype_of(name, p)].append((name, p))
+    out = dict(kv for dtype, group in groups.items() for kv in _gather_bucket(group, dtype))
+    return [(name, out[name]) for name, _ in params]
 
 
 def iter_weights(model: torch.nn.Module, dtype: torch.dtype, bucket_mb: int) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,151 @@
+"""LoRA on the actor, built with PEFT: the adapter, its switch, and the merged weights for an engine.
+
+PEFT's `inject_adapter_in_model` puts a `lora.Linear` around each targeted linear layer of the
+loaded transformers model, in place: the model stays the root (the log-prob head, fused kernels,
+FSDP2's per-layer units, sequence parallelism and the meta-device build see the same model), and
+its parameter names change only inside the adapted layers (`q_proj.weight` becomes
+`q_proj.base_layer.weight`, next to `q_proj.lora_A.default.weight` and `q_proj.lora_B.default.weight`).
+
+Dtypes under FSDP2: the frozen base keeps the dtype it was loaded in (the compute dtype: bf16 on
+GPU, so no fp32 copy, gradient or optimizer state of it exists) and the adapter is cast to the
+master dtype (fp32). One `fully_shard` unit per decoder layer holds both: FSDP2 (torch 2.13,
+_fsdp_param_group._init_mp_dtypes) asks for one dtype among the parameters that require grad only,
+here the adapter's; its all-gather casts every parameter to the policy's param dtype (mixed inputs
+would go through its uint8 path). tests/test_lora.py checks it on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, NamedTuple
+
+import torch
+
+ALL_LINEAR = "all-linear"
+ADAPTER = "default"  # PEFT's adapter name; one adapter per model
+BASE_LAYER = ".base_layer."
+ADAPTER_PARTS = (".lora_A.", ".lora_B.")
+
+
+class LoraSettings(NamedTuple):
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]  # () = every linear layer of the decoder
+    adapter_dtype: torch.dtype  # the trainable adapter's storage (the master dtype)
+
+
+def peft_problem() -> str | None:
+    """Why PEFT cannot be used here (None: it can)."""
+    try:
+        import peft  # noqa: F401
+    except ImportError as e:
+        return f"peft is not installed ({e})"
+    return None
+
+
+def peft_targets(target_modules: tuple[str, ...] | list[str]) -> str | list[str]:
+    """model.lora_target_modules as PEFT's LoraConfig takes it."""
+    targets = list(target_modules)
+    return ALL_LINEAR if not targets or targets == [ALL_LINEAR] else targets
+
+
+def lora_config(settings: LoraSettings):
+    from peft import LoraConfig
+
+    return LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=0.0,
+                      target_modules=peft_targets(settings.target_modules), bias="none")
+
+
+def add_adapter(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
+    """PEFT's LoRA layers in `model`, in place (on the meta device too); every other parameter
+    frozen in the dtype it has, the adapter in `settings.adapter_dtype`. Returns `model`."""
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(lora_config(settings), model, adapter_name=ADAPTER)
+    for name, p in model.named_parameters():
+        if is_adapter(name):
+            p.data = p.data.to(settings.adapter_dtype)
+        p.requires_grad_(is_adapter(name))
+    model.spmd_lora = settings
+    return model
+
+
+def has_adapter(model: torch.nn.Module) -> bool:
+    return getattr(model, "spmd_lora", None) is not None
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter `name` is part of a LoRA adapter (trained) rather than the base (frozen)."""
+    return any(part in name for part in ADAPTER_PARTS)
+
+
+def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Module name -> PEFT LoRA layer, for every adapted layer."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+@contextlib.contextmanager
+def adapter_disabled(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The model as its base alone (PEFT's switch on each LoRA layer): the reference policy, for
+    no-grad forwards. PEFT's switch also freezes the adapter; the adapter stays trainable here:
+    FSDP2 takes a unit's trainable parameters and their dtype at its first forward (lazy init), and
+    a reference pass first (step 1) left the adapter without gradients, or with bf16 ones."""
+    layers = lora_layers(model).values()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for layer in layers:
+        layer.enable_adapters(False)
+    for p in trainable:
+        p.requires_grad_(True)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def group_of(name: str) -> str:
+    """The LoRA layer a parameter belongs to ("" outside them): its base weight and adapter are
+    merged together, so they travel in one bucket."""
+    for part in (BASE_LAYER, *ADAPTER_PARTS):
+        if part in name:
+            return name.split(part)[0]
+    return ""
+
+
+def base_name(name: str) -> str:
+    """The transformers name of a base parameter (`...q_proj.base_layer.weight` -> `...q_proj.weight`)."""
+    return name.replace(BASE_LAYER, ".")
+
+
+def scalings(model: torch.nn.Module) -> dict[str, float]:
+    """Module name -> the adapter's scale (lora_alpha / r, as PEFT computes it)."""
+    return {name: layer.scaling[ADAPTER] for name, layer in lora_layers(model).items()}
+
+
+def merge(named: list[tuple[str, torch.Tensor]], scale: dict[str, float],
+          dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """Full tensors of base and adapter -> transformers-named weights of `dtype`, each adapted
+    weight W + scale * B @ A computed in float32 from the float32 adapter, then cast."""
+    tensors = dict(named)
+    out = []
+    for name, t in named:
+        if is_adapter(name):
+            continue
+        layer = group_of(name)
+        if layer in scale and name == f"{layer}{BASE_LAYER}weight":
+            a = tensors[f"{layer}.lora_A.{ADAPTER}.weight"].float()
+            b = tensors[f"{layer}.lora_B.{ADAPTER}.weight"].float()
+            t = torch.addmm(t.float(), b, a, alpha=scale[layer])
+        out.append((base_name(name), t.to(dtype)))
+    return out
+
+
+def decoder_linear_names(model: torch.nn.Module) -> list[str]:
+    """The names, relative to a decoder layer, of its linear layers (`self_attn.q_proj`, ...):
+    what "all-linear" adapts and what model.lora_target_modules may name."""
+    from spmd_rl.model.fused_kernels import decoder_layers
+
+    layer = decoder_layers(model)[0]
+    return [name for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
