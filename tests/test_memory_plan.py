@@ -138,7 +138,7 @@ def test_qwen7b_on_2_ranks_of_80gb_is_refused_with_the_fixes(tmp_path):
     assert "in generation exceeds the GPU's 79.2 GiB on 2 GPU(s)" in message
     assert "vLLM 39.6 + params 21.3 + optimizer 28.4" in message  # the numbers behind it
     for fix in ("rollout.offload_train_states = true", "shard over more GPUs (4 GPUs", "rollout.gpu_memory_utilization",
-                "LoRA", 'trainer.memory_check = "warn"'):
+                "LoRA, model.lora_rank = 32", 'trainer.memory_check = "warn"'):
         assert fix in message, fix
 
 
@@ -225,3 +225,33 @@ def test_out_of_memory_in_a_phase_is_one_line_naming_it(tmp_path, capsys):
     with pytest.raises(RuntimeError, match="shapes differ"):  # other errors pass unchanged
         with timer("update_actor"):
             raise RuntimeError("shapes differ")
+
+
+def test_lora_adapter_count_equals_pefts_and_the_base_is_frozen_in_the_compute_dtype(tmp_path):
+    """The adapter's parameter count against PEFT's own on a tiny Qwen2 built on the meta device (every
+    linear layer, and two of them); with LoRA the plan holds the base once, in bf16, with no gradients or
+    optimizer state, and the adapter alone is trained: qwen7b fits one 80 GB GPU (issue's target) where
+    the full actor needs four."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    small = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True)
+    for targets in ((), ("q_proj", "down_proj")):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(Qwen2Config(**small))
+        peft = get_peft_model(model, LoraConfig(r=4, target_modules=list(targets) or "all-linear"))
+        want = sum(p.numel() for n, p in peft.named_parameters() if "lora_" in n)
+        assert mp.shape_from_config({"model_type": "qwen2", **small}).lora_parameters(4, targets) == want, targets
+
+    n = 7_615_616_512
+    shape = mp.shape_from_config(QWEN25_7B_CONFIG)
+    adapter = shape.lora_parameters(32, ())
+    plan = mc.plan_for(qwen7b_config(tmp_path, "model.lora_rank=32"), 1, H100_TOTAL)
+    update = plan.phase("actor update").parts
+    assert update["params"] == n * 2 + adapter * 4  # the bf16 base once (the reference is the actor) + the fp32 adapter
+    assert update["grads"] == adapter * 4 and update["optimizer"] == adapter * 8
+    assert plan.fits and not mc.plan_for(qwen7b_config(tmp_path), 1, H100_TOTAL).fits
+    with pytest.raises(mc.MemoryPlanError, match=r"LoRA, model.lora_rank = 32 \(only the adapter trained; peak [\d.]+ GiB, fits\)"):
+        mc.check_memory(qwen7b_config(tmp_path), 2, H100_TOTAL)

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spmd_rl")
 
-LORA_FIX = "LoRA (once spmd_rl has it: only the adapters' gradients and optimizer states)"
+LORA_FIX_RANK = 32
+"""The LoRA rank the refusal proposes where the actor trains in full (a common choice; rank 1 already
+matches full fine-tuning for GRPO at 8B: README's LoRA section)."""
 
 PLAN_PHASE = {"wake": "generation", "weight_sync": "generation", "offload": "generation", "generate": "generation",
               "sleep": "generation", "reload": "generation", "old_logprob": "log-prob pass",
@@ -69,10 +71,19 @@ def work_of(cfg: Config, role: str) -> mp.Work:
 
 
 def roles_of(cfg: Config, shape: mp.ModelShape, critic_shape: mp.ModelShape | None) -> list[mp.Role]:
-    """Actor, reference, critic and reward model as build.build_models makes them."""
-    master, compute = mp.DTYPE_BYTES[cfg.model.dtype], mp.DTYPE_BYTES[cfg.model.compute_dtype]
-    roles = [mp.Role("actor", shape.parameters(), master, True, not cfg.actor.offload_optimizer)]
-    if cfg.use_reference:
+    """Actor (with LoRA: its frozen base and its adapter), reference, critic and reward model as
+    build.build_models makes them."""
+    m = cfg.model
+    master, compute = mp.DTYPE_BYTES[m.dtype], mp.DTYPE_BYTES[m.compute_dtype]
+    if m.use_lora:  # the base frozen in the compute dtype, the adapter alone trained; the reference is
+        # the actor with its adapter disabled (no second model)
+        targets = tuple(t for t in m.lora_target_modules if t != "all-linear")
+        roles = [mp.Role("actor", shape.lora_parameters(m.lora_rank, targets), master, True,
+                         not cfg.actor.offload_optimizer),
+                 mp.Role("actor's frozen base", shape.parameters(), compute, False)]
+    else:
+        roles = [mp.Role("actor", shape.parameters(), master, True, not cfg.actor.offload_optimizer)]
+    if cfg.use_reference and not m.use_lora:
         roles.append(mp.Role("reference", shape.parameters(), compute, False))
     if critic_shape is not None:
         roles.append(mp.Role("critic", critic_shape.value_model_parameters(), master, True))
@@ -180,7 +191,15 @@ def fixes_for(cfg: Config, plan: mp.MemoryPlan, world_size: int, shapes) -> list
         fixes += generation_fixes(cfg, plan, world_size, shapes)
     if over - {"generation", "weight sync"}:
         fixes += update_fixes(cfg, plan, world_size, shapes)
-    return fixes + [more_gpus_fix(cfg, world_size, plan.device_total, shapes), LORA_FIX]
+    return fixes + [more_gpus_fix(cfg, world_size, plan.device_total, shapes)] + lora_fix(cfg, plan, world_size, shapes)
+
+
+def lora_fix(cfg: Config, plan: mp.MemoryPlan, world_size: int, shapes) -> list[str]:
+    """LoRA on an actor that trains in full: the base frozen in the compute dtype, no reference copy."""
+    if cfg.model.use_lora:
+        return []
+    lora = plan_for(_changed(cfg, model__lora_rank=LORA_FIX_RANK), world_size, plan.device_total, shapes)
+    return [f"LoRA, model.lora_rank = {LORA_FIX_RANK} (only the adapter trained; {_peak(lora)})"]
 
 
 # --------------------------------------------------------------------------- the check

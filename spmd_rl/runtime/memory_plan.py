@@ -97,6 +97,15 @@ class ModelShape:
         head = 0 if self.tied_embeddings else self.vocab_size * self.hidden_size
         return self.backbone_parameters() + head
 
+    def lora_parameters(self, rank: int, targets: tuple[str, ...]) -> int:
+        """A LoRA adapter's on the decoder layers' linear modules named in `targets` (empty: all of
+        them): rank x (in + out) each, as PEFT's A and B."""
+        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        linear = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        names = targets or tuple(linear)
+        return self.num_layers * sum(rank * sum(linear[n]) for n in names if n in linear)
+
     def value_model_parameters(self) -> int:
         """The critic's: the backbone and a scalar head with bias (load_value_model)."""
         return self.backbone_parameters() + self.hidden_size + 1
