@@ -255,3 +255,15 @@ def test_lora_adapter_count_equals_pefts_and_the_base_is_frozen_in_the_compute_d
     assert plan.fits and not mc.plan_for(qwen7b_config(tmp_path), 1, H100_TOTAL).fits
     with pytest.raises(mc.MemoryPlanError, match=r"LoRA, model.lora_rank = 32 \(only the adapter trained; peak [\d.]+ GiB, fits\)"):
         mc.check_memory(qwen7b_config(tmp_path), 2, H100_TOTAL)
+
+
+def test_the_optimizer_step_holds_adamws_temporary_and_the_offloaded_moments(tmp_path):
+    """qwen7b on 2 ranks with actor.offload_optimizer: its update ran out of memory on two H100s
+    (2026-11-26, docs/performance.md "Memory predicted at start-up") where the plan without the
+    optimizer step's own bytes predicted 68.0 GiB. The step brings the moments back (8 bytes a
+    parameter) and AdamW's foreach step holds sqrt(v) of every parameter (4 more): refused."""
+    n = 7_615_616_512
+    plan = mc.plan_for(qwen7b_config(tmp_path, "actor.offload_optimizer=true"), 2, H100_TOTAL)
+    update = plan.phase("actor update").parts
+    assert update["optimizer step"] == n * 8 / 2 + n * 4 / 2 and "activations" not in update
+    assert not plan.fits and plan.peak.name == "actor update"

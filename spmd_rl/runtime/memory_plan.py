@@ -7,8 +7,9 @@ A run holds, per GPU, in two phases that take turns (spmd_rl/trainer.py):
   every model's parameter shards and the optimizer states (gradients are freed after each update),
   or nothing with `rollout.offload_train_states` (then the weight sync, before the KV cache wakes,
   still holds both the training state and the engine's weights);
-- update: the training state (parameters, gradients, AdamW's two moments) with the activations of
-  one micro-batch, vLLM asleep (sleep level 2 keeps only its buffers outside the pool and its CUDA
+- update: the training state (parameters, gradients, AdamW's two moments) with the larger of the
+  activations of one micro-batch and the optimizer step's own bytes (AdamW's foreach sqrt(v), one
+  more parameter-sized tensor; the moments too where they are offloaded), vLLM asleep (sleep level 2 keeps only its buffers outside the pool and its CUDA
   graphs). The no-grad log-prob passes (old log-probs, reference, values) hold the same state
   without gradients, with their own, larger, token budget.
 
@@ -165,6 +166,14 @@ class Role:
     def resident_optimizer_bytes(self, shard: int) -> float:
         return self.optimizer_bytes(shard) if self.optimizer_on_gpu else 0.0
 
+    def optimizer_step_bytes(self, shard: int) -> float:
+        """What the optimizer step adds to the resident state: AdamW's foreach step holds sqrt(v) of
+        every parameter of the shard at once (torch.optim.adamw, _multi_tensor_adamw: _foreach_sqrt),
+        and offloaded moments come back for it (actor.offload_optimizer)."""
+        if not self.trained:
+            return 0.0
+        return self.param_bytes(shard) + (0.0 if self.optimizer_on_gpu else self.optimizer_bytes(shard))
+
 
 def training_state_bytes(roles: list[Role], shard: int) -> dict[str, float]:
     """Parameters, gradients and optimizer states of every role, per GPU (all of them at once)."""
@@ -307,10 +316,9 @@ def training_phases(roles: list[Role], shard: int, models: dict[str, tuple[Model
     phases = []
     for role in (r for r in roles if r.trained):
         shape, work = models[role.name]
-        moments = 0.0 if role.optimizer_on_gpu else role.optimizer_bytes(shard)  # brought in for the step
-        activations = max(update_activation_bytes(shape, work), moments)
-        phases.append(Phase(f"{role.name} update", {**resident, "grads": role.grad_bytes(shard),
-                                                    "activations": activations, **fixed}))
+        activations, step = update_activation_bytes(shape, work), role.optimizer_step_bytes(shard)
+        largest = {"activations": activations} if activations >= step else {"optimizer step": step}  # one after the other
+        phases.append(Phase(f"{role.name} update", {**resident, "grads": role.grad_bytes(shard), **largest, **fixed}))
     forward = max(forward_activation_bytes(shape, work) for shape, work in models.values())
     phases.append(Phase("log-prob pass", {**resident, "activations": forward, **fixed}))
     return phases

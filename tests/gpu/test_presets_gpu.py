@@ -37,9 +37,6 @@ class Preset:
     """Its model's shape (spmd_rl.model.loading.ARCH_PRESETS)."""
     changes: tuple[str, ...] = ()
     """Overrides beyond the model, the data and the steps, each for a stated reason (see PRESETS)."""
-    changes_under_100gb: tuple[str, ...] = ()
-    """More overrides where the GPUs hold under 100 GiB (80 GB cards), each for a stated reason: what
-    the start-up memory check (spmd_rl/runtime/memory_plan.py) names as the fix that fits."""
     steps: tuple[int, int] = (3, 5)
     """Steps of the first process, then the total after the resume: 2 or more each, so that the
     count of compiled graphs has two values to compare in each process (from the end of its first
@@ -63,11 +60,10 @@ PRESETS: dict[str, Preset] = {  # configs/<name>.toml
     # 256 prompts would be 2048 responses on one TP=2 replica (8 GPUs make 4): 16 prompts in 2
     # mini-batches of 8 keep the preset's 2 optimizer steps per step. The random 7B shape's mismatch
     # is 0.052 (bf16 at this shape, with NCCL or custom all-reduce alike: scripts/probes/probe_mismatch.py).
-    # On two 80 GB cards its fp32 state and vLLM's share do not fit (a CUDA OOM at vLLM's wake-up
-    # before the memory check refused it): the optimizer's moments go to the host, as the check's
-    # refusal proposes (predicted 68 GiB of 79); 141 GB cards run it as shipped.
+    # On two 80 GB cards it does not fit, with or without the optimizer's moments on the host (its
+    # update, 82 GiB predicted: a CUDA OOM in the update on two H100s, 2026-11-26): the start-up
+    # memory check refuses it there, naming 4 GPUs or LoRA; 141 GB cards run it as shipped.
     "qwen7b": Preset(gpus=2, arch="qwen2-7b", changes=("data.train_batch_size=16", "actor.ppo_mini_batch_size=8"),
-                     changes_under_100gb=("actor.offload_optimizer=true",),
                      save_every=(0, -1), in_memory=True, max_mismatch=0.1, timeout=(540, 360)),
     # its overlong buffer (4096 tokens) must be shorter than the responses: 32 of the 128
     "qwen1.5b-long": Preset(gpus=2, arch="qwen2-1.5b", changes=("reward.overlong_buffer=32",), save_every=(0, -1)),
@@ -83,19 +79,10 @@ DATA = ['model.init="pretrained"', 'model.tokenizer="char"', 'data.synthetic_tas
         "trainer.val_every=0"]
 
 
-def preset_overrides(name: str, model_dir: str, save_every: int, gpu_gib: float | None = None) -> list[str]:
-    """The check's command-line arguments for preset `name` on GPUs of `gpu_gib` GiB (None: this
-    machine's)."""
+def preset_overrides(name: str, model_dir: str, save_every: int) -> list[str]:
     p = PRESETS[name]
-    small = p.changes_under_100gb if (gpu_gib or gpu_memory_gib()) < 100 else ()
     return ["--config", str(REPO / "configs" / f"{name}.toml"), f'model.path="{model_dir}"', *DATA, *p.changes,
-            *small, f"trainer.save_every={save_every}"]
-
-
-def gpu_memory_gib() -> float:
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory / 2**30
+            f"trainer.save_every={save_every}"]
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
