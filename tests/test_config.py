@@ -186,7 +186,7 @@ LORA = ["model.lora_rank=8"]
 @pytest.mark.parametrize("overrides, needle", [
     (["model.lora_rank=-1"], "model.lora_rank = -1 must be >= 1 for LoRA, or 0 for full fine-tuning"),
     ([*LORA, "model.lora_alpha=0"], "model.lora_alpha = 0.0 must be > 0"),
-    ([*LORA, "model.lora_dropout=0.1"], "model.lora_dropout = 0.1 is not supported: every dropout is off"),
+    ([*LORA, "model.lora_dropout=0.1"], "model.lora_dropout = 0.1 must be 0: it is not supported, every dropout is off"),
     ([*LORA, 'model.lora_target_modules=["q_proj", "qkv"]'],
      "model.lora_target_modules names 'qkv', not a linear layer of the decoder of model.arch = 'tiny': it has "
      "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (or [] for all of them)"),

@@ -125,8 +125,6 @@ class ModelConfig:
 
     def check_lora(self) -> None:
         """The LoRA keys together (the target names against the model: external_checks.check_lora_targets)."""
-        need(self.lora_dropout == 0, f"model.lora_dropout = {self.lora_dropout} is not supported: every dropout is off "
-              "(the PPO ratio compares two forwards of the same weights); set model.lora_dropout = 0")
         adapted = {"embed_tokens", "lm_head"} & set(self.lora_target_modules)
         need(not adapted, f"model.lora_target_modules names {', '.join(sorted(adapted))}: the embeddings and the LM "
               "head are not adapted (vLLM cannot apply LoRA to them); list decoder linear layers, or [] for all")
@@ -144,6 +142,8 @@ class ModelConfig:
         return [("seed", self.seed >= 0, ">= 0"),
                 ("lora_rank", self.lora_rank >= 0, ">= 1 for LoRA, or 0 for full fine-tuning"),
                 ("lora_alpha", self.lora_alpha > 0, "> 0"),
+                ("lora_dropout", self.lora_dropout == 0, "0: it is not supported, every dropout is off (the PPO "
+                 "ratio compares two forwards of the same weights)"),
                 ("gradient_checkpointing_layers", 0 < self.gradient_checkpointing_layers <= 1, "in (0, 1]")]
 
     def checkpointed_share(self) -> float:
