@@ -1,6 +1,6 @@
 """vLLM's model inspection done in this process, not in a fresh Python (a narrow adapter).
 
-Holds for vLLM 0.26 (the bundle of ../shared/device). Before it builds a model, vLLM inspects the
+Holds for vLLM 0.26 (a slim build for Hopper). Before it builds a model, vLLM inspects the
 model class (is it multimodal, does it support pipeline parallelism, ...). Unless
 VLLM_CACHE_ROOT/modelinfos holds the answer for this class and this version of its source
 (vllm/model_executor/models/registry.py, `_LazyRegisteredModel.inspect_model_cls`), it asks a new

@@ -1,6 +1,6 @@
 """vLLM's request outputs turned into Completions, and the log-prob request that makes them cheap.
 
-Holds for vLLM 0.26 (the bundle of ../shared/device). What costs time there when a request asks
+Holds for vLLM 0.26 (a slim build for Hopper). What costs time there when a request asks
 for log-probs (`logprobs=0`: the sampled token's only), measured in docs/performance.md ("Generation
 against plain vLLM", "Why the defaults are what they are"; 2026-11-24/25) and read
 from vLLM's source:
