@@ -314,14 +314,30 @@ class ScriptedTurns:
         return [[Completion(list(turn), [-0.5] * len(turn), "stop")] for _ in prompts]
 
 
+def calculator_trajectory(tok, mt, user, prompt, texts, stop_id):
+    """One trajectory of `mt` (MultiTurnRollout with the calculator) on `prompt`, the model's two turns
+    scripted as `texts` each ending in `stop_id`, its one calculator call answered "42": (the
+    completion, the turns' tokens, the whole conversation as chat messages)."""
+    from spmd_rl.data.prompts import PromptRecord
+    from spmd_rl.rollout.base import SamplingParams
+
+    turns = [tok.encode(t, add_special_tokens=False) + [stop_id] for t in texts]
+    (comps,), metrics = mt.generate(ScriptedTurns(turns), [PromptRecord(0, prompt, "test", "42", {})],
+                                    SamplingParams(n=1), budget=1000)
+    mt.close()
+    assert metrics["multiturn/tool_calls_mean"] == 1 and metrics["multiturn/tool_errors_mean"] == 0
+    conversation = user + [{"role": "assistant", "content": texts[0]}, {"role": "tool", "content": "42"},
+                           {"role": "assistant", "content": texts[1]}]
+    return comps[0], turns, conversation
+
+
 def test_qwen3_multi_turn_with_the_calculator_equals_a_full_render_with_the_shipped_template():
     """Qwen3 thinks, calls the calculator in its hermes format, thinks again and answers: the
     trajectory (the model's tokens, the bridge's between them) is token for token the shipped
     template's rendering of the whole conversation, <think> blocks of every turn kept."""
     from spmd_rl.config.run_config import config_from_dict
-    from spmd_rl.data.prompts import PromptRecord, tokenize_prompt
+    from spmd_rl.data.prompts import tokenize_prompt
     from spmd_rl.model.tokenizer import load_tokenizer
-    from spmd_rl.rollout.base import SamplingParams
     from spmd_rl.rollout.multiturn import MultiTurnRollout
 
     tok = load_tokenizer(qwen3_dir(), "", "qwen3_keep_thinking")
@@ -331,15 +347,7 @@ def test_qwen3_multi_turn_with_the_calculator_equals_a_full_render_with_the_ship
     call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "6*7"}}\n</tool_call>'
     texts = ["<think>\nI should use the calculator.\n</think>\n\n" + call,
              "<think>\nThe tool says 42.\n</think>\n\nThe answer is 42."]
-    eos = tok.eos_token_id
-    turns = [tok.encode(t, add_special_tokens=False) + [eos] for t in texts]
-    (comps,), metrics = mt.generate(ScriptedTurns(turns), [PromptRecord(0, prompt, "test", "42", {})],
-                                    SamplingParams(n=1), budget=1000)
-    (c,) = comps
-    mt.close()
-    assert metrics["multiturn/tool_calls_mean"] == 1 and metrics["multiturn/tool_errors_mean"] == 0
-    conversation = user + [{"role": "assistant", "content": texts[0]}, {"role": "tool", "content": "42"},
-                           {"role": "assistant", "content": texts[1]}]
+    c, turns, conversation = calculator_trajectory(tok, mt, user, prompt, texts, tok.eos_token_id)
     full = tok.apply_chat_template(conversation, tools=mt.schemas, tokenize=True, return_dict=False)
     assert prompt + c.token_ids == full[:-1] and tok.decode(full[-1:]) == "\n"  # the template's "\n" after the end
     model_tokens = [t for t, m in zip(c.token_ids, c.mask) if m]
@@ -390,9 +398,8 @@ def test_llama3_multi_turn_with_the_calculator_equals_a_full_render(tmp_path):
     llama3_json parser: the model calls the calculator, gets the ipython turn, answers; the
     trajectory is token for token the template's rendering of the whole conversation."""
     from spmd_rl.config.run_config import config_from_dict
-    from spmd_rl.data.prompts import PromptRecord, tokenize_prompt
+    from spmd_rl.data.prompts import tokenize_prompt
     from spmd_rl.model.tokenizer import load_tokenizer
-    from spmd_rl.rollout.base import SamplingParams
     from spmd_rl.rollout.multiturn import MultiTurnRollout
 
     template = tmp_path / "llama3.jinja"
@@ -408,14 +415,7 @@ def test_llama3_multi_turn_with_the_calculator_equals_a_full_render(tmp_path):
     assert tok.decode(prompt[:1]) == "<|begin_of_text|>" and prompt.count(tok.bos_token_id) == 1
     eot = tok.convert_tokens_to_ids("<|eot_id|>")
     texts = [json.dumps({"name": "calculate", "parameters": {"expression": "6*7"}}), "6 times 7 is 42."]
-    turns = [tok.encode(t, add_special_tokens=False) + [eot] for t in texts]
-    (comps,), metrics = mt.generate(ScriptedTurns(turns), [PromptRecord(0, prompt, "test", "42", {})],
-                                    SamplingParams(n=1), budget=1000)
-    (c,) = comps
-    mt.close()
-    assert metrics["multiturn/tool_calls_mean"] == 1 and metrics["multiturn/tool_errors_mean"] == 0
-    conversation = user + [{"role": "assistant", "content": texts[0]}, {"role": "tool", "content": "42"},
-                           {"role": "assistant", "content": texts[1]}]
+    c, turns, conversation = calculator_trajectory(tok, mt, user, prompt, texts, eot)
     assert prompt + c.token_ids == tok.apply_chat_template(conversation, tools=mt.schemas, tokenize=True,
                                                            return_dict=False)
     assert [t for t, m in zip(c.token_ids, c.mask) if m] == turns[0] + turns[1]
