@@ -245,9 +245,16 @@ def lora_note(cfg: Config, actor: torch.nn.Module) -> str:
         return ""
     trained = sum(p.numel() for p in actor.parameters() if p.requires_grad)
     reference = "; the reference is the actor with its adapter disabled" if cfg.use_reference else ""
+    if m.adapter_sync:
+        sync = ("the engine gets the base once and keeps it (sleep level "
+                f"{cfg.engine_sleep_level()}), then the adapter alone each step, applied by its LoRA layers "
+                '(model.lora_sync = "adapter": small updates survive its bf16 weights)')
+    else:
+        sync = ('the engine gets W + (alpha/r) B A merged each step, in its dtype (model.lora_sync = "merged": no '
+                "LoRA layers in generation, but an update below half a bf16 step of W is rounded away)")
     return (f" (LoRA rank {m.lora_rank}, alpha {m.lora_alpha:g}: {trained / 1e6:.2f}M trained, the base frozen"
-            f"{reference}; LoRA usually wants ~10x full fine-tuning's learning rate: actor.lr = {cfg.actor.lr:g} "
-            "is used as set)")
+            f"{reference}; {sync}; LoRA usually wants ~10x full fine-tuning's learning rate: actor.lr = "
+            f"{cfg.actor.lr:g} is used as set)")
 
 
 def build_engine(cfg: Config, env: DistEnv, model_dir: str, model_key: str, tokenizer) -> Rollout:
@@ -265,7 +272,10 @@ def build_engine(cfg: Config, env: DistEnv, model_dir: str, model_key: str, toke
         return Rollout(engine, dtype, env.rank // r.tensor_parallel_size)  # (built asleep)
     from spmd_rl.rollout.hf_engine import HFEngine
 
-    # no weights read, as vLLM's dummy load: every generate first syncs the actor's weights in
-    model = allocate_meta_model(load_causal_lm(model_dir, dtype, cfg.model.attn_implementation,
-                                               key=model_key, weights=False), device)
+    # no weights read, as vLLM's dummy load: every generate first syncs the actor's weights in; with
+    # the adapter sync, PEFT's LoRA layers (the adapter in the engine's dtype) as vLLM's are
+    m = cfg.model
+    lora = LoraSettings(m.lora_rank, m.lora_alpha, tuple(m.lora_target_modules), dtype) if m.adapter_sync else None
+    model = allocate_meta_model(load_causal_lm(model_dir, dtype, m.attn_implementation, key=model_key,
+                                               weights=False, lora=lora), device)
     return Rollout(HFEngine(model, tokenizer.pad_token_id, [eos], device), dtype, env.rank)

@@ -60,7 +60,7 @@ from spmd_rl.telemetry.step_profiler import phase_range, profiled_step
 from spmd_rl.model.tokenizer import decode_response
 from spmd_rl.train.update import ppo_update
 from spmd_rl.algo.val_metrics import prompt_means, prompt_sums
-from spmd_rl.rollout.weight_sync import iter_weights
+from spmd_rl.rollout.weight_sync import gather_adapter, iter_base_weights, iter_weights
 
 log = logging.getLogger("spmd_rl")
 
@@ -130,6 +130,7 @@ class Trainer:
         with self.startup("engine"):
             self.engine, self.engine_dtype, self.engine_replica = build_engine(cfg, env, models.model_dir,
                                                                               models.model_key, self.tokenizer)
+        self.engine_has_base = False  # LoRA's adapter sync: the base goes in at the first sync only
         self.kl_ctrl = (algos.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.target_kl, cfg.algorithm.kl_horizon)
                         if cfg.algorithm.kl_ctrl == "adaptive" else algos.FixedKLController(cfg.algorithm.kl_coef))
         if env.is_main:
@@ -198,12 +199,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ rollout
     def sync_weights(self, timer: PhaseTimer) -> None:
-        """Wake the engine and give it the actor's current weights. Always a full sync: a vLLM
-        engine at sleep level 2 has no weights left after sleeping."""
+        """Wake the engine and give it the actor's current weights: all of them (a vLLM engine at
+        sleep level 2 has none left after sleeping; a LoRA actor's merged), or with LoRA's adapter
+        sync the base at the first sync only (the engine keeps it) and the adapter every time."""
         with timer("wake"):
             self.engine.wake_up(["weights"])
+        bucket_mb = self.cfg.rollout.weight_sync_bucket_mb
         with timer("weight_sync"):
-            self.engine.load_weights(iter_weights(self.actor, self.engine_dtype, self.cfg.rollout.weight_sync_bucket_mb))
+            if not self.cfg.model.adapter_sync:
+                self.engine.load_weights(iter_weights(self.actor, self.engine_dtype, bucket_mb))
+            else:
+                if not self.engine_has_base:
+                    self.engine.load_weights(iter_base_weights(self.actor, self.engine_dtype, bucket_mb))
+                    self.engine_has_base = True
+                self.engine.load_adapter(gather_adapter(self.actor))
         if self.cfg.rollout.offload_train_states:
             before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
             with timer("offload"):

@@ -192,6 +192,12 @@ LORA = ["model.lora_rank=8"]
      "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (or [] for all of them)"),
     ([*LORA, 'model.lora_target_modules=["lm_head"]'], "model.lora_target_modules names lm_head: the embeddings and "
      "the LM head are not adapted"),
+    (["model.lora_rank=600"], "model.lora_rank = 600 is above the largest rank vLLM's LoRA layers take (512) for "
+     'model.lora_sync = "adapter": use a rank <= 512, or model.lora_sync = "merged"'),
+    ([*LORA, "model.lora_sync=fused"], "model.lora_sync = 'fused'"),
+    ([*LORA, "rollout.engine=vllm", "rollout.sleep_level=2"], 'model.lora_sync = "adapter" sends the base weights to '
+     "vLLM once and keeps them, but rollout.sleep_level = 2 drops them at every sleep (the base would be sent every "
+     'step): set rollout.sleep_level = 0 (picks 1) or 1, or model.lora_sync = "merged"'),
 ])
 def test_lora_refusals(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as e:
@@ -203,6 +209,18 @@ def test_lora_refusals(tmp_path, overrides, needle):
 def test_lora_targets_accepted(tmp_path):
     for targets in ('[]', '["all-linear"]', '["q_proj", "self_attn.v_proj", "down_proj"]'):
         valid_cfg(tmp_path, [*LORA, f"model.lora_target_modules={targets}"]).validate(world_size=1)
+
+
+@pytest.mark.parametrize("overrides, level", [
+    ([], 2), (LORA, 1), ([*LORA, "model.lora_sync=merged"], 2), ([*LORA, "rollout.sleep_level=1"], 1),
+    ([*LORA, "model.lora_sync=merged", "rollout.sleep_level=1"], 1), (["rollout.sleep_level=1"], 1),
+    (["model.lora_rank=600", "model.lora_sync=merged"], 2),
+])
+def test_engine_sleep_level_follows_the_lora_sync(tmp_path, overrides, level):
+    """rollout.sleep_level = 0 picks 1 for the adapter sync (the base is kept), 2 for full weights every step."""
+    cfg = valid_cfg(tmp_path, overrides)
+    cfg.validate(world_size=1)  # (the hf engine: validating rollout.engine = "vllm" imports vLLM)
+    assert cfg.engine_sleep_level() == level
 
 
 def test_lora_without_peft_is_one_user_error(tmp_path, monkeypatch):

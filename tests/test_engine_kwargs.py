@@ -346,3 +346,19 @@ def test_step_sizes_reach_vllm_only_when_asked_and_not_over_explicit_sizes():
     assert engine_kwargs(cfg, "/m", 0, world_size=2)["cudagraph_capture_sizes"] == [5, 7]
     cfg.rollout.cudagraph_capture_sizes, cfg.rollout.enforce_eager = [], True
     assert "cudagraph_capture_sizes" not in engine_kwargs(cfg, "/m", 0, world_size=2)
+
+
+def test_the_adapter_sync_builds_vllms_lora_layers_for_the_rank():
+    """model.lora_sync = "adapter": enable_lora with the smallest max_lora_rank vLLM takes that holds the
+    rank, one adapter; merged sync or no LoRA: no LoRA layers (they cost generation time); users'
+    engine_kwargs cannot set them."""
+    cfg = Config()
+    assert "enable_lora" not in engine_kwargs(cfg, "/m", 0)
+    for rank, vllm_rank in ((1, 1), (8, 8), (20, 32), (32, 32), (300, 320), (512, 512)):
+        cfg.model.lora_rank = rank
+        kw = engine_kwargs(cfg, "/m", 0)
+        assert (kw["enable_lora"], kw["max_lora_rank"], kw["max_loras"]) == (True, vllm_rank, 1), rank
+    cfg.model.lora_sync = "merged"
+    assert "enable_lora" not in engine_kwargs(cfg, "/m", 0)
+    for name in ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras"):
+        assert "set from model.lora_rank and model.lora_sync" in refusal({name: 1})

@@ -59,14 +59,14 @@ def test_lora_grpo_learns_on_two_ranks_and_resumes_on_one(tmp_path):
     # Here ~10x the full lr is too much: alpha / r = 4 already scales the adapter's update.
     out = run(torchrun_cmd(2, *common, "actor.lr=2e-3", "trainer.total_steps=40",
                            f"trainer.export_hf_dir={tmp_path / 'merged'}"))
-    assert "(LoRA rank 8, alpha 32: 0.02M trained, the base frozen; LoRA usually wants ~10x" in out
+    assert "(LoRA rank 8, alpha 32: 0.02M trained, the base frozen; the engine gets the base once" in out
     m = read_metrics(run_dir)
     steps = sorted(s for s in m if "reward/mean" in m[s])
     assert steps == list(range(1, 41)), steps
     first = sum(m[s]["reward/mean"] for s in steps[:10]) / 10
     last = sum(m[s]["reward/mean"] for s in steps[-10:]) / 10
     assert last > first + 0.15 and m[40]["val/acc"] > 0.35, (first, last, m[40]["val/acc"])
-    # the engine got the merged weights every step (fp32 on CPU)
+    # the engine got the base once and the adapter every step (fp32 on CPU)
     assert max(m[s]["rollout/logprob_diff_max"] for s in steps) < 1e-4
     ckpt = run_dir / "checkpoints" / "step_40"
     keys = [k for k in dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if k.startswith("actor.model.")]
@@ -87,12 +87,26 @@ def test_lora_grpo_learns_on_two_ranks_and_resumes_on_one(tmp_path):
     assert os.path.isdir(ckpt)
 
 
-def test_lora_with_packing_token_budgets_and_gradient_checkpointing(tmp_path):
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_lora_with_packing_token_budgets_and_gradient_checkpointing(tmp_path, monkeypatch, sync):
     """One rank in-process, 3 steps: packed micro-batches cut by tokens, every layer checkpointed,
-    the chunked log-prob head; the adapter trains and the engine gets its merged weights."""
+    the chunked log-prob head; the adapter trains and the engine samples the actor's policy: with the
+    adapter sync, given the base at the first step only and the adapter at every step; merged, given
+    every weight at every step."""
     from test_e2e import TINY
 
     from spmd_rl.ppo import main
+    from spmd_rl.rollout.hf_engine import HFEngine
+
+    calls = {"load_weights": 0, "load_adapter": 0}
+    for method in calls:
+        original = getattr(HFEngine, method)
+
+        def counted(self, *args, _original=original, _method=method):
+            calls[_method] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(HFEngine, method, counted)
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)
@@ -100,10 +114,13 @@ def test_lora_with_packing_token_budgets_and_gradient_checkpointing(tmp_path):
     rc = main(["--config", TINY, f"trainer.run_dir={run_dir}", "trainer.total_steps=3", "trainer.val_every=0",
                "data.train_batch_size=4", "data.synthetic_size=64", "trainer.tensorboard=false", "rollout.n=4",
                "actor.micro_batch_size_per_gpu=8", "actor.entropy_coeff=0.01", "actor.ppo_epochs=2", "model.lora_rank=4",
-               "actor.lr=5e-3",
+               "actor.lr=5e-3", f"model.lora_sync={sync}",
                "model.remove_padding=true", "actor.max_token_len_per_gpu=64", "model.gradient_checkpointing=true",
                *data_overrides(tmp_path)])
     assert rc == 0
     m = read_metrics(run_dir)
     assert all(m[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
     assert max(m[s]["rollout/logprob_diff_max"] for s in (1, 2, 3)) < 1e-4
+    syncs = 4  # 3 steps and the validation at the end
+    assert calls == ({"load_weights": 1, "load_adapter": syncs} if sync == "adapter" else
+                     {"load_weights": syncs, "load_adapter": 0}), calls

@@ -18,6 +18,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attn_implementation": ("sdpa", "eager"),
     "fused_kernels": ("none", "liger", "compile"),
     "fused_logprob_head": ("none", "compile"),
+    "lora_sync": ("adapter", "merged"),
 }
 """Each key that takes one of a few values: its values (checked by Config.check_choices)."""
 
@@ -100,6 +101,15 @@ class ModelConfig:
     lora_dropout: float = 0.0
     """With `lora_rank` > 0: dropout on the adapter's input. Only 0 is taken: every dropout is off
     here, as the PPO ratio compares log-probs of two forwards of the same weights."""
+    lora_sync: str = "adapter"
+    """With `lora_rank` > 0: how the adapter reaches the rollout engine. "adapter": the engine gets
+    the base weights once and keeps them (in host memory while it sleeps: rollout.sleep_level 1),
+    and each step only the adapter's A and B, applied by vLLM's LoRA layers (`enable_lora`).
+    "merged": each step the engine gets W + (alpha / r) * B @ A, computed in float32, as full weights
+    in the engine's dtype: generation runs without LoRA layers, but in bf16 an update smaller than
+    half a bf16 step of W is rounded away, so after small-learning-rate updates the engine keeps
+    sampling the older policy (tests/test_lora_sync.py). The measurement behind the default:
+    docs/performance.md, "LoRA: adapter or merged sync"."""
 
     def check(self) -> None:
         """The model keys together (the files they name: external_checks.check_model_files)."""
@@ -128,15 +138,24 @@ class ModelConfig:
         adapted = {"embed_tokens", "lm_head"} & set(self.lora_target_modules)
         need(not adapted, f"model.lora_target_modules names {', '.join(sorted(adapted))}: the embeddings and the LM "
               "head are not adapted (vLLM cannot apply LoRA to them); list decoder linear layers, or [] for all")
-        from spmd_rl.model.lora import peft_problem
+        from spmd_rl.model.lora import VLLM_MAX_LORA_RANK, peft_problem
 
         problem = peft_problem()
         need(problem is None, f"model.lora_rank = {self.lora_rank} needs PEFT: {problem}; pip install -e '.[lora]' "
               "(peft==0.21.*), or set model.lora_rank = 0")
+        need(self.lora_sync != "adapter" or self.lora_rank <= VLLM_MAX_LORA_RANK,
+              f"model.lora_rank = {self.lora_rank} is above the largest rank vLLM's LoRA layers take "
+              f"({VLLM_MAX_LORA_RANK}) for model.lora_sync = \"adapter\": use a rank <= {VLLM_MAX_LORA_RANK}, "
+              "or model.lora_sync = \"merged\"")
 
     @property
     def use_lora(self) -> bool:
         return self.lora_rank > 0
+
+    @property
+    def adapter_sync(self) -> bool:
+        """Whether the engine gets the base once and the adapter each step (lora_sync = "adapter")."""
+        return self.use_lora and self.lora_sync == "adapter"
 
     def ranges(self, cfg: Config) -> list[Rule]:
         return [("seed", self.seed >= 0, ">= 0"),

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 CHOICES: dict[str, tuple[str, ...]] = {
     "engine": ("hf", "vllm"),
     "dtype": ("bfloat16", "float16", "float32"),
-    "sleep_level": ("1", "2"),
+    "sleep_level": ("0", "1", "2"),
     "calculate_log_probs": ("auto", "on", "off"),
 }
 """Each key that takes one of a few values: its values (checked by Config.check_choices)."""
@@ -91,9 +91,12 @@ class RolloutConfig:
     """vLLM engine seed (offset by the replica index so replicas sample differently)."""
     dtype: str = "bfloat16"
     """Rollout engine weights dtype (bfloat16, float16 or float32; "hf" on CPU uses float32)."""
-    sleep_level: int = 2
-    """vLLM sleep level between rollouts: 2 drops weights and KV cache (new weights come every
-    step anyway, so keeping a CPU copy as level 1 does only costs time)."""
+    sleep_level: int = 0
+    """vLLM sleep level between rollouts; both free the engine's GPU memory for training. 2 drops the
+    weights and the KV cache: new weights come every step anyway, so a host copy would only cost
+    time. 1 keeps the weights in host memory and copies them back at wake-up. 0 (default) picks: 1
+    with LoRA's adapter sync (model.lora_sync = "adapter": the base is sent once and kept), else 2
+    (Config.engine_sleep_level)."""
     weight_sync_bucket_mb: int = 512
     """Size of the buckets in which FSDP shards are gathered and handed to the engine."""
     offload_train_states: bool = False

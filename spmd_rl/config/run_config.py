@@ -88,6 +88,20 @@ class Config:
     def use_reference(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    def engine_sleep_level(self) -> int:
+        """vLLM's sleep level: rollout.sleep_level, or where it is 0, 1 with LoRA's adapter sync (the
+        base is kept in host memory, never sent again) and 2 otherwise (new weights every step)."""
+        if self.rollout.sleep_level:
+            return self.rollout.sleep_level
+        return 1 if self.model.adapter_sync else 2
+
+    def check_lora_sync(self) -> None:
+        """LoRA's adapter sync against the engine's sleep level."""
+        need(not (self.model.adapter_sync and self.rollout.engine == "vllm" and self.rollout.sleep_level == 2),
+             'model.lora_sync = "adapter" sends the base weights to vLLM once and keeps them, but rollout.sleep_level '
+             '= 2 drops them at every sleep (the base would be sent every step): set rollout.sleep_level = 0 (picks 1) '
+             'or 1, or model.lora_sync = "merged"')
+
     def validate(self, world_size: int = 1, gpus_per_node: int | None = None) -> None:
         """Refuse impossible combinations, naming the key and the fix."""
         validate(self, world_size, gpus_per_node)
@@ -248,6 +262,7 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     cfg.algorithm.check(cfg.rollout.n)
     cfg.reward.check(cfg.data.max_response_length)
     cfg.rollout.check_engine(world_size, gpus_per_node)
+    cfg.check_lora_sync()
     cfg.rollout.check_multi_turn()
     external_checks.check_multi_turn_code(cfg)
     cfg.rollout.check_logprobs(cfg.rollout_logprob_readers())

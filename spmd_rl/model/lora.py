@@ -22,6 +22,9 @@ from typing import Iterator, NamedTuple
 import torch
 
 ALL_LINEAR = "all-linear"
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.26 takes for max_lora_rank (vllm/config/lora.py, MaxLoRARanks)."""
+VLLM_MAX_LORA_RANK = VLLM_LORA_RANKS[-1]
 ADAPTER = "default"  # PEFT's adapter name; one adapter per model
 BASE_LAYER = ".base_layer."
 ADAPTER_PARTS = (".lora_A.", ".lora_B.")
@@ -140,6 +143,39 @@ def merge(named: list[tuple[str, torch.Tensor]], scale: dict[str, float],
             t = torch.addmm(t.float(), b, a, alpha=scale[layer])
         out.append((base_name(name), t.to(dtype)))
     return out
+
+
+def peft_tensor_name(name: str) -> str:
+    """An adapter parameter's name as PEFT saves it (adapter_model.safetensors) and vLLM's LoRA loader
+    parses it: `model.layers.0.self_attn.q_proj.lora_A.default.weight` ->
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
+
+
+def engine_adapter_name(peft_name: str) -> str:
+    """The inverse of peft_tensor_name: the parameter of a model with PEFT's layers injected."""
+    name = peft_name.removeprefix("base_model.model.")
+    for part in ADAPTER_PARTS:
+        name = name.replace(part, f"{part}{ADAPTER}.")
+    return name
+
+
+def adapter_config(settings: LoraSettings) -> dict:
+    """The adapter's adapter_config.json entries that an engine reads (vLLM's PEFTHelper.from_dict)."""
+    return {"r": settings.rank, "lora_alpha": settings.alpha, "target_modules": peft_targets(settings.target_modules),
+            "bias": "none", "use_rslora": False, "use_dora": False}
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM takes that holds `rank`."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
+def base_layer_name(name: str, wrapped: set[str]) -> str:
+    """A transformers weight name as an engine whose module `m` in `wrapped` is a LoRA layer names it:
+    `m.weight` -> `m.base_layer.weight` (its own parameters stay on the wrapped base layer)."""
+    module, _, leaf = name.rpartition(".")
+    return f"{module}{BASE_LAYER}{leaf}" if module in wrapped else name
 
 
 def decoder_linear_names(model: torch.nn.Module) -> list[str]:

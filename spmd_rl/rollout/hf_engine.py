@@ -10,6 +10,7 @@ from typing import Iterable
 
 import torch
 
+from spmd_rl.model import lora
 from spmd_rl.rollout.base import Completion, SamplingParams
 
 
@@ -32,10 +33,26 @@ class HFEngine:
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Transformers-named full tensors; a module with PEFT's LoRA layer takes them in its base layer."""
+        wrapped = set(lora.lora_layers(self.model)) if lora.has_adapter(self.model) else set()
         for name, tensor in weights:
+            name = lora.base_layer_name(name, wrapped)
             if name not in self.params:
                 raise KeyError(f"weight {name!r} has no parameter in the rollout model")
             self.params[name].copy_(tensor)
+
+    @torch.no_grad()
+    def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The adapter under PEFT's saved names (spmd_rl.model.lora.peft_tensor_name), into the
+        engine's own LoRA layers, rounded to their dtype as vLLM's lora_dtype rounds it."""
+        if not lora.has_adapter(self.model):
+            raise RuntimeError("load_adapter needs an engine built for the adapter sync (model.lora_rank > 0, "
+                               'model.lora_sync = "adapter")')
+        for name, tensor in tensors.items():
+            own = lora.engine_adapter_name(name)
+            if own not in self.params:
+                raise KeyError(f"adapter tensor {name!r} has no parameter in the rollout model")
+            self.params[own].copy_(tensor)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: list[int] | None = None,

@@ -12,7 +12,9 @@ memory peaks at about two buckets -- never a whole state dict, never a CPU copy.
 Tied parameters (Qwen2.5-0.5B's embedding / lm_head) appear once in `named_parameters()`, under
 the embedding's name; engines tie lm_head to it themselves.
 
-A LoRA actor (spmd_rl.model.lora) is synced merged: each adapted layer's base weight (gathered in
+A LoRA actor (spmd_rl.model.lora) is synced one of two ways (model.lora_sync). Adapter sync: the
+base once (`iter_base_weights`, transformers names, never merged), then each step the adapter alone
+(`gather_adapter`, PEFT's saved names, float32). Merged sync: each adapted layer's base weight (gathered in
 its own dtype, losslessly) and its adapter (gathered in float32) travel in one bucket, and the
 engine gets W + (alpha / r) * B @ A computed in float32, then cast, under the transformers name
 (`q_proj.weight`, not `q_proj.base_layer.weight`).
@@ -23,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import defaultdict
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -51,13 +53,13 @@ def _whole_locally(p: DTensor) -> bool:
     return all(pl.is_replicate() or p.device_mesh.size(i) == 1 for i, pl in enumerate(p.placements))
 
 
-def _bucket_plan(model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int,
+def _bucket_plan(params: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, bucket_bytes: int,
                  group_of: Callable[[str], str] = lambda name: "") -> list[list[tuple[str, torch.Tensor]]]:
-    """The parameters in buckets of about `bucket_bytes`; consecutive parameters of one non-empty
-    `group_of` (a LoRA layer's base weight and adapter) stay in one bucket."""
+    """`params` (name, parameter) in buckets of about `bucket_bytes`; consecutive parameters of one
+    non-empty `group_of` (a LoRA layer's base weight and adapter) stay in one bucket."""
     buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
-    for name, p in model.named_parameters():
+    for name, p in params:
         nbytes = p.numel() * dtype.itemsize
         joins = buckets[-1] and group_of(name) and group_of(name) == group_of(buckets[-1][-1][0])
         if buckets[-1] and size + nbytes > bucket_bytes and not joins:
@@ -113,11 +115,11 @@ def iter_weight_buckets(model: torch.nn.Module, dtype: torch.dtype, bucket_mb: i
     at a time; a LoRA actor's merged (module doc). Collective: every rank of the FSDP mesh must
     iterate it to the end (under hybrid sharding, every rank of each shard group)."""
     if not lora.has_adapter(model):
-        for bucket in _bucket_plan(model, dtype, bucket_mb * 2**20):
+        for bucket in _bucket_plan(model.named_parameters(), dtype, bucket_mb * 2**20):
             yield _gather_bucket(bucket, dtype)
         return
     scale = lora.scalings(model)
-    for bucket in _bucket_plan(model, dtype, bucket_mb * 2**20, lora.group_of):
+    for bucket in _bucket_plan(model.named_parameters(), dtype, bucket_mb * 2**20, lora.group_of):
         yield lora.merge(_gather_by_dtype(bucket, functools.partial(_merge_input_dtype, dtype)), scale, dtype)
 
 
@@ -137,6 +139,27 @@ def _gather_by_dtype(params: list[tuple[str, torch.Tensor]],
         groups[dtype_of(name, p)].append((name, p))
     out = dict(kv for dtype, group in groups.items() for kv in _gather_bucket(group, dtype))
     return [(name, out[name]) for name, _ in params]
+
+
+@torch.no_grad()
+def iter_base_weights(model: torch.nn.Module, dtype: torch.dtype, bucket_mb: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA actor's frozen base alone, as full tensors of `dtype` under transformers' names
+    (`q_proj.weight`): what an engine with LoRA layers keeps, while the adapter comes apart. Collective
+    like iter_weight_buckets."""
+    base = [(name, p) for name, p in model.named_parameters() if not lora.is_adapter(name)]
+    for bucket in _bucket_plan(base, dtype, bucket_mb * 2**20):
+        for name, t in _gather_bucket(bucket, dtype):
+            yield lora.base_name(name), t
+
+
+@torch.no_grad()
+def gather_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A LoRA actor's adapter, full tensors in float32 (its master dtype: the engine rounds once, to its
+    own adapter dtype), under PEFT's saved names (`base_model.model.<module>.lora_A.weight`). One
+    collective over the shard group (the adapter is ~1% of the model). Collective: every rank of the
+    FSDP mesh calls it."""
+    params = [(name, p) for name, p in model.named_parameters() if lora.is_adapter(name)]
+    return {lora.peft_tensor_name(name): t for name, t in _gather_by_dtype(params, lambda n, p: torch.float32)}
 
 
 def iter_weights(model: torch.nn.Module, dtype: torch.dtype, bucket_mb: int) -> Iterator[tuple[str, torch.Tensor]]:

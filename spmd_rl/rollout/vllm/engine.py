@@ -59,6 +59,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from spmd_rl.model.loading import DTYPES
 from spmd_rl.runtime.gpu_memory import engine_build_allocator, expandable_segments_requested, set_expandable_segments
 from spmd_rl.rollout.vllm import sleep as vllm_sleep
 from spmd_rl.rollout.base import Completion, SamplingParams
@@ -132,6 +133,10 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
         enable_chunked_prefill=r.enable_chunked_prefill,
         disable_custom_all_reduce=r.disable_custom_all_reduce,
     )
+    if cfg.model.adapter_sync:  # LoRA layers in the engine: the base kept, the adapter loaded each step
+        from spmd_rl.model.lora import vllm_max_lora_rank
+
+        kw.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(cfg.model.lora_rank), max_loras=1)
     if r.block_size:
         kw["block_size"] = r.block_size
     if r.cudagraph_capture_sizes:
@@ -211,15 +216,15 @@ def to_vllm_sampling(sampling: SamplingParams, stop_token_ids: Iterable[int], as
     )
 
 
-def prompt_logprobs(llm, seqs: list[list[int]]) -> list[list[float]]:
-    """Teacher-forced log p(seq[t] | seq[:t]) for t >= 1 from a vllm.LLM (prompt_logprobs=0).
-    Every rank of a TP group must pass the same sequences."""
+def prompt_logprobs(llm, seqs: list[list[int]], lora_request=None) -> list[list[float]]:
+    """Teacher-forced log p(seq[t] | seq[:t]) for t >= 1 from a vllm.LLM (prompt_logprobs=0), with
+    the adapter of `lora_request` if one is given. Every rank of a TP group must pass the same sequences."""
     from vllm import SamplingParams as VSP
 
     if not seqs:
         return []
     sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": list(s)} for s in seqs], sp, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": list(s)} for s in seqs], sp, use_tqdm=False, lora_request=lora_request)
     res = []
     for s, o in zip(seqs, outs):
         pl = o.prompt_logprobs
@@ -266,7 +271,16 @@ class VLLMEngine:
         self.tp = tp
         self.replica = rank // tp
         self.tp_rank = rank % tp
-        self.sleep_level = r.sleep_level
+        self.sleep_level = cfg.engine_sleep_level()
+        self.lora = None
+        if cfg.model.adapter_sync:  # (rank, alpha, targets) of the adapter load_adapter takes
+            from spmd_rl.model.lora import LoraSettings
+
+            m = cfg.model
+            self.lora = LoraSettings(m.lora_rank, m.lora_alpha, tuple(m.lora_target_modules), DTYPES[r.dtype])
+        self._lora_request = None  # the adapter every request runs with (load_adapter)
+        self._adapter_id = 0
+        self._wrapped: set[str] | None = None  # transformers names of the modules vLLM's LoRA layers wrap
         self.engine_seed = r.seed + self.replica
         self.stop_ids = eos_token_ids(model_dir)
         if not self.stop_ids:
@@ -376,6 +390,11 @@ class VLLMEngine:
         if "weights" not in self._awake:
             raise RuntimeError("load_weights needs the weights awake: call wake_up(['weights']) first")
         model = inner_model(self.llm)
+        if self.lora is not None:  # the base layers of the LoRA-wrapped modules
+            from spmd_rl.model.lora import base_layer_name
+
+            wrapped = self._lora_wrapped_modules()
+            weights = ((base_layer_name(name, wrapped), t) for name, t in weights)
         loaded = model.load_weights(weights)
         if strict and isinstance(loaded, set):
             missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
@@ -386,10 +405,63 @@ class VLLMEngine:
         if "kv_cache" in self._awake:
             self._reset_prefix_cache()
 
+    def _lora_wrapped_modules(self) -> set[str]:
+        """Transformers names of the modules whose weights sit in a vLLM LoRA layer's `base_layer`:
+        each wrapped engine module, and for a packed one (qkv_proj) the modules packed in it
+        (q_proj, k_proj, v_proj: the model's packed_modules_mapping)."""
+        if self._wrapped is None:
+            from vllm.lora.layers import BaseLayerWithLoRA
+
+            model = inner_model(self.llm)
+            packed = getattr(model, "packed_modules_mapping", {}) or {}
+            self._wrapped = set()
+            for name, module in model.named_modules():
+                if isinstance(module, BaseLayerWithLoRA):
+                    prefix, _, leaf = name.rpartition(".")
+                    self._wrapped.update(f"{prefix}.{part}" if prefix else part for part in packed.get(leaf, [leaf]))
+        return self._wrapped
+
+    @torch.no_grad()
+    def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Make the adapter in `tensors` (full tensors under PEFT's saved names, spmd_rl.model.lora.
+        peft_tensor_name) the one every later request runs with, from memory: vLLM's LoRA manager gets
+        a LoRAModel built from the tensors (cast to vLLM's lora_dtype) under a new id, in place of the
+        previous one. Needs wake_up(["weights"]) first (the LoRA layers' slots are in the weights pool)."""
+        if self.lora is None:
+            raise RuntimeError('load_adapter needs an engine built for the adapter sync (model.lora_rank > 0, '
+                               'model.lora_sync = "adapter")')
+        if "weights" not in self._awake:
+            raise RuntimeError("load_adapter needs the weights awake: call wake_up(['weights']) first")
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+        from vllm.lora.request import LoRARequest
+
+        from spmd_rl.model.lora import adapter_config
+
+        runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        workers = runner.lora_manager  # vLLM's WorkerLoRAManager: how its own loader builds a LoRAModel
+        helper = PEFTHelper.from_dict(adapter_config(self.lora))
+        helper.validate_legal(workers.lora_config)
+        mapper = getattr(workers._adapter_manager.model, "hf_to_vllm_mapper", None)
+        self._adapter_id += 1
+        adapter = LoRAModel.from_lora_tensors(
+            self._adapter_id, tensors, helper, device=str(next(iter(tensors.values())).device),
+            dtype=workers.lora_config.lora_dtype, model_vocab_size=workers.vocab_size,
+            weights_mapper=mapper.get_unstacked_mapper() if mapper is not None else None)
+        workers.remove_all_adapters()
+        workers._adapter_manager.add_adapter(adapter)
+        workers._adapter_manager.activate_adapter(adapter.id)
+        self._lora_request = LoRARequest(f"spmd_rl-{self._adapter_id}", self._adapter_id, "spmd_rl:in-memory")
+        self._prefix_cache_stale = True  # blocks computed with the old adapter must not be reused
+        if "kv_cache" in self._awake:
+            self._reset_prefix_cache()
+
     # ------------------------------------------------------------------ generation
     def _check_ready(self) -> None:
         if set(TAGS) - self._awake:
             raise RuntimeError(f"engine is asleep ({sorted(set(TAGS) - self._awake)}): call wake_up first")
+        if self.lora is not None and self._lora_request is None:
+            raise RuntimeError("the engine was built for the adapter sync but holds no adapter: load_adapter first")
         if not self._weights_valid:
             raise RuntimeError("the engine holds no valid weights (dummy start-up weights, or a level-2 sleep "
                                "discarded them): wake_up(['weights']) and load_weights before generating")
@@ -433,7 +505,8 @@ class VLLMEngine:
                                     self.flat_logprobs, seed=_mix_seed(self.engine_seed, seed, j) % 2**62)
                    for j, (limit, ask) in enumerate(zip(all_limits, asks))]
             with paused_gc(self.pause_gc):
-                outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps, use_tqdm=False)
+                outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps, use_tqdm=False,
+                                         lora_request=self._lora_request)
                 for o, ask in zip(outs, asks):
                     comps = [completion(c, ask) for c in sorted(o.outputs, key=lambda c: c.index)]
                     if sampling.greedy and sampling.n > 1:
@@ -448,7 +521,7 @@ class VLLMEngine:
         self._check_ready()
         parts = self._gather([list(map(int, s)) for s in seqs])
         all_seqs = [s for ps in parts for s in ps]
-        res = prompt_logprobs(self.llm, all_seqs)
+        res = prompt_logprobs(self.llm, all_seqs, self._lora_request)
         start = sum(len(ps) for ps in parts[: self.tp_rank])
         return res[start : start + len(seqs)]
 

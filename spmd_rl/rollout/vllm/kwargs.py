@@ -44,6 +44,8 @@ FIXED: dict[str, str] = {
                          "sets how deep)",
     "distributed_executor_backend": "the engine runs inside each torchrun process (external_launcher)",
     "worker_cls": "weight syncs load into the model of vLLM's own worker in this process",
+    **{k: "set from model.lora_rank and model.lora_sync (the adapter sync's LoRA layers)"
+       for k in ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras")},
     "device_ids": _LAYOUT,
     "pipeline_parallel_size": _LAYOUT,
     "prefill_context_parallel_size": _LAYOUT,
