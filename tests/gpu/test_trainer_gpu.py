@@ -11,6 +11,12 @@ and a resume each, are tests/gpu/test_presets_gpu.py.
   default micro-batching (the actor's packed token budget): its steps against the 0.5B preset's
   give the PPO / GRPO step ratio (scripts/gpu_check.py prints it).
 - grpo-1gpu-tp1-offload: the padded path, eager engine, train states offloaded while it runs.
+- lora-1gpu-adapter, lora-1gpu-merged: the 0.5B preset's work with LoRA rank 32 on every linear
+  layer, the adapter reaching vLLM each way (model.lora_sync): the engine's LoRA layers with the base
+  kept across sleeps (level 1), or merged full weights (level 2); their generate seconds side by side
+  are the adapter-versus-merged cost at this shape with CUDA graphs. Random weights give no reward, so
+  the adapter does not move here: that it reaches the engine when it does is the LoRA learning check
+  (test_learning_gpu.py).
 - grpo-2gpu-tp2, ppo-2gpu-tp1x2: the eager 2-GPU layouts (pytest only; scripts/gpu_check.py runs
   the shipped qwen7b preset and the 2-GPU learning check on two GPUs instead).
 """
@@ -33,9 +39,12 @@ BASE = [
     "actor.lr=1e-6", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size_per_gpu=8",
     "trainer.val_every=0", 'trainer.device="cuda"', "trainer.save_every=0",
 ]
+LORA = ["model.lora_rank=32", "actor.lr=1e-5"]
 RUNS = {  # name: (GPUs, overrides, steps per process)
     "ppo-1gpu-shipped": (1, ["PRESET:qwen0.5b-gsm8k", 'algorithm.adv_estimator="gae"'], (3,)),
     "grpo-1gpu-tp1-offload": (1, [*BASE, "rollout.offload_train_states=true"], (STEPS,)),
+    "lora-1gpu-adapter": (1, ["PRESET:qwen0.5b-gsm8k", *LORA], (3,)),
+    "lora-1gpu-merged": (1, ["PRESET:qwen0.5b-gsm8k", *LORA, "model.lora_sync=merged"], (3,)),
     "grpo-2gpu-tp2": (2, [*BASE, "rollout.tensor_parallel_size=2"], (STEPS,)),
     "ppo-2gpu-tp1x2": (2, [*BASE, 'algorithm.adv_estimator="gae"', "critic.ppo_mini_batch_size=8",
                            "critic.micro_batch_size_per_gpu=8", "actor.use_kl_loss=true"], (STEPS,)),

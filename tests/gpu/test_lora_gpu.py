@@ -1,0 +1,66 @@
+"""A LoRA actor's adapter reaches our vLLM engine, both ways (model.lora_sync), on one GPU: the
+numbers come from tests/gpu/lora_worker.py (its docstring says what each is), a random Qwen2-0.5B
+shape with rank 32 on every linear layer and its B drawn non-zero.
+
+- the adapter sync gives the actor's log-probs at bf16 level, where losing the adapter would be off
+  by `effect`; a zero adapter gives the base's; after a sleep (level 1) and a wake-up the base is
+  still there and a new adapter replaces the old one without the base being sent again;
+- merged weights give the actor's log-probs too;
+- the trap: after 5 small AdamW steps the engine fed by the adapter sync follows the actor's move of
+  its log-probs; the merged sync, whose bf16 W + s B A rounds the change away, is printed beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runs import REPO, random_model_dir, skip_reason
+
+pytestmark = pytest.mark.gpu
+
+WORKER = Path(__file__).with_name("lora_worker.py")
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    reason = skip_reason(1)
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("peft")
+    out = tmp_path_factory.mktemp("lora") / "result.json"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(WORKER),
+           "--model", random_model_dir("qwen2-0.5b"), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and out.is_file(), (proc.stdout + proc.stderr)[-6000:]
+    result = json.loads(out.read_text())
+    print("lora sync on the GPU:", json.dumps(result))
+    return result
+
+
+def test_the_adapter_sync_gives_the_actors_policy(measured):
+    m = measured
+    assert m["sleep_level"] == 1, m  # the base stays (in host memory) across sleeps
+    assert m["adapter"] < 0.05, m  # bf16 level (a broken name mapping or a lost adapter shows `effect`)
+    assert m["effect"] > max(0.2, 5 * m["adapter"]), m  # the adapter moves the policy far beyond that
+    assert m["no_adapter"] < 0.05, m  # B = 0: the base's policy
+    assert m["after_sleep"] < 0.05, m  # a new adapter, the base kept through sleep and wake-up
+
+
+def test_the_merged_sync_gives_the_actors_policy(measured):
+    assert measured["merged"] < 0.05, measured
+
+
+def test_after_small_updates_the_adapter_synced_engine_follows_the_actor(measured):
+    m = measured
+    assert m["actor_move"] > 0, m
+    assert m["miss_adapter"] < 0.3, m
+    print(f"after 5 AdamW steps at lr 1e-5 (mean |move| {m['actor_move']:.2e} nats): the engine missed "
+          f"{m['miss_adapter']:.2f} of the actor's move with the adapter sync, {m['miss_merged']:.2f} merged")
