@@ -11,10 +11,13 @@
 #   EXTRA OVERRIDES go to spmd_rl.ppo last (they win); TAG names the variant's directory and row, so
 #   runs that differ only in overrides (vLLM engine arguments, say) are kept side by side:
 #   TAG=async bash scripts/bench/bench_step.sh $OUT qwen2-0.5b after 4 'rollout.engine_kwargs={async_scheduling=true}'
+#   CONFIG names another preset for the settings (the work stays this script's):
+#   TAG=merged CONFIG=configs/qwen7b-lora.toml bash scripts/bench/bench_step.sh $OUT qwen2-7b after 3 model.lora_sync=merged
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$1; ARCH=$2; VARIANT=$3; STEPS=${4:-4}; shift $(( $# < 4 ? $# : 4 ))
-case "$ARCH" in qwen2-0.5b) CONFIG=configs/qwen0.5b-gsm8k.toml ;; *) CONFIG=configs/qwen1.5b-gsm8k.toml ;; esac
+case "$ARCH" in qwen2-0.5b) DEFAULT=configs/qwen0.5b-gsm8k.toml ;; *) DEFAULT=configs/qwen1.5b-gsm8k.toml ;; esac
+CONFIG=${CONFIG:-$DEFAULT}  # e.g. CONFIG=configs/qwen7b-lora.toml with ARCH qwen2-7b: LoRA at 7B on one GPU
 WORK=(model.init=\"random\" model.arch=\"$ARCH\" model.tokenizer=\"char\" model.path=\"\"
       data.synthetic_task=\"arithmetic\" data.apply_chat_template=false data.max_prompt_length=128
       data.max_response_length=512 "data.train_files=[\"$OUT/data/arith_train.parquet\"]" "data.val_files=[]"

@@ -39,7 +39,13 @@ def measured(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(WORKER),
            "--model", random_model_dir("qwen2-0.5b"), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and out.is_file(), (proc.stdout + proc.stderr)[-6000:]
+    log = proc.stdout + proc.stderr
+    if os.environ.get("SPMD_RL_GPU_LOG_DIR"):
+        Path(os.environ["SPMD_RL_GPU_LOG_DIR"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["SPMD_RL_GPU_LOG_DIR"]) / "lora_worker.log").write_text(log)
+    errors = [i for i, line in enumerate(log.splitlines()) if line.startswith("Traceback")]
+    first = "\n".join(log.splitlines()[errors[0]:errors[0] + 60]) if errors else ""
+    assert proc.returncode == 0 and out.is_file(), first + "\n...\n" + log[-3000:]
     result = json.loads(out.read_text())
     print("lora sync on the GPU:", json.dumps(result))
     return result

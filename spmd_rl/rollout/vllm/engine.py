@@ -262,8 +262,8 @@ class VLLMEngine:
         if not dist.is_initialized():
             raise RuntimeError("VLLMEngine needs the default process group: call "
                                "spmd_rl.runtime.distributed.init_distributed() first (under torchrun)")
-        if r.sleep_level not in (1, 2):
-            raise ValueError(f"rollout.sleep_level must be 1 or 2, got {r.sleep_level}")
+        if cfg.engine_sleep_level() not in (1, 2):
+            raise ValueError(f"rollout.sleep_level must be 0, 1 or 2, got {r.sleep_level}")
         self.cfg = cfg
         self.model_dir = model_dir
         self.rank, self.world_size = rank, world_size
