@@ -1,6 +1,7 @@
 """The GPU path in one table: the shipped presets as shipped (3 steps, checkpoints, a resume for 2
-more), the learning check, sequence parallelism, PPO with a critic, the kernels, the export and the
-colocation checks, run over every GPU the machine has. Prints one PASS/FAIL table with the GPUs
+more), the learning check, sequence parallelism, PPO with a critic, the kernels, the Qwen3, Llama 3
+and Gemma 3 shapes through vLLM, a reward model, the export and the colocation checks, run over
+every GPU the machine has. Prints one PASS/FAIL table with the GPUs
 that ran each row, then the training runs' per-step seconds.
 
     bash scripts/gpu_check.sh OUT [options]      (the shell wrapper sets the environment)
@@ -46,10 +47,11 @@ table of the calls before, kept in GPU_CHECK_WORK on the same machine). `--plan 
 Expected seconds (2xH200, 2026-11-23: preset-7b 405 s, preset-0.5b 312 s, preset-1.5b over 370 s,
 learning-1gpu 70 s, the learning-2gpu pair 60 s; the rest from earlier runs and estimates; each
 preset starts vLLM with CUDA graphs twice (33-68 s each) and compiles its layers twice (22-36 s),
-and the 7B one writes and reads an 86 GB checkpoint (40 s each way)). The whole plan is about 30
-minutes on 2xH200 and 27 on one GPU (the 2-GPU checks n/a); on two 80 GB GPUs preset-7b is n/a (it
-needs 4 of them): with --max-call-s 570 and a quick set-up, 4 calls on two 141 GB GPUs, 3 on two
-80 GB ones, 4 on one.
+and the 7B one writes and reads an 86 GB checkpoint (40 s each way); families and reward-model:
+estimates, not yet measured). The whole plan was about 30 minutes on 2xH200 and 27 on one GPU (the
+2-GPU checks n/a) before families and reward-model, which add about 10 minutes of 1-GPU work; on
+two 80 GB GPUs preset-7b is n/a (it needs 4 of them): with --max-call-s 570 and a quick set-up, 5
+calls on two 141 GB GPUs, 4 on two 80 GB ones, 5 on one.
 """
 
 from __future__ import annotations
@@ -132,6 +134,11 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
     Check("kernels", ("tests/gpu/test_checkpoint_gpu.py", "tests/gpu/test_offload_gpu.py",
                       "tests/gpu/test_sharded_init_gpu.py", "tests/gpu/test_packing_gpu.py",
                       "tests/gpu/test_fused_gpu.py", "tests/gpu/test_update_sync_gpu.py"), secs=150),
+    # Qwen3, Llama 3 and Gemma 3 shapes through vLLM, 3 steps each; secs: estimates (3 engine starts; one
+    # run of 4 steps with a 1.5B reward model)
+    Check("families", ("tests/gpu/test_model_families_gpu.py",), secs=330,
+          archs=("qwen3-0.6b", "llama3.2-1b", "gemma3-1b")),
+    Check("reward-model", ("tests/gpu/test_reward_model_gpu.py",), secs=240, archs=("qwen2-0.5b",)),
     Check("preset-0.5b", (f"{PRESET_TEST}[qwen0.5b-gsm8k]",), secs=320, archs=("qwen2-0.5b",)),
     Check("preset-1.5b", (f"{PRESET_TEST}[qwen1.5b-gsm8k]",), secs=450, archs=("qwen2-1.5b",)),
     Check("multiturn-learning", (MULTITURN_TEST,), secs=170, small=True),

@@ -29,6 +29,21 @@ def test_every_shipped_preset_has_a_check():
     assert not stale, f"tests/gpu/test_presets_gpu.py names presets that are not in configs/: {stale}"
 
 
+def test_gpu_check_plan_runs_every_gpu_test_file():
+    """Every tests/gpu/test_*.py is run by a check of PLAN (a GPU test nobody runs is a test that
+    never fails), and every target of PLAN exists."""
+    gpu_tests = sorted(f"tests/gpu/{f}" for f in os.listdir(os.path.join(ROOT, "tests", "gpu"))
+                       if f.startswith("test_") and f.endswith(".py"))
+    planned = {target.split("::")[0] for check in gpu_check.PLAN for target in check.targets}
+    missing = [f for f in gpu_tests if f not in planned]
+    assert not missing, f"scripts/gpu_check.py's PLAN runs no test of {missing}"
+    assert all(os.path.isfile(os.path.join(ROOT, f)) for f in planned), sorted(planned)
+    assert {"families", "reward-model"} <= {c.name for c in gpu_check.PLAN}
+    one_gpu = {c.name: c.gpus for c in gpu_check.PLAN if c.name in ("families", "reward-model")}
+    assert one_gpu == {"families": 1, "reward-model": 1} and not any(c.gpus_by_memory for c in gpu_check.PLAN
+                                                                       if c.name in one_gpu)
+
+
 def test_gpu_check_plan_runs_every_preset_check():
     planned = {target for check in gpu_check.PLAN for target in check.targets}
     for name in PRESETS:
@@ -133,6 +148,34 @@ def test_the_7b_preset_runs_on_the_gpus_its_cards_memory_asks_for(n_gpus, gpu_gi
     assert got["preset-0.5b"].result == "PASS"
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "gemma3"])
+def test_family_runs_validate_and_fit_one_80_gb_gpu(family, monkeypatch, tmp_path):
+    """tests/gpu/test_model_families_gpu.py's runs (the model as a random one of the same shape) are
+    a valid config on one GPU and predicted to fit an 80 GB card, with the shape of the family's own
+    config class (not a Qwen2 read of it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from spmd_rl.config.memory_check import check_memory, model_shape
+    from spmd_rl.config.run_config import load_config
+    from spmd_rl.model.loading import preset_config
+    from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
+    from test_model_families_gpu import FAMILIES, RUN, family_overrides
+
+    monkeypatch.setattr(vllm_kwargs, "vllm_import_problem", lambda: None)  # no vLLM on the CI machine
+    overrides = [a for a in family_overrides("unused") if not a.startswith(("model.path=", "model.init="))]
+    assert len(overrides) == len(RUN) - 1
+    cfg = load_config(None, [*overrides, 'model.init="random"', f'model.arch="{FAMILIES[family]}"',
+                             f"trainer.run_dir={tmp_path}", f'data.train_files=["{tmp_path}/data/train.parquet"]'])
+    cfg.validate(world_size=1, gpus_per_node=1)
+    assert cfg.rollout.engine == "vllm" and not cfg.rollout.enforce_eager and cfg.model.remove_padding
+    plan = check_memory(cfg, 1, H100_GIB * 2**30)
+    assert plan is not None and plan.fits, plan
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(preset_config(FAMILIES[family])).parameters())
+    assert model_shape(cfg).parameters() == pytest.approx(n, rel=0.01), (family, "the plan's shape is not the model's")
+
+
 def fake_run(checks, n_gpus, budget, durations, poll=0.01):
     """schedule() with a runner that sleeps each check's duration (seconds / 100) and records when
     and where it ran, and whether it was told its GPUs are shared."""
@@ -232,7 +275,7 @@ def test_table_names_the_gpus_of_every_row_and_fails_on_not_run():
     assert "| 0,1  | PASS" in text and "TOTAL" in text.splitlines()[-1] and "FAIL" in text.splitlines()[-1]
 
 
-@pytest.mark.parametrize("n_gpus, gpu_gib, n_calls", [(1, H100_GIB, 4), (2, H100_GIB, 3), (2, H200_GIB, 4)])
+@pytest.mark.parametrize("n_gpus, gpu_gib, n_calls", [(1, H100_GIB, 5), (2, H100_GIB, 4), (2, H200_GIB, 5)])
 def test_the_plan_splits_into_calls_that_each_fit(n_gpus, gpu_gib, n_calls):
     """--max-call-s 570 (a 10-minute device call): every check in one call, in PLAN order, each
     call's expected schedule within what the call leaves for checks; the docstring's call counts."""
