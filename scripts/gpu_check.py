@@ -1,10 +1,12 @@
 """The GPU path in one table: the shipped presets as shipped (3 steps, checkpoints, a resume for 2
-more), the learning check, sequence parallelism, PPO with a critic, the kernels, the export and the
-colocation checks, run over every GPU the machine has. Prints one PASS/FAIL table with the GPUs
+more), the learning check, sequence parallelism, PPO with a critic, the kernels, the Qwen3, Llama 3
+and Gemma 3 shapes through vLLM, a reward model, the export and the colocation checks, run over
+every GPU the machine has. Prints one PASS/FAIL table with the GPUs
 that ran each row, then the training runs' per-step seconds.
 
     bash scripts/gpu_check.sh OUT [options]      (the shell wrapper sets the environment)
-    python scripts/gpu_check.py --out OUT [--only NAME,...] [--max-call-s S] [--continue] [--budget-s S] [--plan]
+    python scripts/gpu_check.py --out OUT [--only NAME,...] [--max-call-s S] [--continue] [--budget-s S]
+    python scripts/gpu_check.py --plan [--gpus N] [--gpu-gib G] [--max-call-s S]    (prints the schedule only)
 
 Scheduling (`schedule`). Each check of PLAN is a pytest subprocess with CUDA_VISIBLE_DEVICES set to
 its GPUs, its own work directory (--basetemp, logs under gpu_logs/<check>) and the vLLM compile
@@ -17,9 +19,12 @@ where a small check runs gets SPMD_RL_GPU_SHARED=1 (its runs then skip the step-
 the device's free memory); a check started on GPUs of its own gets 0, and no small check joins it
 later (a small check waits for GPUs that are free or already shared), so the drift check runs
 wherever a check has its GPUs to itself. A small check itself is shared unless it is the last check
-left. An `alone` check never has a small one beside it. A check that needs more GPUs than the
-machine has is n/a; a check that cannot start with its expected seconds left in the budget is NOT
-RUN, which fails the whole check like a FAIL; a running check is stopped at the budget's end.
+left. An `alone` check never has a small one beside it. A check may need fewer GPUs where the
+cards have more memory (Check.gpus_by_memory: the 7B preset on 2 cards of >= 120 GiB, else on 4;
+the cards' memory is nvidia-smi's memory.total of the smallest visible GPU, or --gpu-gib; unknown
+counts as 80 GB cards). A check that needs more GPUs than the machine has is n/a; a check that
+cannot start with its expected seconds left in the budget is NOT RUN, which fails the whole check
+like a FAIL; a running check is stopped at the budget's end.
 
 Results (`result_rows`). One row per test case of the check's JUnit report. A check whose pytest
 exits non-zero, writes no report, runs no test (a test id that matches nothing: exit 4; nothing
@@ -37,14 +42,16 @@ job's time limit, a lent machine's per-call limit), --max-call-s S splits the pl
 each fit S (`split_calls`, first fit in PLAN order, the wrapper's set-up time already spent counted
 in): the call runs the first group and prints the next command (`--continue` adds its rows to the
 table of the calls before, kept in GPU_CHECK_WORK on the same machine). `--plan --max-call-s S
---gpus N` prints the calls without running anything.
+--gpus N [--gpu-gib G]` prints the calls without running anything.
 
 Expected seconds (2xH200, 2026-11-23: preset-7b 405 s, preset-0.5b 312 s, preset-1.5b over 370 s,
 learning-1gpu 70 s, the learning-2gpu pair 60 s; the rest from earlier runs and estimates; each
 preset starts vLLM with CUDA graphs twice (33-68 s each) and compiles its layers twice (22-36 s),
-and the 7B one writes and reads an 86 GB checkpoint (40 s each way)). The whole plan is about 30
-minutes on 2xH200 and 27 on one GPU (the 2-GPU checks n/a): with --max-call-s 570 and a quick
-set-up, 4 calls on two GPUs, 4 on one.
+and the 7B one writes and reads an 86 GB checkpoint (40 s each way); families and reward-model:
+estimates, not yet measured). The whole plan was about 30 minutes on 2xH200 and 27 on one GPU (the
+2-GPU checks n/a) before families and reward-model, which add about 10 minutes of 1-GPU work; on
+two 80 GB GPUs preset-7b is n/a (it needs 4 of them): with --max-call-s 570 and a quick set-up, 5
+calls on two 141 GB GPUs, 4 on two 80 GB ones, 5 on one.
 """
 
 from __future__ import annotations
@@ -104,10 +111,20 @@ class Check:
     archs: tuple[str, ...] = ()
     """Random-weight model directories it reads (tests/gpu/runs.py builds them in the background
     at the start, on the CPU)."""
+    gpus_by_memory: tuple[tuple[float, int], ...] = ()
+    """(GiB per card, GPUs) pairs, in order: where every card has at least that much memory, the check
+    needs that many GPUs instead of `gpus` (`for_cards`; test_presets_gpu.Preset has the same pairs,
+    and picks the same count from torch's view of the cards)."""
+
+    def gpus_on(self, card_gib: float) -> int:
+        """The GPUs it needs on cards of `card_gib` GiB each (0: unknown, `gpus`)."""
+        return next((n for gib, n in self.gpus_by_memory if card_gib and card_gib >= gib), self.gpus)
 
 
 PLAN: list[Check] = [  # order = priority (the docstring's rules)
-    Check("preset-7b", (f"{PRESET_TEST}[qwen7b]",), gpus=2, secs=430, alone=True),  # its model: drawn on its GPUs
+    # its model: drawn on its GPUs. The full 7B actor fits two 141 GB cards, not two 80 GB ones (the
+    # start-up memory check refuses it there, naming 4 GPUs or LoRA): 4 of those
+    Check("preset-7b", (f"{PRESET_TEST}[qwen7b]",), gpus=4, gpus_by_memory=((120.0, 2),), secs=430, alone=True),
     Check("learning-1gpu", (f"{LEARNING_TEST}[1gpu]",), secs=80, small=True),
     Check("learning-2gpu", (f"{LEARNING_TEST}[2gpu]",), gpus=2, secs=70, small=True),
     Check("preset-long", (f"{PRESET_TEST}[qwen1.5b-long]",), gpus=2, secs=250, archs=("qwen2-1.5b",)),
@@ -117,6 +134,11 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
     Check("kernels", ("tests/gpu/test_checkpoint_gpu.py", "tests/gpu/test_offload_gpu.py",
                       "tests/gpu/test_sharded_init_gpu.py", "tests/gpu/test_packing_gpu.py",
                       "tests/gpu/test_fused_gpu.py", "tests/gpu/test_update_sync_gpu.py"), secs=150),
+    # Qwen3, Llama 3 and Gemma 3 shapes through vLLM, 3 steps each; secs: estimates (3 engine starts; one
+    # run of 4 steps with a 1.5B reward model)
+    Check("families", ("tests/gpu/test_model_families_gpu.py",), secs=330,
+          archs=("qwen3-0.6b", "llama3.2-1b", "gemma3-1b")),
+    Check("reward-model", ("tests/gpu/test_reward_model_gpu.py",), secs=240, archs=("qwen2-0.5b",)),
     Check("preset-0.5b", (f"{PRESET_TEST}[qwen0.5b-gsm8k]",), secs=320, archs=("qwen2-0.5b",)),
     Check("preset-1.5b", (f"{PRESET_TEST}[qwen1.5b-gsm8k]",), secs=450, archs=("qwen2-1.5b",)),
     Check("multiturn-learning", (MULTITURN_TEST,), secs=170, small=True),
@@ -289,6 +311,12 @@ def split_calls(checks: list[Check], n_gpus: int, seconds: float) -> list[list[C
 def default_budget(checks: list[Check], n_gpus: int) -> float:
     """The budget that follows the plan: twice its expected seconds plus 5 minutes."""
     return 2 * expected_schedule(checks, max(n_gpus, 1))[1] + 300
+
+
+def for_cards(checks: list[Check], card_gib: float) -> list[Check]:
+    """`checks` with the GPU count each needs on cards of `card_gib` GiB (Check.gpus_by_memory):
+    what the scheduler and the plan use, so that a check needing more GPUs than the machine has is n/a."""
+    return [dataclasses.replace(c, gpus=c.gpus_on(card_gib)) for c in checks]
 
 
 def _label(gpus: tuple[int, ...]) -> str:
@@ -476,6 +504,32 @@ def visible_gpus() -> int:
     return len(visible) if visible else len(out)
 
 
+def visible_gpu_gib() -> float:
+    """The smallest memory of the GPUs gpu_check uses, in GiB (nvidia-smi's memory.total;
+    CUDA_VISIBLE_DEVICES respected, by index or UUID); 0 when unknown (no nvidia-smi)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0.0
+    return smallest_card_gib(out, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+
+
+def smallest_card_gib(nvidia_smi_csv: str, visible: str = "") -> float:
+    """The smallest memory.total (MiB, as `nvidia-smi --query-gpu=index,uuid,memory.total
+    --format=csv,noheader,nounits` prints it) among the `visible` GPUs (CUDA_VISIBLE_DEVICES's
+    value: indices or UUIDs; empty: all), in GiB; 0 when none is listed."""
+    cards = []
+    for line in nvidia_smi_csv.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[2].replace(".", "", 1).isdigit():
+            cards.append((parts[0], parts[1], float(parts[2]) / 1024))
+    wanted = [v.strip() for v in visible.split(",") if v.strip()]
+    if wanted:
+        cards = [c for c in cards if c[0] in wanted or any(c[1].startswith(w) for w in wanted)] or cards
+    return min((gib for _, _, gib in cards), default=0.0)
+
+
 def prebuild(checks: list[Check], out: Path) -> subprocess.Popen | None:
     """Build the random-weight model directories the checks read, on the CPU, in the background
     (tests/gpu/runs.py; a check that needs one still being built waits for it)."""
@@ -540,14 +594,15 @@ def table(rows: list[Row], seconds: float, still_to_run: int = 0) -> str:
 def next_command(args: argparse.Namespace, later: list[Check]) -> str:
     """The command of the next call: the checks left, added to this call's table."""
     gpus = f" --gpus {args.gpus}" if args.gpus else ""
+    gpus += f" --gpu-gib {args.gpu_gib:g}" if args.gpu_gib else ""
     budget = f" --budget-s {args.budget_s:.0f}" if args.budget_s else ""
-    return (f"bash scripts/gpu_check.sh {args.out} --continue --max-call-s {args.max_call_s:.0f}{gpus}{budget} "
+    return (f"bash scripts/gpu_check.sh {args.out or 'OUT'} --continue --max-call-s {args.max_call_s:.0f}{gpus}{budget} "
             f"--only {','.join(c.name for c in later)}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="where the table, the tests' output and the logs go (not needed with --plan)")
     ap.add_argument("--budget-s", type=float, default=0,
                     help="wall-clock seconds for the checks (default: twice the plan's expected seconds + 300)")
     ap.add_argument("--max-call-s", type=float, default=0,
@@ -558,13 +613,26 @@ def main() -> int:
                          "they have not run")
     ap.add_argument("--plan", action="store_true", help="print the expected schedule (and the calls) and exit")
     ap.add_argument("--gpus", type=int, default=0, help="GPUs to plan for (default: the visible ones)")
+    ap.add_argument("--gpu-gib", type=float, default=0,
+                    help="memory of each GPU in GiB to plan for (default: the smallest visible one's, from "
+                         "nvidia-smi; without one, 80 GB cards): some checks need fewer GPUs on larger cards")
     args = ap.parse_args()
+    if not args.out and not args.plan:
+        ap.error("--out is needed (unless --plan)")
     only = [n for n in args.only.split(",") if n]
     unknown = set(only) - {c.name for c in PLAN}
     if unknown:
         ap.error(f"unknown checks {sorted(unknown)}: choose from {', '.join(c.name for c in PLAN)}")
-    checks = [c for c in PLAN if not only or c.name in only]
     n_gpus = args.gpus or visible_gpus()
+    card_gib = args.gpu_gib or visible_gpu_gib()
+    plan = for_cards(PLAN, card_gib)
+    by_memory = [f"{c.name} needs {c.gpus_on(card_gib)} GPUs (" + ", ".join(f"{n} where each has >= {gib:.0f} GiB"
+                                                                       for gib, n in c.gpus_by_memory)
+                 + f", else {c.gpus})" for c in PLAN if c.gpus_by_memory and (not only or c.name in only)]
+    if by_memory:
+        print(f"[gpu_check] cards of {f'{card_gib:.1f} GiB' if card_gib else 'unknown memory (planned as 80 GB)'}: "
+              + "; ".join(by_memory), flush=True)
+    checks = [c for c in plan if not only or c.name in only]
     saved = WORK / "results.json"
     earlier = json.loads(saved.read_text()) if args.cont and saved.is_file() else {"rows": [], "seconds": 0.0}
     if args.cont and not saved.is_file():
@@ -613,7 +681,7 @@ def main() -> int:
         if moved:
             print(f"[gpu_check] not started in this call, left for the next: {', '.join(sorted(moved))}")
         rows = [r for r in rows if r.check not in moved]
-        later = [c for c in PLAN if c.name in moved] + later
+        later = [c for c in plan if c.name in moved] + later
     names = {c.name for c in checks}
     rows = [r for r in earlier_rows if r.check not in names] + rows  # a check run again replaces its rows
     seconds = time.time() - t_start + earlier["seconds"]

@@ -3,7 +3,8 @@
 Every exception that means "your input is wrong" (config, data, model and tokenizer directories,
 reward function, run directory, checkpoint, export) derives from `UserError`. The entry points catch it and print its message
 as one line on rank 0 and exit with `EXIT_USER_ERROR`, instead of a traceback per rank: the
-message itself names the problem and the fix.
+message itself names the problem and the fix. An error of one rank's own state (a step out of GPU
+memory: `report(..., per_rank=True)`) is one line on every rank that has it, naming the rank.
 """
 
 from __future__ import annotations
@@ -32,13 +33,20 @@ class ConfigError(UserError, ValueError):
     """A configuration problem, with the key at fault and how to fix it."""
 
 
-def report(e: Exception, rank: int | None = None, kind: str = "error") -> int:
-    """Print `e` as one line (only on rank 0 of a torchrun job); returns the exit code."""
+def report(e: Exception, rank: int | None = None, kind: str = "error", per_rank: bool = False) -> int:
+    """Print `e` as one line (only on rank 0 of a torchrun job); returns the exit code.
+
+    `per_rank`: `e` comes from this rank's own state, not from inputs every rank reads alike (an
+    out-of-memory error: each GPU's memory is its own, and rank 0 may not have it at all), so every
+    rank that has it prints its line at once, naming the rank where there are several."""
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
     global _unreported
     message = " ".join(str(e).split())
-    if rank == 0:
+    if per_rank:
+        several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        print(f"{kind}: " + (f"rank {rank}: " if several else "") + message, file=sys.stderr, flush=True)
+    elif rank == 0:
         print(f"{kind}: {message}", file=sys.stderr, flush=True)
     else:
         _unreported = f"{kind}: {message}"

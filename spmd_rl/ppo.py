@@ -91,6 +91,7 @@ def _train(cfg) -> int:
     """Lock the run directory, check a resumed config, set up, train, export (trainer.export_hf_dir)
     and close the trainer (steps 1-2 of the teardown); the exit status."""
     from spmd_rl.checkpoint.checkpointer import EXIT_NOT_SAVED, CheckpointError
+    from spmd_rl.config.memory_check import OutOfMemory
     from spmd_rl.runtime.distributed import init_distributed, raise_together, seed_everything, setup_logging
     from spmd_rl.runtime.lifecycle import EXIT_CRASHED, EXIT_OK
     from spmd_rl.runtime.preemption import EXIT_PREEMPTED
@@ -127,6 +128,8 @@ def _train(cfg) -> int:
             out = export_checkpoint(os.path.join(cfg.checkpoint_dir, f"step_{trainer.step}"), cfg.trainer.export_hf_dir)
             log.info("exported the final actor as a Hugging Face model to %s", out)
         return {"finished": EXIT_OK, "preempted": EXIT_PREEMPTED}.get(status, EXIT_NOT_SAVED)
+    except OutOfMemory as e:  # a step out of GPU memory: each rank's own (trainer.PhaseTimer), one line on each
+        return report(e, per_rank=True)
     except UserError as e:  # config, data, reward function, run directory: raised on every rank alike
         return report(e)
     except CheckpointError as e:  # raised on every rank alike; one line on rank 0

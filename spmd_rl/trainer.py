@@ -42,7 +42,7 @@ from spmd_rl.config.toml_io import to_toml
 from spmd_rl.train.critic import compute_values, critic_loss_fn
 from spmd_rl.data.prompts import iter_eval_batches
 from spmd_rl.runtime.distributed import DistEnv, all_reduce_mean, all_reduce_sum
-from spmd_rl.runtime.gpu_memory import PhaseMemory
+from spmd_rl.runtime.gpu_memory import PhaseMemory, allocator_lines_held, is_out_of_memory
 from spmd_rl.runtime.memory_plan import MemoryPlan
 from spmd_rl.algo.dynamic_sampling import collect_informative_groups
 from spmd_rl.telemetry.metrics import MetricsLogger, summary_line
@@ -65,15 +65,10 @@ from spmd_rl.rollout.weight_sync import gather_adapter, iter_base_weights, iter_
 log = logging.getLogger("spmd_rl")
 
 
-def is_out_of_memory(e: BaseException) -> bool:
-    """PyTorch's out-of-memory error, or vLLM's (its sleep-mode allocator raises a RuntimeError:
-    `CUDA Error: out of memory at cumem_allocator.cpp:...`)."""
-    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
-
-
 class PhaseTimer:
     """Seconds and GPU memory per named phase of a step (memory figures: gpu_memory.PhaseMemory).
-    An out-of-memory error inside a phase becomes one line naming it (memory_check.OutOfMemory)."""
+    An out-of-memory error inside a phase, PyTorch's or vLLM's (gpu_memory.is_out_of_memory), becomes
+    one line naming it (memory_check.OutOfMemory), printed by every rank that has it (spmd_rl/ppo.py)."""
 
     def __init__(self, device: torch.device, plan: MemoryPlan | None = None):
         self.device = device
@@ -202,7 +197,7 @@ class Trainer:
         """Wake the engine and give it the actor's current weights: all of them (a vLLM engine at
         sleep level 2 has none left after sleeping; a LoRA actor's merged), or with LoRA's adapter
         sync the base at the first sync only (the engine keeps it) and the adapter every time."""
-        with timer("wake"):
+        with timer("wake"), allocator_lines_held():  # vLLM's own out-of-memory line: PhaseTimer's says it
             self.engine.wake_up(["weights"])
         bucket_mb = self.cfg.rollout.weight_sync_bucket_mb
         with timer("weight_sync"):
@@ -219,7 +214,7 @@ class Trainer:
                 move_train_state(*self._train_state(), torch.device("cpu"))
             if self.device.type == "cuda":
                 timer.metrics["memory/offloaded_gb"] = (before - torch.cuda.memory_allocated(self.device)) / 2**30
-        with timer("wake"):
+        with timer("wake"), allocator_lines_held():
             self.engine.wake_up(["kv_cache"])
 
     def reference(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
@@ -588,11 +583,26 @@ class Trainer:
         group; then TensorBoard's writer thread and the start-up heartbeat."""
         if hasattr(self, "checkpointer"):
             self.checkpointer.close()
+        # the schedulers too: each holds its optimizer, and with it every parameter and moment
         self.actor = self.ref = self.critic = self.actor_opt = self.critic_opt = self.reward_model = None
+        self.actor_sched = self.critic_sched = None
         gc.collect()
         if getattr(self, "device", None) is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
         for part in ("multi_turn", "engine", "metrics", "startup"):
-            if hasattr(getattr(self, part, None), "close"):
+            if not hasattr(getattr(self, part, None), "close"):
+                continue
+            if part != "engine":
                 getattr(self, part).close()
+                continue
+            try:
+                with allocator_lines_held():
+                    self.engine.close()
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                # mapping the pool back ran out of memory (another process holds it): a traceback from
+                # the teardown would come after, or in place of, the run's own line
+                if not is_out_of_memory(e):
+                    raise
+                log.info("the rollout engine could not map its memory back to shut down (%s): the process's "
+                         "exit releases it", " ".join(str(e).split())[:200])
 

@@ -29,6 +29,21 @@ def test_every_shipped_preset_has_a_check():
     assert not stale, f"tests/gpu/test_presets_gpu.py names presets that are not in configs/: {stale}"
 
 
+def test_gpu_check_plan_runs_every_gpu_test_file():
+    """Every tests/gpu/test_*.py is run by a check of PLAN (a GPU test nobody runs is a test that
+    never fails), and every target of PLAN exists."""
+    gpu_tests = sorted(f"tests/gpu/{f}" for f in os.listdir(os.path.join(ROOT, "tests", "gpu"))
+                       if f.startswith("test_") and f.endswith(".py"))
+    planned = {target.split("::")[0] for check in gpu_check.PLAN for target in check.targets}
+    missing = [f for f in gpu_tests if f not in planned]
+    assert not missing, f"scripts/gpu_check.py's PLAN runs no test of {missing}"
+    assert all(os.path.isfile(os.path.join(ROOT, f)) for f in planned), sorted(planned)
+    assert {"families", "reward-model"} <= {c.name for c in gpu_check.PLAN}
+    one_gpu = {c.name: c.gpus for c in gpu_check.PLAN if c.name in ("families", "reward-model")}
+    assert one_gpu == {"families": 1, "reward-model": 1} and not any(c.gpus_by_memory for c in gpu_check.PLAN
+                                                                       if c.name in one_gpu)
+
+
 def test_gpu_check_plan_runs_every_preset_check():
     planned = {target for check in gpu_check.PLAN for target in check.targets}
     for name in PRESETS:
@@ -36,15 +51,12 @@ def test_gpu_check_plan_runs_every_preset_check():
         assert node in planned, f"scripts/gpu_check.py's PLAN does not run {node}"
 
 
-@pytest.mark.parametrize("gpu_gib", [79.2, 139.8])  # an H100's and an H200's memory as torch reports it
-@pytest.mark.parametrize("name", list(PRESETS))
-def test_preset_check_overrides_validate_and_fit_on_its_gpus(name, gpu_gib, monkeypatch, tmp_path):
-    """The check's overrides on the preset (the model as a random one of the same shape: the check's
-    model directory only exists on the GPU machine) are a valid config for its GPU count, and the
-    start-up memory check predicts that it fits those GPUs; but qwen7b on two 80 GB cards, which it
-    refuses before loading, naming 4 GPUs and LoRA (on two H100s it ran out of memory in its update,
-    2026-11-26)."""
-    from spmd_rl.config.memory_check import MemoryPlanError, check_memory
+H100_GIB, H200_GIB = 79.2, 139.8  # an H100's and an H200's memory as torch reports it
+
+
+def preset_config(name, tmp_path, monkeypatch):
+    """The check's overrides on the preset, the model as a random one of the same shape (the check's
+    model directory only exists on the GPU machine)."""
     from spmd_rl.config.run_config import load_config
     from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
 
@@ -56,14 +68,112 @@ def test_preset_check_overrides_validate_and_fit_on_its_gpus(name, gpu_gib, monk
     overrides = [a for a in overrides if not a.startswith(("model.path=", "model.init="))]
     overrides += ['model.init="random"', 'model.path=""', f'model.arch="{p.arch}"', f"trainer.run_dir={tmp_path}",
                   f'data.train_files=["{tmp_path}/data/train.parquet"]']
-    cfg = load_config(config, overrides)
-    cfg.validate(world_size=p.gpus, gpus_per_node=p.gpus)
+    return load_config(config, overrides)
+
+
+@pytest.mark.parametrize("gpu_gib", [H100_GIB, H200_GIB])
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_check_overrides_validate_and_fit_on_its_gpus(name, gpu_gib, monkeypatch, tmp_path):
+    """The check's overrides are a valid config for the GPU count it runs on with cards of this
+    memory (Preset.gpus_on), and the start-up memory check predicts that it fits those GPUs: qwen7b
+    on 4 80 GB cards or 2 141 GB ones."""
+    from spmd_rl.config.memory_check import check_memory
+
+    gpus = PRESETS[name].gpus_on(gpu_gib)
+    cfg = preset_config(name, tmp_path, monkeypatch)
+    cfg.validate(world_size=gpus, gpus_per_node=gpus)
     assert cfg.data.max_response_length == 128 and cfg.rollout.engine == "vllm"
-    if (name, gpu_gib) == ("qwen7b", 79.2):
-        with pytest.raises(MemoryPlanError, match=r"shard over more GPUs \(4 GPUs: peak [\d.]+ GiB, fits\).*LoRA"):
-            check_memory(cfg, p.gpus, gpu_gib * 2**30)
-        return
-    assert check_memory(cfg, p.gpus, gpu_gib * 2**30).fits
+    assert check_memory(cfg, gpus, gpu_gib * 2**30).fits
+    if name == "qwen7b":
+        assert gpus == {H100_GIB: 4, H200_GIB: 2}[gpu_gib]
+
+
+def test_qwen7b_needs_4_gpus_of_80_gb_and_2_of_the_smallest_memory_it_picks_2_for(monkeypatch, tmp_path):
+    """Why qwen7b's GPU count depends on the cards: on two 80 GB cards the start-up memory check
+    refuses it, naming 4 GPUs and LoRA (on two H100s it ran out of memory in its update,
+    2026-11-26); every (GiB, GPUs) pair of Preset.gpus_by_memory fits at that GiB, the least memory
+    that picks it."""
+    from spmd_rl.config.memory_check import MemoryPlanError, check_memory
+
+    p = PRESETS["qwen7b"]
+    cfg = preset_config("qwen7b", tmp_path, monkeypatch)
+    with pytest.raises(MemoryPlanError, match=r"shard over more GPUs \(4 GPUs: peak [\d.]+ GiB, fits\).*LoRA"):
+        check_memory(cfg, 2, H100_GIB * 2**30)
+    assert p.gpus_by_memory, "qwen7b runs on 2 GPUs where they have the memory"
+    for name, preset in PRESETS.items():
+        for gib, n in preset.gpus_by_memory:
+            assert preset.gpus_on(gib) == n and preset.gpus_on(gib - 1) != n, (name, gib, n)
+            cfg = preset_config(name, tmp_path / name, monkeypatch)
+            cfg.validate(world_size=n, gpus_per_node=n)
+            assert check_memory(cfg, n, gib * 2**30).fits, (name, f"{n} GPUs of {gib} GiB")
+
+
+@pytest.mark.parametrize("gpu_gib", [H100_GIB, H200_GIB, 0.0])
+def test_preset_checks_need_the_gpus_their_tests_run_on(gpu_gib):
+    """gpu_check's preset checks ask for as many GPUs as the preset tests then use on the same cards
+    (0: memory unknown, planned as 80 GB cards)."""
+    for check in gpu_check.for_cards(gpu_check.PLAN, gpu_gib):
+        for target in check.targets:
+            if target.startswith(gpu_check.PRESET_TEST):
+                name = target.split("[", 1)[1].rstrip("]")
+                assert check.gpus == PRESETS[name].gpus_on(gpu_gib), (check.name, gpu_gib)
+
+
+def test_card_memory_from_nvidia_smi():
+    smi = ("0, GPU-aaaa-1111, 81559\n1, GPU-bbbb-2222, 81559\n2, GPU-cccc-3333, 143771\n"
+           "3, GPU-dddd-4444, 143771\n")
+    assert gpu_check.smallest_card_gib(smi) == pytest.approx(81559 / 1024)
+    assert gpu_check.smallest_card_gib(smi, "2,3") == pytest.approx(143771 / 1024)
+    assert gpu_check.smallest_card_gib(smi, "GPU-cccc,GPU-dddd-4444") == pytest.approx(143771 / 1024)
+    assert gpu_check.smallest_card_gib(smi, "1,2") == pytest.approx(81559 / 1024)
+    assert gpu_check.smallest_card_gib("") == 0.0
+    assert gpu_check.smallest_card_gib("No devices were found\n") == 0.0
+
+
+@pytest.mark.parametrize("n_gpus, gpu_gib, result, gpus", [
+    (2, H100_GIB, "n/a", "-"),  # two 80 GB cards: it needs 4
+    (4, H100_GIB, "PASS", "0,1,2,3"),
+    (2, H200_GIB, "PASS", "0,1"),
+    (1, H200_GIB, "n/a", "-"),
+])
+def test_the_7b_preset_runs_on_the_gpus_its_cards_memory_asks_for(n_gpus, gpu_gib, result, gpus):
+    """The scheduler with the plan for the cards' memory: the 7B preset check on 4 80 GB GPUs or 2
+    141 GB ones, n/a where the machine has fewer; the other checks as before."""
+    plan = [c for c in gpu_check.for_cards(gpu_check.PLAN, gpu_gib) if c.name in ("preset-7b", "preset-0.5b")]
+    rows, ran = fake_run(plan, n_gpus, 10000, {"preset-7b": 43, "preset-0.5b": 32})
+    got = {r.item: r for r in rows}
+    assert (got["preset-7b"].result, got["preset-7b"].gpus) == (result, gpus), got["preset-7b"]
+    if result == "n/a":
+        assert f"needs {PRESETS['qwen7b'].gpus_on(gpu_gib)} GPUs, {n_gpus} visible" in got["preset-7b"].note
+    assert got["preset-0.5b"].result == "PASS"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "gemma3"])
+def test_family_runs_validate_and_fit_one_80_gb_gpu(family, monkeypatch, tmp_path):
+    """tests/gpu/test_model_families_gpu.py's runs (the model as a random one of the same shape) are
+    a valid config on one GPU and predicted to fit an 80 GB card, with the shape of the family's own
+    config class (not a Qwen2 read of it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from spmd_rl.config.memory_check import check_memory, model_shape
+    from spmd_rl.config.run_config import load_config
+    from spmd_rl.model.loading import preset_config
+    from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
+    from test_model_families_gpu import FAMILIES, RUN, family_overrides
+
+    monkeypatch.setattr(vllm_kwargs, "vllm_import_problem", lambda: None)  # no vLLM on the CI machine
+    overrides = [a for a in family_overrides("unused") if not a.startswith(("model.path=", "model.init="))]
+    assert len(overrides) == len(RUN) - 1
+    cfg = load_config(None, [*overrides, 'model.init="random"', f'model.arch="{FAMILIES[family]}"',
+                             f"trainer.run_dir={tmp_path}", f'data.train_files=["{tmp_path}/data/train.parquet"]'])
+    cfg.validate(world_size=1, gpus_per_node=1)
+    assert cfg.rollout.engine == "vllm" and not cfg.rollout.enforce_eager and cfg.model.remove_padding
+    plan = check_memory(cfg, 1, H100_GIB * 2**30)
+    assert plan is not None and plan.fits, plan
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(preset_config(FAMILIES[family])).parameters())
+    assert model_shape(cfg).parameters() == pytest.approx(n, rel=0.01), (family, "the plan's shape is not the model's")
 
 
 def fake_run(checks, n_gpus, budget, durations, poll=0.01):
@@ -165,19 +275,21 @@ def test_table_names_the_gpus_of_every_row_and_fails_on_not_run():
     assert "| 0,1  | PASS" in text and "TOTAL" in text.splitlines()[-1] and "FAIL" in text.splitlines()[-1]
 
 
-@pytest.mark.parametrize("n_gpus, n_calls", [(1, 4), (2, 4)])
-def test_the_plan_splits_into_calls_that_each_fit(n_gpus, n_calls):
+@pytest.mark.parametrize("n_gpus, gpu_gib, n_calls", [(1, H100_GIB, 5), (2, H100_GIB, 4), (2, H200_GIB, 5)])
+def test_the_plan_splits_into_calls_that_each_fit(n_gpus, gpu_gib, n_calls):
     """--max-call-s 570 (a 10-minute device call): every check in one call, in PLAN order, each
     call's expected schedule within what the call leaves for checks; the docstring's call counts."""
     limit = 570 - gpu_check.TAIL_S
-    calls = gpu_check.split_calls(gpu_check.PLAN, n_gpus, limit)
-    assert sorted(c.name for g in calls for c in g) == sorted(c.name for c in gpu_check.PLAN)
-    order = [c.name for c in gpu_check.PLAN]
+    plan = gpu_check.for_cards(gpu_check.PLAN, gpu_gib)
+    calls = gpu_check.split_calls(plan, n_gpus, limit)
+    assert sorted(c.name for g in calls for c in g) == sorted(c.name for c in plan)
+    order = [c.name for c in plan]
     for group in calls:
         assert [c.name for c in group] == sorted((c.name for c in group), key=order.index)
         assert gpu_check.expected_schedule(group, n_gpus)[1] <= limit, [c.name for c in group]
     assert len(calls) == n_calls
-    said = {1: f"{n_calls} on one", 2: f"{n_calls} calls on two GPUs"}[n_gpus]
+    said = {(1, H100_GIB): f"{n_calls} on one", (2, H100_GIB): f"{n_calls} on two 80 GB ones",
+            (2, H200_GIB): f"{n_calls} calls on two 141 GB GPUs"}[n_gpus, gpu_gib]
     assert said in " ".join(gpu_check.__doc__.split()), f"gpu_check's docstring should say '{said}'"
 
 

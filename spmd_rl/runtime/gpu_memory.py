@@ -14,13 +14,19 @@ all-reduce then registers those graph buffers for the other ranks through cudaIp
 which legacy CUDA IPC refuses for VMM memory: `custom_all_reduce.cuh:455 'invalid argument'` at
 engine start (vLLM issues #42609, #43923). `engine_build_allocator` hides the setting from vLLM
 for the build. Nothing here needs a GPU to import.
+
+Out of memory: `is_out_of_memory` tells PyTorch's and vLLM's out-of-memory errors from others, and
+`allocator_lines_held` keeps the line vLLM's allocator prints itself out of a rank's output, where
+the trainer says it in its own one line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
+import tempfile
 import threading
 import time
 
@@ -73,6 +79,60 @@ def set_expandable_segments(enabled: bool) -> None:
     Existing segments stay as they are; call torch.cuda.empty_cache() to release cached ones."""
     if torch.cuda.is_available():
         torch.cuda.memory._set_allocator_settings(f"expandable_segments:{'True' if enabled else 'False'}")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """PyTorch's out-of-memory error, or vLLM's: its sleep-mode allocator raises a RuntimeError,
+    `CUDA Error: out of memory at .../cumem_allocator.cpp:163`, when wake_up cannot map its pool (vLLM's
+    own tests/basic_correctness/test_cumem.py expects a RuntimeError there), not a
+    torch.OutOfMemoryError; a CUDA call's own RuntimeError says `CUDA error: out of memory`."""
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
+
+
+VLLM_ALLOCATOR_LINE = re.compile(rb"^CUDA Error: .* at \S*cumem_allocator\.cpp:\d+\s*$")
+"""A line vLLM's sleep-mode allocator (csrc/cumem_allocator.cpp, CUDA_CHECK) prints on std::cerr
+before it raises the same text as a RuntimeError."""
+
+
+@contextlib.contextmanager
+def allocator_lines_held(fd: int = 2):
+    """Hold what this process writes to `fd` (stderr: Python's and native code's alike) while the
+    block runs, and write it back when the block ends: all of it, but where the block ends in an
+    out-of-memory error (`is_out_of_memory`), the lines vLLM's sleep-mode allocator printed about it
+    itself. Its C++ code prints `CUDA Error: out of memory at .../cumem_allocator.cpp:163` on std::cerr
+    and then raises the same text, which the trainer turns into its one line (trainer.PhaseTimer);
+    without this, every rank that ran out of memory waking the engine printed the raw line as well.
+    Anything else written meanwhile (other threads' too) comes out when the block ends, in order;
+    around an error that is not an out-of-memory one, all of it, the allocator's lines included. Held
+    in a file, not a pipe (a native writer holding the GIL could fill a pipe whose reader needs it):
+    a process killed inside the block (a segfault) loses what was written there. For blocks of a few
+    seconds that touch vLLM's allocator alone: waking the engine."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(fd)
+    except (OSError, ValueError):  # no stderr to hold
+        yield
+        return
+    held = tempfile.TemporaryFile()
+    os.dup2(held.fileno(), fd)
+    drop = False
+    try:
+        yield
+    except BaseException as e:
+        drop = is_out_of_memory(e)
+        raise
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+        held.seek(0)
+        text = held.read()
+        held.close()
+        if drop:
+            text = b"".join(line for line in text.splitlines(keepends=True) if not VLLM_ALLOCATOR_LINE.match(line))
+        while text:
+            text = text[os.write(fd, text):]
 
 
 def device_memory(device: torch.device | int | None = None) -> dict[str, float]:

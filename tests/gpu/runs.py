@@ -52,6 +52,14 @@ def skip_reason(nproc: int) -> str | None:
     return None
 
 
+def card_gib() -> float:
+    """The smallest visible GPU's memory in GiB, as torch reports it (0 without CUDA): what
+    test_presets_gpu.Preset.gpus_on picks a preset's GPU count from."""
+    if not torch.cuda.is_available():
+        return 0.0
+    return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())) / 2**30
+
+
 def read_metrics(run_dir: Path) -> dict[int, dict]:
     """Step -> its metrics: a step's training row merged with the row of its checkpoint's stall."""
     steps: dict[int, dict] = {}

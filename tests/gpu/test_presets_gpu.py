@@ -1,7 +1,8 @@
 """Every shipped GPU preset, as shipped, for 3 steps with a checkpoint, then a resume in a new
 process (what we test is what users run). scripts/gpu_check.py runs each case on the
-smallest machine it fits; tests/test_gpu_check_plan.py fails when a file in configs/ has no entry
-here (or in CPU_PRESETS), so no preset ships untested.
+smallest machine it fits (for qwen7b the cards' memory decides: Preset.gpus_by_memory);
+tests/test_gpu_check_plan.py fails when a file in configs/ has no entry here (or in CPU_PRESETS),
+so no preset ships untested.
 
 What each case changes, and only this: the model is a random-weight Hugging Face directory of the
 preset's shape (model.path, the preset's placeholder; tests/gpu/runs.random_model_dir, the character
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from spmd_rl.config.run_config import load_config
-from runs import REPO, check_run, expected_saves, keep_logs, random_model_dir, skip_reason, summary, train
+from runs import REPO, card_gib, check_run, expected_saves, keep_logs, random_model_dir, skip_reason, summary, train
 
 pytestmark = pytest.mark.gpu
 
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.gpu
 @dataclass(frozen=True)
 class Preset:
     gpus: int
-    """The smallest machine it runs on (GPUs of one host)."""
+    """The smallest machine it runs on (GPUs of one host), with 80 GB cards."""
     arch: str
     """Its model's shape (spmd_rl.model.loading.ARCH_PRESETS)."""
     changes: tuple[str, ...] = ()
@@ -50,6 +51,14 @@ class Preset:
     max_mismatch: float = 0.05
     """Bound of rollout/logprob_diff_mean (bf16 level at this shape; a broken sync shows nats)."""
     timeout: tuple[float, float] = (420, 300)
+    gpus_by_memory: tuple[tuple[float, int], ...] = ()
+    """(GiB per card, GPUs) pairs, in order: where every card has at least that much memory, it runs
+    on that many GPUs instead of `gpus` (scripts/gpu_check.py's check has the same pairs: a CPU test
+    compares them)."""
+
+    def gpus_on(self, card_gib: float) -> int:
+        """The GPUs it runs on where each card has `card_gib` GiB (0: unknown, `gpus`)."""
+        return next((n for gib, n in self.gpus_by_memory if card_gib and card_gib >= gib), self.gpus)
 
 
 PRESETS: dict[str, Preset] = {  # configs/<name>.toml
@@ -62,8 +71,10 @@ PRESETS: dict[str, Preset] = {  # configs/<name>.toml
     # is 0.052 (bf16 at this shape, with NCCL or custom all-reduce alike: scripts/probes/probe_mismatch.py).
     # On two 80 GB cards it does not fit, with or without the optimizer's moments on the host (its
     # update, 82 GiB predicted: a CUDA OOM in the update on two H100s, 2026-11-26): the start-up
-    # memory check refuses it there, naming 4 GPUs or LoRA; 141 GB cards run it as shipped.
-    "qwen7b": Preset(gpus=2, arch="qwen2-7b", changes=("data.train_batch_size=16", "actor.ppo_mini_batch_size=8"),
+    # memory check refuses it there, naming 4 GPUs or LoRA; so 4 of them, or two cards of 120 GiB or
+    # more (141 GB H200s run it as shipped).
+    "qwen7b": Preset(gpus=4, gpus_by_memory=((120.0, 2),), arch="qwen2-7b",
+                     changes=("data.train_batch_size=16", "actor.ppo_mini_batch_size=8"),
                      save_every=(0, -1), in_memory=True, max_mismatch=0.1, timeout=(540, 360)),
     # its overlong buffer (4096 tokens) must be shorter than the responses: 32 of the 128
     "qwen1.5b-long": Preset(gpus=2, arch="qwen2-1.5b", changes=("reward.overlong_buffer=32",), save_every=(0, -1)),
@@ -88,7 +99,8 @@ def preset_overrides(name: str, model_dir: str, save_every: int) -> list[str]:
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_preset_trains_saves_and_resumes(name, tmp_path):
     p = PRESETS[name]
-    reason = skip_reason(p.gpus)
+    gpus = p.gpus_on(card_gib())
+    reason = skip_reason(gpus)
     if reason:
         pytest.skip(reason)
     model_dir = random_model_dir(p.arch)
@@ -96,7 +108,7 @@ def test_preset_trains_saves_and_resumes(name, tmp_path):
     run_dir = (Path(memory) if p.in_memory and memory else tmp_path) / name
     shutil.rmtree(run_dir, ignore_errors=True)
     try:
-        logs = [train(name, p.gpus, preset_overrides(name, model_dir, p.save_every[i]), run_dir, total,
+        logs = [train(name, gpus, preset_overrides(name, model_dir, p.save_every[i]), run_dir, total,
                       "none" if i == 0 else "auto", timeout=p.timeout[i])
                 for i, total in enumerate(p.steps)]
         keep_last = load_config(str(REPO / "configs" / f"{name}.toml"), []).trainer.keep_last
