@@ -48,10 +48,12 @@ Expected seconds (2xH200, 2026-11-23: preset-7b 405 s, preset-0.5b 312 s, preset
 learning-1gpu 70 s, the learning-2gpu pair 60 s; the rest from earlier runs and estimates; each
 preset starts vLLM with CUDA graphs twice (33-68 s each) and compiles its layers twice (22-36 s),
 and the 7B one writes and reads an 86 GB checkpoint (40 s each way); families and reward-model:
-estimates, not yet measured). The whole plan was about 30 minutes on 2xH200 and 27 on one GPU (the
-2-GPU checks n/a) before families and reward-model, which add about 10 minutes of 1-GPU work; on
-two 80 GB GPUs preset-7b is n/a (it needs 4 of them): with --max-call-s 570 and a quick set-up, 5
-calls on two 141 GB GPUs, 4 on two 80 GB ones, 5 on one.
+estimates, not yet measured; the LoRA rows: lora 270 s, learning-lora 90 s and each one-GPU 7-8B
+LoRA preset 420 s, estimates from one H100's 7B LoRA steps). The whole plan was about 30 minutes on
+2xH200 and 27 on one GPU (the 2-GPU checks n/a) before families and reward-model (about 10 minutes
+of 1-GPU work) and the LoRA rows (about 30); on two 80 GB GPUs preset-7b is n/a (it needs 4 of
+them): with --max-call-s 570 and a quick set-up, 6 calls on two 141 GB GPUs, 5 on two 80 GB ones,
+8 on one.
 """
 
 from __future__ import annotations
@@ -139,6 +141,13 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
     Check("families", ("tests/gpu/test_model_families_gpu.py",), secs=330,
           archs=("qwen3-0.6b", "llama3.2-1b", "gemma3-1b")),
     Check("reward-model", ("tests/gpu/test_reward_model_gpu.py",), secs=240, archs=("qwen2-0.5b",)),
+    # LoRA: the adapter's sync into vLLM both ways (0.5B), its learning check, the one-GPU 7-8B presets
+    Check("lora", ("tests/gpu/test_lora_gpu.py", f"{TRAINER_TEST}[lora-1gpu-adapter]",
+                   f"{TRAINER_TEST}[lora-1gpu-merged]"), secs=270, archs=("qwen2-0.5b",)),
+    Check("learning-lora", (f"{LEARNING_TEST}[lora-1gpu]",), secs=90, small=True),
+    Check("preset-7b-lora", (f"{PRESET_TEST}[qwen7b-lora]",), secs=420, archs=("qwen2-7b",)),
+    Check("preset-qwen3-8b-lora", (f"{PRESET_TEST}[qwen3-8b-lora]",), secs=420, archs=("qwen3-8b",)),
+    Check("preset-llama-8b-lora", (f"{PRESET_TEST}[llama3.1-8b-lora]",), secs=420, archs=("llama3.1-8b",)),
     Check("preset-0.5b", (f"{PRESET_TEST}[qwen0.5b-gsm8k]",), secs=320, archs=("qwen2-0.5b",)),
     Check("preset-1.5b", (f"{PRESET_TEST}[qwen1.5b-gsm8k]",), secs=450, archs=("qwen2-1.5b",)),
     Check("multiturn-learning", (MULTITURN_TEST,), secs=170, small=True),
