@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from spmd_rl.algo import algorithms as algos
 from spmd_rl.model import fused_kernels
+from spmd_rl.model.loading import count_parameters, update_flops_per_token
 from spmd_rl.model.lora import adapter_disabled
 from spmd_rl.batching import sequence_parallel
 from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
@@ -462,8 +463,9 @@ class Trainer:
             out.update(fused_kernels.compile_stats())
         peak = self.peak_flops()
         if peak and "time/update_actor" in times:
-            # Training FLOPs: 6 per parameter per token (fwd + bwd), per epoch, over the update's time.
-            flops = 6 * self.n_params * s[3].item() * self.cfg.actor.ppo_epochs / env.world_size
+            # Training FLOPs per token (6N; 4N + 2 x the adapter with LoRA), per epoch, over the update's time.
+            per_token = update_flops_per_token(self.n_params, count_parameters(self.actor, trained_only=True))
+            flops = per_token * s[3].item() * self.cfg.actor.ppo_epochs / env.world_size
             out["perf/mfu_update_actor"] = flops / times["time/update_actor"] / peak
         return out
 

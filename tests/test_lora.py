@@ -174,3 +174,29 @@ def test_lora_checkpoint_holds_the_adapter_and_resumes_on_another_world_size(tmp
     root, saved = str(tmp_path / "ckpt"), str(tmp_path / "saved.pt")
     run_distributed(_save_body, 2, path, root, saved)
     run_distributed(_resume_body, 3, path, root, saved)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_update_flops_per_token_counts_what_torch_counts(lora):
+    """perf/mfu_update_actor's FLOPs (model.loading.update_flops_per_token: 6N in full, 4N + 2 x the adapter
+    with LoRA, whose frozen base gets no weight gradient) against torch's FlopCounterMode over a forward and
+    backward of linear layers, PEFT's LoRA on each (the input requires grad, as a decoder layer's does)."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from spmd_rl.model.loading import count_parameters, update_flops_per_token
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 48 if i % 2 == 0 else 64, bias=False) if i % 2 == 0 else
+                                  torch.nn.Linear(48, 64, bias=False) for i in range(4)])
+    if lora:
+        inject_adapter_in_model(LoraConfig(r=4, target_modules=["0", "1", "2", "3"]), model)
+        for name, p in model.named_parameters():
+            p.requires_grad_(".lora_" in name)
+    tokens = 10
+    x = torch.randn(tokens, 64, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        model(x).sum().backward()
+    n, trained = count_parameters(model), count_parameters(model, trained_only=True)
+    assert (trained < n) == lora
+    assert counter.get_total_flops() == update_flops_per_token(n, trained) * tokens

@@ -390,6 +390,14 @@ def _mesh_device(mesh) -> torch.device:
     return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
-def count_parameters(model: torch.nn.Module) -> int:
-    """Unique parameters (tied ones once), full (unsharded) sizes."""
-    return sum(p.numel() for p in model.parameters())
+def count_parameters(model: torch.nn.Module, trained_only: bool = False) -> int:
+    """Unique parameters (tied ones once), full (unsharded) sizes; `trained_only`: those that require grad."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trained_only)
+
+
+def update_flops_per_token(n_params: int, n_trained: int) -> float:
+    """Training FLOPs per token of a decoder with `n_params` parameters of which `n_trained` are trained:
+    2 per parameter forward, 2 backward for the input's gradient (every layer passes it on), and 2 more
+    per trained parameter for its weight's gradient: 6N in full fine-tuning, 4N + 2 x the adapter with
+    LoRA (the frozen base gets no weight gradient). Activation recomputation is not counted."""
+    return 4 * n_params + 2 * n_trained
