@@ -13,6 +13,10 @@ The trainer's call order each step, for every engine:
     outputs = engine.generate(prompts, sampling)
     engine.sleep()
 
+With LoRA's adapter sync (model.lora_sync = "adapter") the first sync's `load_weights` gives the
+base alone and every sync calls `engine.load_adapter(tensors)` with the adapter (PEFT's names, full
+tensors) before the KV cache wakes; the engine keeps the base across sleeps.
+
 Log-probs are of the *sampled* token under logits / temperature (what the actor computes),
 so the training/inference mismatch metric compares like with like.
 """

@@ -11,7 +11,10 @@ The engine starts asleep and follows the trainer's cycle (spmd_rl/rollout/base.p
 
     wake_up(["weights"]) -> load_weights(stream) -> wake_up(["kv_cache"]) -> generate -> sleep()
 
-with `torch.cuda.empty_cache()` right before waking and right after sleeping (PyTorch's cache must
+(with LoRA's adapter sync, model.lora_sync = "adapter": vLLM's LoRA layers are built, the engine
+sleeps at level 1 so the base it got once stays in host memory, and `load_adapter` replaces the
+adapter each step, from memory, before the KV cache wakes), with `torch.cuda.empty_cache()` right
+before waking and right after sleeping (PyTorch's cache must
 give memory back for vLLM's pool to take it, and the other way round), expandable segments off
 while awake and while it is built (spmd_rl/runtime/gpu_memory.py: vLLM's custom all-reduce cannot share
 CUDA-graph buffers from expandable segments) and the prefix cache reset after every weight load.
