@@ -267,3 +267,22 @@ def test_the_optimizer_step_holds_adamws_temporary_and_the_offloaded_moments(tmp
     update = plan.phase("actor update").parts
     assert update["optimizer step"] == n * 8 / 2 + n * 4 / 2 and "activations" not in update
     assert not plan.fits and plan.peak.name == "actor update"
+
+
+def test_host_memory_line_for_the_engine_kept_at_sleep_level_1(tmp_path):
+    """LoRA's adapter sync keeps vLLM's bf16 weights in pinned host memory while training (sleep level 1):
+    the start-up says how much per node, and warns where it nears what the node has; level 2 keeps none."""
+    from spmd_rl.config.memory_check import host_memory_line
+    from spmd_rl.config.run_config import load_config
+
+    base = ['model.init="random"', 'model.path=""', 'model.arch="qwen2-7b"', 'model.tokenizer="char"']
+    cfg = load_config(os.path.join(ROOT, "configs", "qwen7b-lora.toml"), base)
+    weights = 7_615_616_512 * 2  # Qwen2.5-7B's parameters (untied head) in bf16, TP = 1
+    line, fits = host_memory_line(cfg, 8, 512 * 2**30)
+    assert line.startswith("host memory: vLLM sleeps at level 1") and fits, line
+    assert f"{weights / 2**30:.1f} GiB per rank, {8 * weights / 2**30:.1f} GiB for this node's 8 rank(s)" in line, line
+    line, fits = host_memory_line(cfg, 8, 100 * 2**30)
+    assert not fits and 'model.lora_sync = "merged"' in line, line
+    assert host_memory_line(load_config(os.path.join(ROOT, "configs", "qwen7b-lora.toml"),
+                                        [*base, "model.lora_sync=merged"]), 8, 100 * 2**30) is None
+    assert host_memory_line(load_config(os.path.join(ROOT, "configs", "qwen7b.toml"), base), 8, None) is None

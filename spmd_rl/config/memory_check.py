@@ -235,6 +235,34 @@ def check_memory(cfg: Config, world_size: int, device_total: float | None) -> mp
     return plan
 
 
+def host_memory_line(cfg: Config, local_ranks: int, available: float | None) -> tuple[str, bool] | None:
+    """With vLLM at sleep level 1 (LoRA's adapter sync keeps the base there): the node's host memory the
+    sleeping engines hold, (the line, whether it fits `available` bytes with a fifth spare; True when
+    unknown). None at sleep level 2, which keeps nothing on the host."""
+    if cfg.rollout.engine != "vllm" or cfg.engine_sleep_level() != 1:
+        return None
+    per_rank = engine_of(cfg, model_shape(cfg)).weight_bytes
+    node = per_rank * local_ranks
+    fits = available is None or node <= 0.8 * available
+    room = "" if available is None else f" of the {_gib(available)} available"
+    return (f"host memory: vLLM sleeps at level 1 (rollout.sleep_level), keeping its weights in pinned host memory "
+            f"while training: {_gib(per_rank)} per rank, {_gib(node)} for this node's {local_ranks} "
+            f"rank(s){room}" + ("" if fits else
+            '; too close to what the node has: model.lora_sync = "merged" (sleep level 2) keeps nothing there'), fits)
+
+
+def available_host_memory() -> float | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def out_of_memory_message(step_phase: str, plan: mp.MemoryPlan | None, error: BaseException) -> str:
     """One line for an out-of-memory error in the trainer's `step_phase` (a PhaseTimer name)."""
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
