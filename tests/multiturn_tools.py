@@ -154,3 +154,18 @@ class FaultyEnv:
             "metrics": StepResult([], True, reward=1.0, metrics={"guesses": 2, "label": "x", "nan": float("nan")}),
             "special": StepResult([{"role": "user", "content": SPECIAL + SPECIAL}], False),
         }.get(mode, StepResult([], True, reward=1.0))
+
+
+class LastDigitCalls:
+    """A tool-call format the character tokenizer can write (it has no "<", "{" or "_"): a turn that
+    is one digit is the answer; any other turn calls the calculator on its last digit plus one
+    ("ab7" -> calculate("7+1"), "x?" -> calculate("0+1")). For multi-turn runs of the tiny model with
+    `rollout.tools` (tests/test_lora_e2e.py)."""
+
+    def parse(self, text):
+        from spmd_rl.rollout.multiturn import ToolCall
+
+        if len(text.strip()) == 1 and text.strip().isdigit():
+            return []
+        digits = [c for c in text if c.isdigit()] or ["0"]
+        return [ToolCall("calculate", {"expression": f"{digits[-1]}+1"})]

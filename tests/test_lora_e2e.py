@@ -124,3 +124,130 @@ def test_lora_with_packing_token_budgets_and_gradient_checkpointing(tmp_path, mo
     syncs = 4  # 3 steps and the validation at the end
     assert calls == ({"load_weights": 1, "load_adapter": syncs} if sync == "adapter" else
                      {"load_weights": syncs, "load_adapter": 0}), calls
+
+
+# --------------------------------------------------------------------------- LoRA with the other features
+
+
+def count_engine_loads(monkeypatch) -> dict[str, int]:
+    """Counts of the HF engine's full-weight loads and adapter loads, in this process."""
+    from spmd_rl.rollout.hf_engine import HFEngine
+
+    calls = {"load_weights": 0, "load_adapter": 0}
+    for method in calls:
+        original = getattr(HFEngine, method)
+
+        def counted(self, *args, _original=original, _method=method):
+            calls[_method] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(HFEngine, method, counted)
+    return calls
+
+
+def run_in_process(tmp_path, steps, *overrides):
+    """One rank in this process, `steps` steps of the tiny preset with LoRA, no validation; the metrics
+    and the log. Every step the engine sampled the actor's policy and the adapter got a gradient (the
+    entropy bonus gives one where every reward of a step is 0, as often at random weights)."""
+    from test_e2e import TINY
+
+    from spmd_rl.ppo import main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k, None)
+    run_dir = tmp_path / "run"
+    assert main(["--config", TINY, f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}",
+                 "trainer.val_every=0", "data.val_files=[]", f'data.train_files=["{tmp_path}/data/train.parquet"]',
+                 "data.train_batch_size=4", "data.synthetic_size=64", "trainer.tensorboard=false", "rollout.n=4",
+                 "actor.micro_batch_size_per_gpu=8", "model.lora_rank=4", "actor.lr=5e-3", "actor.entropy_coeff=0.01",
+                 *overrides]) == 0
+    m = read_metrics(run_dir)
+    assert sorted(s for s in m if "reward/mean" in m[s]) == list(range(1, steps + 1))
+    assert all(m[s]["actor/grad_norm"] > 0 for s in m), m
+    assert max(m[s]["rollout/logprob_diff_max"] for s in m) < 1e-4, m
+    return m, (run_dir / "trainer.log").read_text()
+
+
+def test_lora_multi_turn_with_a_tool_and_the_adapter_sync(tmp_path, monkeypatch):
+    """Trajectories of two turns with the calculator between them (tests/multiturn_tools.py's
+    LastDigitCalls: the character tokenizer cannot write hermes calls): the engine gets the base
+    once and the adapter every step, and samples the actor's policy over the whole trajectory (the
+    tool's tokens masked out)."""
+    calls = count_engine_loads(monkeypatch)
+    m, _ = run_in_process(tmp_path, 3, "data.max_response_length=16", "rollout.max_turns=2",
+                          'rollout.tools=[{function = "spmd_rl.tools.calculator:calculate"}]',
+                          'rollout.tool_parser="multiturn_tools:LastDigitCalls"',
+                          "rollout.stop_token_ids=[3,4,5,6,7,8,9,10,11,12,48]")
+    for s in (1, 2, 3):
+        assert m[s]["multiturn/tool_calls_mean"] > 0.5 and m[s]["multiturn/tool_errors_mean"] == 0, m[s]
+        assert m[s]["multiturn/turns_mean"] > 1.5 and 0 < m[s]["response/model_token_share"] < 1, m[s]
+    assert calls == {"load_weights": 1, "load_adapter": 3}, calls
+
+
+def test_lora_ppo_with_a_critic(tmp_path, monkeypatch):
+    """PPO (GAE) with the KL penalty in the reward: the critic is trained in full, the actor through its
+    adapter alone, its reference the actor with the adapter disabled."""
+    from spmd_rl import build
+
+    trained = []
+    make_optimizer = build.make_optimizer
+
+    def recording(model, *args, **kwargs):
+        opt = make_optimizer(model, *args, **kwargs)
+        trained.append((type(model).__name__, sum(p.numel() for g in opt.param_groups for p in g["params"]),
+                        sum(p.numel() for p in model.parameters())))
+        return opt
+
+    monkeypatch.setattr(build, "make_optimizer", recording)
+    m, _ = run_in_process(tmp_path, 3, 'algorithm.adv_estimator="gae"', "critic.lr=1e-3",
+                          "critic.ppo_mini_batch_size=4", "critic.micro_batch_size_per_gpu=16",
+                          "algorithm.use_kl_in_reward=true", "algorithm.kl_coef=0.05")
+    assert m[1]["critic/values_mean"] == 0.0 and m[3]["critic/values_mean"] != 0.0  # the value head moved
+    assert m[3]["critic/grad_norm"] > 0 and m[3]["critic/vf_loss"] > 0, m[3]
+    assert m[1]["kl/reward_penalty"] == 0 and m[3]["kl/reward_penalty"] != 0, m  # the adapter moved off the base
+    (actor, actor_trained, actor_all), (critic, critic_trained, critic_all) = trained
+    assert actor_trained < actor_all / 10 and critic_trained == critic_all, trained
+
+
+def small_lora_run(tmp_path, name, *more):
+    """torchrun arguments of a 2-step LoRA run of the tiny preset (4 prompts x 4 samples a step),
+    entropy bonus on, no validation."""
+    return [f"trainer.run_dir={tmp_path / name}", f'data.train_files=["{tmp_path}/data/train.parquet"]',
+            "data.val_files=[]", "data.synthetic_size=64", "trainer.val_every=0", "trainer.tensorboard=false",
+            "trainer.total_steps=2", "data.train_batch_size=4", "rollout.n=4", "model.lora_rank=4", "actor.lr=5e-3",
+            "actor.entropy_coeff=0.01", *more]
+
+
+def test_lora_with_ulysses_gives_the_update_without_it(tmp_path):
+    """2 ranks as one SP group of 2 (trainer.ulysses_size = 2) against the same 2 ranks data-parallel:
+    the same rollouts, the same adapter update (losses, entropy, gradient norm; float32 sums in
+    another order, rel 1e-5), and the engine samples the actor's policy through the adapter sync."""
+    common = ("model.remove_padding=true", "actor.micro_batch_size_per_gpu=8", "actor.max_token_len_per_gpu=64")
+    out = run(torchrun_cmd(2, *small_lora_run(tmp_path, "ulysses2", *common, "trainer.ulysses_size=2")))
+    assert "SP groups of 2 ranks sharing each micro-batch" in out and "the engine gets the base once" in out, out[-3000:]
+    run(torchrun_cmd(2, *small_lora_run(tmp_path, "ulysses1", *common)))
+    a, b = read_metrics(tmp_path / "ulysses1"), read_metrics(tmp_path / "ulysses2")
+    for s in (1, 2):
+        assert b[s]["actor/grad_norm"] > 0 and b[s]["rollout/logprob_diff_max"] < 1e-4, b[s]
+        for key in ("reward/mean", "response/length_mean"):
+            assert b[s][key] == pytest.approx(a[s][key], rel=1e-6, abs=1e-9), (s, key)
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            assert b[s][key] == pytest.approx(a[s][key], rel=1e-5, abs=1e-8), (s, key)
+
+
+def test_lora_with_hsdp_and_the_adapter_sync(tmp_path):
+    """4 ranks as 2 replicas of 2 shards (trainer.fsdp_size = 2) against the same 4 ranks as one shard
+    group: the engine gets the base once and the adapter each step and samples the actor's policy;
+    the replicas' adapters stay equal, so step 2 samples what plain FSDP samples, and the updates
+    agree (float32 sums in another order, rel 1e-5)."""
+    common = ("actor.micro_batch_size_per_gpu=4",)
+    out = run(torchrun_cmd(4, *small_lora_run(tmp_path, "hsdp", *common, "trainer.fsdp_size=2")))
+    assert "world=4 (HSDP: 2 replicas x shard groups of 2)" in out and "the engine gets the base once" in out, out[-3000:]
+    run(torchrun_cmd(4, *small_lora_run(tmp_path, "fsdp", *common)))
+    a, b = read_metrics(tmp_path / "fsdp"), read_metrics(tmp_path / "hsdp")
+    for s in (1, 2):
+        assert b[s]["actor/grad_norm"] > 0 and b[s]["rollout/logprob_diff_max"] < 1e-4, b[s]
+        for key in ("reward/mean", "response/length_mean"):
+            assert b[s][key] == pytest.approx(a[s][key], rel=1e-6, abs=1e-9), (s, key)
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            assert b[s][key] == pytest.approx(a[s][key], rel=1e-5, abs=1e-8), (s, key)
