@@ -413,3 +413,95 @@ def test_head_passes_with_and_without_entropy_share_one_statistics_graph(monkeyp
         if with_entropy:
             torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
     assert counts == [1, 1], counts
+
+
+def lora_model():
+    """tiny_model() with PEFT's LoRA layers on every linear layer of its decoder, B made non-zero so
+    that the adapter changes the model (PEFT starts B at 0)."""
+    from spmd_rl.model.lora import LoraSettings, add_adapter
+
+    model = add_adapter(tiny_model(), LoraSettings(4, 8.0, (), torch.float32))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    return model
+
+
+def assert_lora_outputs_match(got_model, want_model):
+    """Log-probs, entropy and the adapter's gradients (the only ones) of one packed batch, against
+    `want_model`'s."""
+    results = []
+    for model in (want_model, got_model):
+        logp, ent = forward_logprobs(model, ragged_batch([5, 9, 3]), 0.7, with_entropy=True, entropy_grad=True)
+        w = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
+        ((logp * w).sum() + (ent * w.flip(-1)).sum()).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        assert len(grads) == 2 * 7 * 2 and all(".lora_" in n and g is not None for n, g in grads.items())
+        results.append((logp.detach(), ent.detach(), grads))
+    (want_logp, want_ent, want_grads), (logp, ent, grads) = results
+    torch.testing.assert_close(logp, want_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, want_ent, rtol=1e-5, atol=1e-5)
+    assert min(float(g.abs().max()) for g in want_grads.values()) > 0
+    for n, g in want_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_compiled_layers_with_lora_match_eager_and_see_the_adapter_switch(monkeypatch):
+    """fused_kernels = "compile" with PEFT's LoRA layers inside the compiled decoder layers: the same
+    log-probs, entropy and adapter gradients as eager, and with the adapter disabled (the reference
+    policy, lora.adapter_disabled) the base's log-probs: the compiled graphs do not keep the adapter
+    after PEFT's switch."""
+    pytest.importorskip("peft")
+    from spmd_rl.model.lora import adapter_disabled
+
+    monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": "aot_eager"})
+    plain = prepare_policy(tiny_model(), remove_padding=True)
+    base = lora_model()
+    eager = prepare_policy(copy.deepcopy(base), remove_padding=True)
+    fused = prepare_policy(copy.deepcopy(base), True, True, fused_kernels="compile")
+    assert_lora_outputs_match(fused, eager)
+    batch = ragged_batch([6, 2, 9])
+    with torch.no_grad():
+        adapted = forward_logprobs(fused, batch, 1.0)[0]
+        want_base = forward_logprobs(plain, batch, 1.0)[0]
+        assert (adapted - want_base).abs().max() > 1e-2
+        with adapter_disabled(fused):
+            torch.testing.assert_close(forward_logprobs(fused, batch, 1.0)[0], want_base, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(forward_logprobs(fused, batch, 1.0)[0], adapted, rtol=0, atol=0)
+
+
+def test_liger_patches_with_lora_run_the_adapter(monkeypatch):
+    """fused_kernels = "liger" with PEFT's LoRA layers: the patched MLP calls its projections as
+    modules, so PEFT's layers run inside it. liger's Triton kernels need CUDA (on CPU "liger" falls
+    back, test above); here its three Functions are plain-torch stand-ins, to check the wiring: the
+    patched modules ran, and log-probs, entropy and adapter gradients are eager's."""
+    pytest.importorskip("peft")
+    from transformers.models.qwen2 import modeling_qwen2 as mq
+
+    ran = {"rms_norm": 0, "silu_mul": 0}
+
+    class RMSNorm:
+        @staticmethod
+        def apply(x, weight, eps, offset, casting, in_place, row_mode):
+            ran["rms_norm"] += 1
+            h = x.float()
+            return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    class SiLUMul:
+        @staticmethod
+        def apply(a, b, *scales):
+            ran["silu_mul"] += 1
+            return torch.nn.functional.silu(a) * b
+
+    monkeypatch.setattr(fused_kernels, "_liger_ops", lambda: (RMSNorm, None, SiLUMul))
+    monkeypatch.setattr(fused_kernels, "liger_problem", lambda *args: None)
+    monkeypatch.setattr(fused_kernels, "_on_cuda", lambda x: True)
+    monkeypatch.setattr(fused_kernels, "_ORIGINAL_ROPE", {})  # the RoPE dispatcher, undone after the test
+    monkeypatch.setattr(mq, "apply_rotary_pos_emb", mq.apply_rotary_pos_emb)
+    base = lora_model()
+    eager = prepare_policy(copy.deepcopy(base), remove_padding=True)
+    liger = prepare_policy(copy.deepcopy(base), True, True, fused_kernels="liger")
+    assert fused_kernels.active_mode(liger) == "liger"
+    assert_lora_outputs_match(liger, eager)
+    assert ran["silu_mul"] >= 2 and ran["rms_norm"] >= 5, ran  # 2 layers' MLPs, their norms and the final one
