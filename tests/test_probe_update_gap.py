@@ -31,7 +31,7 @@ def _body(rank, world, base):
         init_seconds = 0.0
 
         def __init__(self, cfg, model_dir, *ranks):
-            calls.append(("build", cfg.rollout.block_size, cfg.rollout.sleep_level, cfg.data.max_response_length, ranks))
+            calls.append(("build", cfg.rollout.block_size, cfg.engine_sleep_level(), cfg.data.max_response_length, ranks))
 
         def wake_up(self, tags):
             calls.append(("wake", tuple(tags)))

@@ -227,7 +227,8 @@ def prompt_logprobs(llm, seqs: list[list[int]], lora_request=None) -> list[list[
     if not seqs:
         return []
     sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": list(s)} for s in seqs], sp, use_tqdm=False, lora_request=lora_request)
+    adapter = {} if lora_request is None else {"lora_request": lora_request}
+    outs = llm.generate([{"prompt_token_ids": list(s)} for s in seqs], sp, use_tqdm=False, **adapter)
     res = []
     for s, o in zip(seqs, outs):
         pl = o.prompt_logprobs
@@ -459,6 +460,10 @@ class VLLMEngine:
         if "kv_cache" in self._awake:
             self._reset_prefix_cache()
 
+    def _adapter(self) -> dict[str, Any]:
+        """generate's keyword for the adapter every request runs with (none without the adapter sync)."""
+        return {} if self._lora_request is None else {"lora_request": self._lora_request}
+
     # ------------------------------------------------------------------ generation
     def _check_ready(self) -> None:
         if set(TAGS) - self._awake:
@@ -509,7 +514,7 @@ class VLLMEngine:
                    for j, (limit, ask) in enumerate(zip(all_limits, asks))]
             with paused_gc(self.pause_gc):
                 outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps, use_tqdm=False,
-                                         lora_request=self._lora_request)
+                                         **self._adapter())
                 for o, ask in zip(outs, asks):
                     comps = [completion(c, ask) for c in sorted(o.outputs, key=lambda c: c.index)]
                     if sampling.greedy and sampling.n > 1:
