@@ -286,3 +286,19 @@ def test_host_memory_line_for_the_engine_kept_at_sleep_level_1(tmp_path):
     assert host_memory_line(load_config(os.path.join(ROOT, "configs", "qwen7b-lora.toml"),
                                         [*base, "model.lora_sync=merged"]), 8, 100 * 2**30) is None
     assert host_memory_line(load_config(os.path.join(ROOT, "configs", "qwen7b.toml"), base), 8, None) is None
+
+
+def test_the_host_memory_line_is_logged_once_per_node_with_the_adapter_sync(monkeypatch, caplog):
+    """build.check_memory adds the host-memory line on a node's first rank where vLLM sleeps at level 1."""
+    import spmd_rl.build as build
+
+    monkeypatch.setattr(build, "raise_together", lambda fn: fn())
+    cfg = load_config(os.path.join(ROOT, "configs", "qwen7b-lora.toml"),
+                      ['model.init="random"', 'model.path=""', 'model.arch="qwen2-7b"', 'model.tokenizer="char"'])
+    for local_rank, logged in ((0, True), (1, False)):
+        caplog.clear()
+        env = type("Env", (), {"device": torch.device("cpu"), "world_size": 8, "local_rank": local_rank,
+                               "local_world_size": 8})()
+        with caplog.at_level(logging.INFO, logger="spmd_rl"):
+            build.check_memory(cfg, env)
+        assert ("host memory: vLLM sleeps at level 1" in caplog.text) == logged, caplog.text
