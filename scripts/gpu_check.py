@@ -48,8 +48,8 @@ Expected seconds (2xH200, 2026-11-23: preset-7b 405 s, preset-0.5b 312 s, preset
 learning-1gpu 70 s, the learning-2gpu pair 60 s; the rest from earlier runs and estimates; each
 preset starts vLLM with CUDA graphs twice (33-68 s each) and compiles its layers twice (22-36 s),
 and the 7B one writes and reads an 86 GB checkpoint (40 s each way); families and reward-model:
-estimates, not yet measured; the LoRA rows: lora 270 s, learning-lora 90 s and each one-GPU 7-8B
-LoRA preset 420 s, estimates from one H100's 7B LoRA steps). The whole plan was about 30 minutes on
+215 s and 101 s, and the LoRA rows: lora 257 s, learning-lora 98 s, the one-GPU 7-8B LoRA presets
+362-366 s, all on one H100 on 2026-11-26). The whole plan was about 30 minutes on
 2xH200 and 27 on one GPU (the 2-GPU checks n/a) before families and reward-model (about 10 minutes
 of 1-GPU work) and the LoRA rows (about 30); on two 80 GB GPUs preset-7b is n/a (it needs 4 of
 them): with --max-call-s 570 and a quick set-up, 6 calls on two 141 GB GPUs, 5 on two 80 GB ones,
@@ -136,15 +136,15 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
     Check("kernels", ("tests/gpu/test_checkpoint_gpu.py", "tests/gpu/test_offload_gpu.py",
                       "tests/gpu/test_sharded_init_gpu.py", "tests/gpu/test_packing_gpu.py",
                       "tests/gpu/test_fused_gpu.py", "tests/gpu/test_update_sync_gpu.py"), secs=150),
-    # Qwen3, Llama 3 and Gemma 3 shapes through vLLM, 3 steps each; secs: estimates (3 engine starts; one
-    # run of 4 steps with a 1.5B reward model)
-    Check("families", ("tests/gpu/test_model_families_gpu.py",), secs=330,
+    # Qwen3, Llama 3 and Gemma 3 shapes through vLLM, 3 steps each; a run of 4 steps with a 1.5B reward
+    # model (secs: 1xH100, 2026-11-26: 215 s and 101 s)
+    Check("families", ("tests/gpu/test_model_families_gpu.py",), secs=230,
           archs=("qwen3-0.6b", "llama3.2-1b", "gemma3-1b")),
-    Check("reward-model", ("tests/gpu/test_reward_model_gpu.py",), secs=240, archs=("qwen2-0.5b",)),
+    Check("reward-model", ("tests/gpu/test_reward_model_gpu.py",), secs=120, archs=("qwen2-0.5b",)),
     # LoRA: the adapter's sync into vLLM both ways (0.5B), its learning check, the one-GPU 7-8B presets
     Check("lora", ("tests/gpu/test_lora_gpu.py", f"{TRAINER_TEST}[lora-1gpu-adapter]",
                    f"{TRAINER_TEST}[lora-1gpu-merged]"), secs=270, archs=("qwen2-0.5b",)),
-    Check("learning-lora", (f"{LEARNING_TEST}[lora-1gpu]",), secs=90, small=True),
+    Check("learning-lora", (f"{LEARNING_TEST}[lora-1gpu]",), secs=100, small=True),
     # (their 7-8B models drawn on their GPU, in seconds: the CPU prebuild of a 7B shape took ~4 minutes)
     Check("preset-7b-lora", (f"{PRESET_TEST}[qwen7b-lora]",), secs=420),
     Check("preset-qwen3-8b-lora", (f"{PRESET_TEST}[qwen3-8b-lora]",), secs=420),
