@@ -50,8 +50,8 @@ preset starts vLLM with CUDA graphs twice (33-68 s each) and compiles its layers
 and the 7B one writes and reads an 86 GB checkpoint (40 s each way); families and reward-model:
 215 s and 101 s, and the LoRA rows: lora 257 s, learning-lora 98 s, the one-GPU 7-8B LoRA presets
 362-366 s, all on one H100 on 2026-11-26). The whole plan was about 30 minutes on
-2xH200 and 27 on one GPU (the 2-GPU checks n/a) before families and reward-model (about 10 minutes
-of 1-GPU work) and the LoRA rows (about 30); on two 80 GB GPUs preset-7b is n/a (it needs 4 of
+2xH200 and 27 on one GPU (the 2-GPU checks n/a) before families and reward-model (about 5 minutes
+of 1-GPU work) and the LoRA rows (about 25); on two 80 GB GPUs preset-7b is n/a (it needs 4 of
 them): with --max-call-s 570 and a quick set-up, 6 calls on two 141 GB GPUs, 5 on two 80 GB ones,
 8 on one.
 """
