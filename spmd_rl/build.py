@@ -186,7 +186,7 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
 
     if m.use_lora:  # the base frozen in the compute dtype, the adapter in the master dtype; the checkpoint
         # holds the adapter only, so the base is read from the model directory on a resume too
-        lora = LoraSettings(m.lora_rank, m.lora_alpha, tuple(m.lora_target_modules), master)
+        lora = LoraSettings.of(m, master)
         actor = sharded(policy_model(compute, lora), False)
     else:
         actor = sharded(policy_model(master), resume)
@@ -279,7 +279,7 @@ def build_engine(cfg: Config, env: DistEnv, model_dir: str, model_key: str, toke
     # no weights read, as vLLM's dummy load: every generate first syncs the actor's weights in; with
     # the adapter sync, PEFT's LoRA layers (the adapter in the engine's dtype) as vLLM's are
     m = cfg.model
-    lora = LoraSettings(m.lora_rank, m.lora_alpha, tuple(m.lora_target_modules), dtype) if m.adapter_sync else None
+    lora = LoraSettings.of(m, dtype) if m.adapter_sync else None
     model = allocate_meta_model(load_causal_lm(model_dir, dtype, m.attn_implementation, key=model_key,
                                                weights=False, lora=lora), device)
     return Rollout(HFEngine(model, tokenizer.pad_token_id, [eos], device), dtype, env.rank)

@@ -183,7 +183,7 @@ def export_lora(checkpoint: str, tensors: dict[str, TensorStorageMetadata], mode
     from transformers import AutoModelForCausalLM
 
     m = run_model_config(checkpoint)
-    settings = lora.LoraSettings(m.lora_rank, m.lora_alpha, tuple(m.lora_target_modules), torch.float32)
+    settings = lora.LoraSettings.of(m, torch.float32)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
                            lora.lora_config(settings))
     adapter = {f"base_model.model.{n}": t for n, t in read_tensors(checkpoint, tensors, list(tensors)).items()}

@@ -218,6 +218,17 @@ def small_lora_run(tmp_path, name, *more):
             "actor.entropy_coeff=0.01", *more]
 
 
+def same_update(a: dict[int, dict], b: dict[int, dict]) -> None:
+    """Steps 1-2 of run `b` against run `a`: `b` trains and its engine samples its actor's policy; the same
+    rollouts, and the same update (float32 sums in another order: rel 1e-5)."""
+    for s in (1, 2):
+        assert b[s]["actor/grad_norm"] > 0 and b[s]["rollout/logprob_diff_max"] < 1e-4, b[s]
+        for key in ("reward/mean", "response/length_mean"):
+            assert b[s][key] == pytest.approx(a[s][key], rel=1e-6, abs=1e-9), (s, key)
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            assert b[s][key] == pytest.approx(a[s][key], rel=1e-5, abs=1e-8), (s, key)
+
+
 def test_lora_with_ulysses_gives_the_update_without_it(tmp_path):
     """2 ranks as one SP group of 2 (trainer.ulysses_size = 2) against the same 2 ranks data-parallel:
     the same rollouts, the same adapter update (losses, entropy, gradient norm; float32 sums in
@@ -227,12 +238,7 @@ def test_lora_with_ulysses_gives_the_update_without_it(tmp_path):
     assert "SP groups of 2 ranks sharing each micro-batch" in out and "the engine gets the base once" in out, out[-3000:]
     run(torchrun_cmd(2, *small_lora_run(tmp_path, "ulysses1", *common)))
     a, b = read_metrics(tmp_path / "ulysses1"), read_metrics(tmp_path / "ulysses2")
-    for s in (1, 2):
-        assert b[s]["actor/grad_norm"] > 0 and b[s]["rollout/logprob_diff_max"] < 1e-4, b[s]
-        for key in ("reward/mean", "response/length_mean"):
-            assert b[s][key] == pytest.approx(a[s][key], rel=1e-6, abs=1e-9), (s, key)
-        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
-            assert b[s][key] == pytest.approx(a[s][key], rel=1e-5, abs=1e-8), (s, key)
+    same_update(a, b)
 
 
 def test_lora_with_hsdp_and_the_adapter_sync(tmp_path):
@@ -245,9 +251,4 @@ def test_lora_with_hsdp_and_the_adapter_sync(tmp_path):
     assert "world=4 (HSDP: 2 replicas x shard groups of 2)" in out and "the engine gets the base once" in out, out[-3000:]
     run(torchrun_cmd(4, *small_lora_run(tmp_path, "fsdp", *common)))
     a, b = read_metrics(tmp_path / "fsdp"), read_metrics(tmp_path / "hsdp")
-    for s in (1, 2):
-        assert b[s]["actor/grad_norm"] > 0 and b[s]["rollout/logprob_diff_max"] < 1e-4, b[s]
-        for key in ("reward/mean", "response/length_mean"):
-            assert b[s][key] == pytest.approx(a[s][key], rel=1e-6, abs=1e-9), (s, key)
-        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
-            assert b[s][key] == pytest.approx(a[s][key], rel=1e-5, abs=1e-8), (s, key)
+    same_update(a, b)

@@ -36,6 +36,11 @@ class LoraSettings(NamedTuple):
     target_modules: tuple[str, ...]  # () = every linear layer of the decoder
     adapter_dtype: torch.dtype  # the trainable adapter's storage (the master dtype)
 
+    @classmethod
+    def of(cls, model_cfg, adapter_dtype: torch.dtype) -> "LoraSettings":
+        """The [model] section's LoRA keys (rank, alpha, targets), the adapter stored in `adapter_dtype`."""
+        return cls(model_cfg.lora_rank, model_cfg.lora_alpha, tuple(model_cfg.lora_target_modules), adapter_dtype)
+
 
 def peft_problem() -> str | None:
     """Why PEFT cannot be used here (None: it can)."""

@@ -219,6 +219,12 @@ def to_vllm_sampling(sampling: SamplingParams, stop_token_ids: Iterable[int], as
     )
 
 
+def adapter_kwargs(lora_request) -> dict[str, Any]:
+    """vllm.LLM.generate's keyword for the adapter every request runs with (none without one: engines
+    without LoRA layers are called as before)."""
+    return {} if lora_request is None else {"lora_request": lora_request}
+
+
 def prompt_logprobs(llm, seqs: list[list[int]], lora_request=None) -> list[list[float]]:
     """Teacher-forced log p(seq[t] | seq[:t]) for t >= 1 from a vllm.LLM (prompt_logprobs=0), with
     the adapter of `lora_request` if one is given. Every rank of a TP group must pass the same sequences."""
@@ -227,8 +233,8 @@ def prompt_logprobs(llm, seqs: list[list[int]], lora_request=None) -> list[list[
     if not seqs:
         return []
     sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-    adapter = {} if lora_request is None else {"lora_request": lora_request}
-    outs = llm.generate([{"prompt_token_ids": list(s)} for s in seqs], sp, use_tqdm=False, **adapter)
+    outs = llm.generate([{"prompt_token_ids": list(s)} for s in seqs], sp, use_tqdm=False,
+                        **adapter_kwargs(lora_request))
     res = []
     for s, o in zip(seqs, outs):
         pl = o.prompt_logprobs
@@ -280,8 +286,7 @@ class VLLMEngine:
         if cfg.model.adapter_sync:  # (rank, alpha, targets) of the adapter load_adapter takes
             from spmd_rl.model.lora import LoraSettings
 
-            m = cfg.model
-            self.lora = LoraSettings(m.lora_rank, m.lora_alpha, tuple(m.lora_target_modules), DTYPES[r.dtype])
+            self.lora = LoraSettings.of(cfg.model, DTYPES[r.dtype])
         self._lora_request = None  # the adapter every request runs with (load_adapter)
         self._adapter_id = 0
         self._wrapped: set[str] | None = None  # transformers names of the modules vLLM's LoRA layers wrap
@@ -460,10 +465,6 @@ class VLLMEngine:
         if "kv_cache" in self._awake:
             self._reset_prefix_cache()
 
-    def _adapter(self) -> dict[str, Any]:
-        """generate's keyword for the adapter every request runs with (none without the adapter sync)."""
-        return {} if self._lora_request is None else {"lora_request": self._lora_request}
-
     # ------------------------------------------------------------------ generation
     def _check_ready(self) -> None:
         if set(TAGS) - self._awake:
@@ -514,7 +515,7 @@ class VLLMEngine:
                    for j, (limit, ask) in enumerate(zip(all_limits, asks))]
             with paused_gc(self.pause_gc):
                 outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps, use_tqdm=False,
-                                         **self._adapter())
+                                         **adapter_kwargs(self._lora_request))
                 for o, ask in zip(outs, asks):
                     comps = [completion(c, ask) for c in sorted(o.outputs, key=lambda c: c.index)]
                     if sampling.greedy and sampling.n > 1:
