@@ -5,7 +5,7 @@ every GPU the machine has. Prints one PASS/FAIL table with the GPUs
 that ran each row, then the training runs' per-step seconds.
 
     bash scripts/gpu_check.sh OUT [options]      (the shell wrapper sets the environment)
-    python scripts/gpu_check.py --out OUT [--only NAME,...] [--max-call-s S] [--continue] [--budget-s S]
+    python scripts/gpu_check.py --out OUT [--only NAME,...] [--max-call-s S] [--continue [FILE]] [--budget-s S]
     python scripts/gpu_check.py --plan [--gpus N] [--gpu-gib G] [--max-call-s S]    (prints the schedule only)
 
 Scheduling (`schedule`). Each check of PLAN is a pytest subprocess with CUDA_VISIBLE_DEVICES set to
@@ -41,8 +41,12 @@ minutes (the expected seconds are an H200's). Where one command may only run so 
 job's time limit, a lent machine's per-call limit), --max-call-s S splits the plan into calls that
 each fit S (`split_calls`, first fit in PLAN order, the wrapper's set-up time already spent counted
 in): the call runs the first group and prints the next command (`--continue` adds its rows to the
-table of the calls before, kept in GPU_CHECK_WORK on the same machine). `--plan --max-call-s S
---gpus N [--gpu-gib G]` prints the calls without running anything.
+table of the calls before, kept in GPU_CHECK_WORK on the same machine). A plan longer than one
+machine's loan goes on on another machine of the same kind: every call writes OUT/results.json (its
+rows and those before, the code's fingerprint, the machine), and `--continue FILE` starts from such
+a file. Rows of other code are refused (`earlier_results`: the fingerprint is a hash of the files
+that decide what the checks run), and the table names every machine its rows ran on.
+`--plan --max-call-s S --gpus N [--gpu-gib G]` prints the calls without running anything.
 
 Expected seconds (2xH200, 2026-11-23: preset-7b 405 s, preset-0.5b 312 s, preset-1.5b over 370 s,
 learning-1gpu 70 s, the learning-2gpu pair 60 s; the rest from earlier runs and estimates; each
@@ -52,14 +56,15 @@ and the 7B one writes and reads an 86 GB checkpoint (40 s each way); families an
 362-366 s, all on one H100 on 2026-11-26). The whole plan was about 30 minutes on
 2xH200 and 27 on one GPU (the 2-GPU checks n/a) before families and reward-model (about 5 minutes
 of 1-GPU work) and the LoRA rows (about 25); on two 80 GB GPUs preset-7b is n/a (it needs 4 of
-them): with --max-call-s 570 and a quick set-up, 6 calls on two 141 GB GPUs, 5 on two 80 GB ones,
-8 on one.
+them): with --max-call-s 570 and a quick set-up, 4 calls on four 80 GB GPUs, 6 on two 141 GB GPUs,
+5 on two 80 GB ones, 8 on one.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -170,6 +175,8 @@ class Row:
     note: str = ""
     check: str = ""
     """The PLAN check it belongs to."""
+    machine: str = ""
+    """The GPUs it ran on (`machine_name`), for a table whose calls ran on several machines."""
 
 
 @dataclass
@@ -552,6 +559,46 @@ def prebuild(checks: list[Check], out: Path) -> subprocess.Popen | None:
                             stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
+CODE_PATHS = ("spmd_rl", "tests/gpu", "configs", "scripts", "pyproject.toml")
+"""What decides what the checks run: a table continued from another machine must be of the same."""
+
+
+def code_fingerprint(root: Path = ROOT) -> str:
+    """A hash of CODE_PATHS' files (their paths and bytes; caches and compiled files left out)."""
+    h = hashlib.sha256()
+    for top in CODE_PATHS:
+        base = root / top
+        files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
+        for f in files:
+            if "__pycache__" in f.parts or f.suffix in (".pyc", ".pyo"):
+                continue
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def machine_name() -> str:
+    """'4x NVIDIA H100 80GB HBM3' (the visible GPUs, from nvidia-smi), or 'no GPU'."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=60).stdout.split("\n")
+    except (OSError, subprocess.TimeoutExpired):
+        return "no GPU"
+    names = [n.strip() for n in names if n.strip()]
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    n = len(visible) if visible else len(names)
+    return f"{n}x {names[0]}" if names else "no GPU"
+
+
+def earlier_results(path: Path, code: str) -> dict:
+    """The rows and seconds of earlier calls (a results.json); refused, in one line, where they ran
+    other code than `code` (their rows would not say anything about this checkout)."""
+    earlier = json.loads(path.read_text())
+    if earlier.get("code", code) != code:
+        raise SystemExit(f"[gpu_check] {path} holds results of other code (fingerprint {earlier['code']}, this "
+                         f"checkout {code}): run those checks again (drop --continue)")
+    return earlier
+
+
 # --------------------------------------------------------------------------- reporting
 
 
@@ -596,6 +643,10 @@ def table(rows: list[Row], seconds: float, still_to_run: int = 0) -> str:
     width = max([len(r.item) for r in rows] + [10])
     out = [f"{'check':<{width}} | GPUs | result  | seconds | note", f"{'-' * width}-|------|---------|---------|-----"]
     out += [f"{r.item:<{width}} | {r.gpus:<4} | {r.result:<7} | {r.seconds:7.1f} | {r.note}" for r in rows]
+    machines = list(dict.fromkeys(r.machine for r in rows if r.machine))
+    if len(machines) > 1:  # calls on several machines: which rows ran where
+        out[2:] = [line + f" [{machines.index(r.machine) + 1}]" if r.machine else line for line, r in zip(out[2:], rows)]
+        out.append("machines: " + "; ".join(f"[{i + 1}] {m}" for i, m in enumerate(machines)))
     out.append(f"{'TOTAL':<{width}} |      | {total:<7} | {seconds:7.1f} | {passed} passed, {len(bad)} failed or not run"
                + (f", {still_to_run} checks still to run" if still_to_run else ""))
     return "\n".join(out)
@@ -618,9 +669,9 @@ def main() -> int:
     ap.add_argument("--max-call-s", type=float, default=0,
                     help="the longest one command may run: run the checks that fit, then print the next command")
     ap.add_argument("--only", default="", help="comma-separated check names (default: all), in PLAN's order")
-    ap.add_argument("--continue", dest="cont", action="store_true",
-                    help="add to the table of earlier calls on this machine; without --only, run the checks "
-                         "they have not run")
+    ap.add_argument("--continue", dest="cont", nargs="?", const=str(WORK / "results.json"), default="",
+                    help="add to the table of earlier calls (on this machine, or FILE: an earlier call's "
+                         "OUT/results.json, of the same code); without --only, run the checks they have not run")
     ap.add_argument("--plan", action="store_true", help="print the expected schedule (and the calls) and exit")
     ap.add_argument("--gpus", type=int, default=0, help="GPUs to plan for (default: the visible ones)")
     ap.add_argument("--gpu-gib", type=float, default=0,
@@ -643,10 +694,11 @@ def main() -> int:
         print(f"[gpu_check] cards of {f'{card_gib:.1f} GiB' if card_gib else 'unknown memory (planned as 80 GB)'}: "
               + "; ".join(by_memory), flush=True)
     checks = [c for c in plan if not only or c.name in only]
-    saved = WORK / "results.json"
-    earlier = json.loads(saved.read_text()) if args.cont and saved.is_file() else {"rows": [], "seconds": 0.0}
-    if args.cont and not saved.is_file():
-        print(f"[gpu_check] --continue: no earlier results in {saved} (a fresh machine?): this call's table "
+    saved, code = WORK / "results.json", code_fingerprint()
+    given = Path(args.cont) if args.cont else None
+    earlier = earlier_results(given, code) if given and given.is_file() else {"rows": [], "seconds": 0.0}
+    if given and not given.is_file():
+        print(f"[gpu_check] --continue: no earlier results in {given} (a fresh machine?): this call's table "
               "holds only its own checks", flush=True)
     earlier_rows = [Row(**r) for r in earlier["rows"]]
     if args.cont and not only:  # the checks the earlier calls have not run
@@ -684,6 +736,8 @@ def main() -> int:
     t_start = time.time()
     builder = prebuild([c for c in checks if c.gpus <= n_gpus], out)
     rows = schedule(checks, n_gpus, budget, pytest_runner(out))
+    machine = machine_name()
+    rows = [dataclasses.replace(r, machine=machine) for r in rows]
     if builder is not None and builder.poll() is None:
         builder.kill()
     if args.max_call_s:  # a check this call had no time to start goes to the next call
@@ -695,7 +749,9 @@ def main() -> int:
     names = {c.name for c in checks}
     rows = [r for r in earlier_rows if r.check not in names] + rows  # a check run again replaces its rows
     seconds = time.time() - t_start + earlier["seconds"]
-    saved.write_text(json.dumps({"rows": [r.__dict__ for r in rows], "seconds": seconds}))
+    results = json.dumps({"rows": [r.__dict__ for r in rows], "seconds": seconds, "code": code})
+    saved.write_text(results)
+    (out / "results.json").write_text(results)  # for a call on another machine: --continue OUT/results.json
     logs_tarball(out)
     text = (table(rows, seconds, len(later)) + "\n\nPer-step seconds:\n" + step_table() + "\n"
             + (f"\nNext call ({len(later)} checks left, about {expected_schedule(later, max(n_gpus, 1))[1]:.0f}s):\n"

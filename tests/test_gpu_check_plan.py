@@ -275,7 +275,8 @@ def test_table_names_the_gpus_of_every_row_and_fails_on_not_run():
     assert "| 0,1  | PASS" in text and "TOTAL" in text.splitlines()[-1] and "FAIL" in text.splitlines()[-1]
 
 
-@pytest.mark.parametrize("n_gpus, gpu_gib, n_calls", [(1, H100_GIB, 8), (2, H100_GIB, 5), (2, H200_GIB, 6)])
+@pytest.mark.parametrize("n_gpus, gpu_gib, n_calls", [(1, H100_GIB, 8), (2, H100_GIB, 5), (2, H200_GIB, 6),
+                                                     (4, H100_GIB, 4)])
 def test_the_plan_splits_into_calls_that_each_fit(n_gpus, gpu_gib, n_calls):
     """--max-call-s 570 (a 10-minute device call): every check in one call, in PLAN order, each
     call's expected schedule within what the call leaves for checks; the docstring's call counts."""
@@ -289,8 +290,47 @@ def test_the_plan_splits_into_calls_that_each_fit(n_gpus, gpu_gib, n_calls):
         assert gpu_check.expected_schedule(group, n_gpus)[1] <= limit, [c.name for c in group]
     assert len(calls) == n_calls
     said = {(1, H100_GIB): f"{n_calls} on one", (2, H100_GIB): f"{n_calls} on two 80 GB ones",
-            (2, H200_GIB): f"{n_calls} calls on two 141 GB GPUs"}[n_gpus, gpu_gib]
+            (2, H200_GIB): f"{n_calls} on two 141 GB GPUs", (4, H100_GIB): f"{n_calls} calls on four 80 GB GPUs"}[
+        n_gpus, gpu_gib]
     assert said in " ".join(gpu_check.__doc__.split()), f"gpu_check's docstring should say '{said}'"
+
+
+def _call(monkeypatch, tmp_path, machine, names, argv, result="PASS"):
+    """gpu_check.main on a fake machine: the checks `names` each give one row, no GPU, no pytest."""
+    monkeypatch.setattr(gpu_check, "WORK", tmp_path / machine.replace(" ", "_"))  # each machine its own disk
+    monkeypatch.setattr(gpu_check, "machine_name", lambda: machine)
+    monkeypatch.setattr(gpu_check, "prebuild", lambda checks, out: None)
+    monkeypatch.setattr(gpu_check, "schedule", lambda checks, n, budget, runner: [
+        gpu_check.Row(c.name, result, 1.0, "0", "", c.name) for c in checks])
+    out = tmp_path / f"out-{machine.replace(' ', '_')}"
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--out", str(out), "--gpus", "4", "--only", names, *argv])
+    return gpu_check.main(), out
+
+
+def test_a_table_goes_on_on_another_machine_of_the_same_code_only(monkeypatch, tmp_path):
+    """--continue FILE: the rows of a call on another machine (its OUT/results.json) join this call's
+    table, which names the machine of every row; results of other code are refused in one line."""
+    code, first_out = _call(monkeypatch, tmp_path, "4x H100 a", "export,colocate", [])
+    assert code == 0 and (first_out / "results.json").is_file()
+    code, out = _call(monkeypatch, tmp_path, "4x H100 b", "offload", ["--continue", str(first_out / "results.json")])
+    text = (out / "gpu_check.txt").read_text()
+    assert code == 0 and "3 passed" in text, text
+    assert "[1] 4x H100 a; [2] 4x H100 b" in text and "offload" in [ln.split()[0] for ln in text.splitlines()
+                                                                     if ln.endswith("[2]")], text
+    monkeypatch.setattr(gpu_check, "code_fingerprint", lambda root=gpu_check.ROOT: "other")
+    with pytest.raises(SystemExit, match="results of other code"):
+        _call(monkeypatch, tmp_path, "4x H100 c", "ppo", ["--continue", str(out / "results.json")])
+
+
+def test_the_code_fingerprint_follows_the_code_not_the_caches(tmp_path):
+    (tmp_path / "spmd_rl" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "spmd_rl" / "a.py").write_text("x = 1\n")
+    first = gpu_check.code_fingerprint(tmp_path)
+    (tmp_path / "spmd_rl" / "__pycache__" / "a.cpython-312.pyc").write_bytes(b"cache")
+    (tmp_path / "README.md").write_text("docs")
+    assert gpu_check.code_fingerprint(tmp_path) == first
+    (tmp_path / "spmd_rl" / "a.py").write_text("x = 2\n")
+    assert gpu_check.code_fingerprint(tmp_path) != first
 
 
 def test_expected_schedule_puts_small_checks_after_an_alone_one():
