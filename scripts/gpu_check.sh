@@ -34,5 +34,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 df -h /tmp /dev/shm | tail -2
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi: no GPU here"
 python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
-python -c 'import vllm; print("vllm", vllm.__version__)' 2>/dev/null || echo "vLLM is not installed: pip install -e '.[vllm]'"
+# (the version from the package's metadata: importing vLLM takes tens of seconds of the call)
+python -c 'import importlib.metadata as m; print("vllm", m.version("vllm"))' 2>/dev/null \
+  || python -c 'import vllm; print("vllm", vllm.__version__)' 2>/dev/null || echo "vLLM is not installed: pip install -e '.[vllm]'"
 python scripts/gpu_check.py --out "$OUT" "$@"

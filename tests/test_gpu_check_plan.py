@@ -379,6 +379,32 @@ def test_check_run_fails_a_save_asked_for_that_did_not_happen(tmp_path, save_eve
         assert ok, "a missing save passed"
 
 
+@pytest.mark.parametrize("free, ok", [
+    ([64.04, 48.61, 48.61, 49.20, 48.52], True),  # 4xH100 qwen7b: the resumed process's first step made 0.68 GiB
+    ([64.0, 48.6, 48.6, 49.2, 47.9], False),  # the resumed process leaks
+    ([64.0, 48.6, 48.0, 48.6, 48.6], False),  # the first process leaks
+    ([64.0, 48.6, 48.6, 48.6, 49.3], False),  # steady again after the resume, but not at the first process's level
+])
+def test_free_memory_must_be_steady_after_each_processs_first_step(tmp_path, monkeypatch, free, ok):
+    import json
+
+    import runs
+
+    monkeypatch.setattr(runs, "shares_gpus", lambda: False)
+    logs = _fake_run(tmp_path, [3], [3])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        if "memory/free_after_sleep_gb" in row:
+            row["memory/free_after_sleep_gb"] = free[row["step"] - 1]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    try:
+        runs.check_run("fake", tmp_path, (3, 5), logs, 0.05)
+    except AssertionError as e:
+        assert not ok and "drifts" in str(e), e
+    else:
+        assert ok, f"a drift passed: {free}"
+
+
 def test_expected_saves_follow_the_trainer():
     from runs import expected_saves
 
