@@ -39,8 +39,8 @@ passed and none failed or was not run. Exit status: 0 all passed; 1 a check fail
 Budget and calls. By default the budget follows the plan: twice its expected seconds plus 5
 minutes (the expected seconds are an H200's). Where one command may only run so long (a batch
 job's time limit, a lent machine's per-call limit), --max-call-s S splits the plan into calls that
-each fit S (`split_calls`, first fit in PLAN order, the wrapper's set-up time already spent counted
-in): the call runs the first group and prints the next command (`--continue` adds its rows to the
+each fit S (`split_calls`: the largest checks first, each in the first call it fits; the
+wrapper's set-up time already spent counted in): the call runs the first group and prints the next command (`--continue` adds its rows to the
 table of the calls before, kept in GPU_CHECK_WORK on the same machine). A plan longer than one
 machine's loan goes on on another machine of the same kind: every call writes OUT/results.json (its
 rows and those before, the code's fingerprint, the machine), and `--continue FILE` starts from such
@@ -57,8 +57,8 @@ and the 7B one writes and reads an 86 GB checkpoint (40 s each way); families an
 presets 417-454 s, which their seconds now are). The whole plan was about 30 minutes on
 2xH200 and 27 on one GPU (the 2-GPU checks n/a) before families and reward-model (about 5 minutes
 of 1-GPU work) and the LoRA rows (about 25); on two 80 GB GPUs preset-7b is n/a (it needs 4 of
-them): with --max-call-s 570 and a quick set-up, 4 calls on four 80 GB GPUs, 6 on two 141 GB GPUs,
-5 on two 80 GB ones, 8 on one.
+them): with --max-call-s 570 and a quick set-up, 4 calls on four 80 GB GPUs, 7 on two 141 GB GPUs,
+6 on two 80 GB ones, 8 on one (the tool preset at TP=2 needs two GPUs).
 """
 
 from __future__ import annotations
@@ -137,6 +137,9 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
     Check("learning-2gpu", (f"{LEARNING_TEST}[2gpu]",), gpus=2, secs=70, small=True),
     Check("preset-long", (f"{PRESET_TEST}[qwen1.5b-long]",), gpus=2, secs=250, archs=("qwen2-1.5b",)),
     Check("ulysses", ("tests/gpu/test_ulysses_gpu.py",), gpus=2, secs=150),
+    # the tool preset through a TP=2 engine (multi-turn rollouts with tensor parallelism)
+    Check("preset-0.5b-tool-tp2", (f"{PRESET_TEST}[qwen0.5b-gsm8k-tool-tp2]",), gpus=2, secs=330,
+          archs=("qwen2-0.5b",)),
     # kernels before the presets: on one GPU the learning check runs beside it (whose tests read no
     # free memory), and the presets have their GPU to themselves (their free-memory drift check runs)
     Check("kernels", ("tests/gpu/test_checkpoint_gpu.py", "tests/gpu/test_offload_gpu.py",
@@ -314,17 +317,24 @@ def expected_schedule(checks: list[Check], n_gpus: int) -> tuple[list[str], floa
 
 
 def split_calls(checks: list[Check], n_gpus: int, seconds: float) -> list[list[Check]]:
-    """`checks` in groups whose expected schedule fits `seconds` each, one group per call (first fit
-    in PLAN order; a check longer than `seconds` by itself gets a call of its own)."""
+    """`checks` in groups whose expected schedule fits `seconds` each, one group per call: the
+    largest first (GPU-seconds; small checks last, they take no GPU of their own), each into the
+    first group it fits in; each group then runs in PLAN order, and the groups go in the order of
+    their first check (a check longer than `seconds` by itself gets a call of its own)."""
+    order = {c.name: i for i, c in enumerate(checks)}
+
+    def in_plan_order(group: list[Check]) -> list[Check]:
+        return sorted(group, key=lambda c: order[c.name])
+
     groups: list[list[Check]] = []
-    for c in checks:
+    for c in sorted(checks, key=lambda c: (c.small, -min(c.gpus, n_gpus) * c.secs, order[c.name])):
         for g in groups:
-            if expected_schedule(g + [c], n_gpus)[1] <= seconds:
+            if expected_schedule(in_plan_order(g + [c]), n_gpus)[1] <= seconds:
                 g.append(c)
                 break
         else:
             groups.append([c])
-    return groups
+    return sorted((in_plan_order(g) for g in groups), key=lambda g: order[g[0].name])
 
 
 def default_budget(checks: list[Check], n_gpus: int) -> float:

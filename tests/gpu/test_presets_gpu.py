@@ -56,16 +56,26 @@ class Preset:
     on that many GPUs instead of `gpus` (scripts/gpu_check.py's check has the same pairs: a CPU test
     compares them)."""
 
+    config: str = ""
+    """configs/<config>.toml, where the case is a variant of a preset (empty: the case's name)."""
+
     def gpus_on(self, card_gib: float) -> int:
         """The GPUs it runs on where each card has `card_gib` GiB (0: unknown, `gpus`)."""
         return next((n for gib, n in self.gpus_by_memory if card_gib and card_gib >= gib), self.gpus)
 
 
-PRESETS: dict[str, Preset] = {  # configs/<name>.toml
+def config_path(name: str) -> Path:
+    return REPO / "configs" / f"{PRESETS[name].config or name}.toml"
+
+
+PRESETS: dict[str, Preset] = {  # configs/<name>.toml, or <config>.toml for a variant
     "qwen0.5b-gsm8k": Preset(gpus=1, arch="qwen2-0.5b"),
     "qwen1.5b-gsm8k": Preset(gpus=1, arch="qwen2-1.5b"),
     # multi-turn with the calculator tool: the char tokenizer's template renders the tool messages
     "qwen0.5b-gsm8k-tool": Preset(gpus=1, arch="qwen2-0.5b"),
+    # the same at TP=2 on two GPUs: multi-turn rollouts through a tensor-parallel engine (one replica)
+    "qwen0.5b-gsm8k-tool-tp2": Preset(gpus=2, arch="qwen2-0.5b", config="qwen0.5b-gsm8k-tool",
+                                      changes=("rollout.tensor_parallel_size=2",)),
     # 256 prompts would be 2048 responses on one TP=2 replica (8 GPUs make 4): 16 prompts in 2
     # mini-batches of 8 keep the preset's 2 optimizer steps per step. The random 7B shape's mismatch
     # is 0.052 (bf16 at this shape, with NCCL or custom all-reduce alike: scripts/probes/probe_mismatch.py).
@@ -98,7 +108,7 @@ DATA = ['model.init="pretrained"', 'model.tokenizer="char"', 'data.synthetic_tas
 
 def preset_overrides(name: str, model_dir: str, save_every: int) -> list[str]:
     p = PRESETS[name]
-    return ["--config", str(REPO / "configs" / f"{name}.toml"), f'model.path="{model_dir}"', *DATA, *p.changes,
+    return ["--config", str(config_path(name)), f'model.path="{model_dir}"', *DATA, *p.changes,
             f"trainer.save_every={save_every}"]
 
 
@@ -117,7 +127,7 @@ def test_preset_trains_saves_and_resumes(name, tmp_path):
         logs = [train(name, gpus, preset_overrides(name, model_dir, p.save_every[i]), run_dir, total,
                       "none" if i == 0 else "auto", timeout=p.timeout[i])
                 for i, total in enumerate(p.steps)]
-        keep_last = load_config(str(REPO / "configs" / f"{name}.toml"), []).trainer.keep_last
+        keep_last = load_config(str(config_path(name)), []).trainer.keep_last
         steps = check_run(name, run_dir, p.steps, logs, p.max_mismatch, saves=expected_saves(p.steps, p.save_every),
                           keep_last=keep_last)
         graphs = [steps[s]["perf/compiled_graphs"] for s in range(1, p.steps[-1] + 1)]  # the preset compiles
