@@ -20,6 +20,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 from runs import expected_saves  # noqa: E402
 
 SHIPPED = os.path.join(ROOT, "scripts", "bench", "shipped_7b.sh")
+WEAK = os.path.join(ROOT, "scripts", "bench", "weak_scaling.sh")
+BENCH_STEP = os.path.join(ROOT, "scripts", "bench", "bench_step.sh")
 PRESET = os.path.join(ROOT, "configs", "qwen7b.toml")
 H100_GIB = 79.2  # an H100's memory as torch reports it (tests/test_gpu_check_plan.py)
 
@@ -112,3 +114,33 @@ def test_shipped_7b_extra_overrides_and_steps_reach_both_processes(tmp_path, mon
     runs = [loaded(argv, monkeypatch)[2] for argv in (first, second)]
     assert [(c.trainer.total_steps, c.trainer.run_dir, c.rollout.enforce_eager) for c in runs] == [
         (3, str(tmp_path / "run"), True), (4, str(tmp_path / "run"), True)]
+
+
+@pytest.mark.parametrize("counts", [None, "1 2 4 8", "1 2 4"])
+def test_weak_scaling_keeps_the_work_per_gpu(counts, tmp_path, monkeypatch):
+    """k GPUs: 64 x k prompts in one mini-batch, so each GPU generates and trains bench_step's 512 responses a
+    step in one optimizer step (no old log-prob pass), with every other setting bench_step's on one GPU."""
+    cmds = dry(WEAK, str(tmp_path), *([counts] if counts else []))
+    expected = [int(k) for k in (counts or "1 2 4 8").split()]  # a dry run leaves out no count
+    _, one_config, one = loaded(dry(BENCH_STEP, str(tmp_path), "qwen2-1.5b", "after")[0], monkeypatch)
+    assert one.data.train_batch_size == 64 and not one.old_logprob_pass_reason()
+    got = []
+    for argv in cmds:
+        nproc, config, cfg = loaded(argv, monkeypatch)
+        got.append(nproc)
+        assert config == one_config
+        assert cfg.data.train_batch_size == cfg.actor.ppo_mini_batch_size == 64 * nproc
+        assert cfg.data.train_batch_size * cfg.rollout.n // nproc == 512 and cfg.rollout.tensor_parallel_size == 1
+        assert not cfg.old_logprob_pass_reason(), cfg.old_logprob_pass_reason()
+        assert cfg.trainer.save_every == -1 and cfg.trainer.run_dir.endswith(f"/step-qwen2-1.5b-after-gpus{nproc}/run")
+        assert changed(cfg, one) == ({"trainer.run_dir", "trainer.save_every"} |
+                                     ({"data.train_batch_size", "actor.ppo_mini_batch_size"} if nproc > 1 else set()))
+    assert got == expected
+
+
+def test_weak_scaling_leaves_out_counts_above_the_visible_gpus(tmp_path):
+    """Run for real with no GPU visible: every count is left out, saying so, and nothing starts."""
+    p = subprocess.run(["bash", WEAK, str(tmp_path), "1 2"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES="", DRY="0"))
+    assert p.stdout.splitlines() == ["left out: 1 GPUs (0 visible)", "left out: 2 GPUs (0 visible)"], p.stdout
+    assert p.returncode != 0 and not list(tmp_path.iterdir())
