@@ -11,8 +11,9 @@ sleep" lists every step so a leak shows as a falling sequence. Memory figures ar
 ranks (the trainer averages its metrics over them).
 
 --details adds, per run: each phase's memory per GPU predicted at start-up (the `memory: predicted
-peak per GPU` line of the trainer.log beside metrics.jsonl) against the measured, the checkpoint
-stalls, each process's start-up and checkpoint load, and the weight sync of every step.
+peak per GPU` line of the trainer.log beside metrics.jsonl) against the measured, the seconds of
+every step, the checkpoint stalls, each process's start-up and checkpoint load, and the weight sync
+of every step.
 --scaling prints weak scaling instead (NAME is the run's GPU count; its prompts per step are read
 from the config.toml beside metrics.jsonl): step, generate and update seconds, efficiency t(1)/t(k).
 """
@@ -156,6 +157,8 @@ def details(path: str) -> str:
                 load = row.get("time/startup_checkpoint_load")
                 starts.append(f"before step {row['step']}: {row['time/startup_total']:.1f} s"
                               + (f" (checkpoint load {load:.1f} s)" if load is not None else ""))
+    out.append("step s (time/step), each step (a process's first one warms up): "
+               + ", ".join(f"{r['step']}: {r['time/step']:.1f}" for r in rows))
     out.append("checkpoint stall (time/checkpoint): " + ("; ".join(stalls) or "no save"))
     out.append("process start-up (time/startup_total): " + ("; ".join(starts) or "–"))
     sync = [(r["step"], r["time/weight_sync"]) for r in rows if "time/weight_sync" in r]

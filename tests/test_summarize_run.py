@@ -105,6 +105,7 @@ def test_details_predicted_against_measured_stall_startup_and_sync(tmp_path):
     assert f"| generation | {phases['generation']:.1f} | 57.0 (generate, step 7) | 9.0 | " in out, out
     assert f"| actor update | {phases['actor update']:.1f} | 30.0 (update_actor, step 1) | 32.0 | " in out, out
     assert f"| log-prob pass | {phases['log-prob pass']:.1f} | – | – | – |" in out, out
+    assert "each step (a process's first one warms up): 1: 90.0, 2: 90.0, " in out and ", 7: 90.0\n" in out
     assert "checkpoint stall (time/checkpoint): step 5: 41.8 s\n" in out
     assert "before step 1: 150.0 s; before step 6: 120.0 s (checkpoint load 40.5 s)" in out
     assert "steps 1: 0.110, 2: 0.120" in out and "mean after the first 0.145" in out
