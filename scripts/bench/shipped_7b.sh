@@ -13,12 +13,13 @@
 #        DRY=1 bash scripts/bench/shipped_7b.sh $OUT 4        (prints the two torchrun commands, runs nothing)
 #   EXTRA OVERRIDES go to spmd_rl.ppo last (they win); the steps are STEPS and MORE (default 5 and 2).
 #
-# The run directory and its checkpoint (~91 GB: fp32 weights + AdamW) go under /dev/shm where it exists (RUN_DIR
-# names another; the train part starts it afresh), as the 7B preset's GPU check does: the disk is slow for it and
-# cannot hold keep_last 2 of them. The torchrun output (OUT/train.log, OUT/resume.log), and metrics.jsonl,
-# trainer.log and config.toml copied from the run directory, stay in OUT; the checkpoints go after the resume
-# (KEEP_CHECKPOINT=1 keeps them). STAGES picks the parts (default "train resume report"), e.g. one device call
-# each where a call's time limit is shorter than the whole (the run directory must outlive the calls).
+# The run directory, its checkpoint (~91 GB: fp32 weights + AdamW) and random model (~30 GB, fp32) go under
+# /dev/shm where it exists (RUN_DIR names another; the train part starts it afresh), as the 7B preset's GPU check
+# does: the disk is slow for them and cannot hold keep_last 2 checkpoints. The torchrun output (OUT/train.log,
+# OUT/resume.log), and metrics.jsonl, trainer.log and config.toml copied from the run directory, stay in OUT; the
+# run directory goes after the resume (KEEP_RUN_DIR=1 keeps it). STAGES picks the parts (default "train resume
+# report"), e.g. one device call each where a call's time limit is shorter than the whole (on one machine: the
+# run directory must outlive the calls).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$1; GPUS=${2:-8}; shift $(( $# < 2 ? $# : 2 ))
@@ -49,10 +50,11 @@ for stage in $STAGES; do
       rm -rf "$RUN_DIR"; rm -f "$OUT"/metrics.jsonl "$OUT"/trainer.log "$OUT"/config.toml
       compose "${TRAIN[@]}" "$@"; "${cmd[@]}" > "$OUT/train.log" 2>&1
       echo "train ($STEPS steps, a save at step $STEPS): exit $? (log $OUT/train.log)"; keep ;;
-    resume)
+    resume)  # "auto" would start afresh without the checkpoint (a save skipped for want of space, say)
+      [ -d "$RUN_DIR/checkpoints/step_$STEPS" ] || { echo "no checkpoint $RUN_DIR/checkpoints/step_$STEPS"; exit 1; }
       compose "${RESUME[@]}" "$@"; "${cmd[@]}" > "$OUT/resume.log" 2>&1
       echo "resume (to step $((STEPS + MORE))): exit $? (log $OUT/resume.log)"; keep
-      [ "${KEEP_CHECKPOINT:-0}" = 1 ] || rm -rf "$RUN_DIR/checkpoints" ;;
+      [ "${KEEP_RUN_DIR:-0}" = 1 ] || rm -rf "$RUN_DIR" ;;
     report)
       [ -s "$OUT/metrics.jsonl" ] || { echo "no metrics in $OUT"; exit 1; }
       python scripts/summarize_run.py --details "qwen7b-${GPUS}gpu=$OUT/metrics.jsonl"
