@@ -2,16 +2,27 @@
 records for full training steps).
 
     python scripts/summarize_run.py grpo-tp2=runs/a/metrics.jsonl ppo-tp2=runs/b/metrics.jsonl
+    python scripts/summarize_run.py --details runs/a/metrics.jsonl     (and what the table leaves out)
+    python scripts/summarize_run.py --scaling 1=runs/g1/metrics.jsonl 4=runs/g4/metrics.jsonl
 
 Step 1 is a warm-up (CUDA graphs, allocator, AdamW's moments appear) and is left out of the
 averages unless it is the only step; memory columns are maxima over all steps, and "free after
-sleep" lists every step so a leak shows as a falling sequence.
+sleep" lists every step so a leak shows as a falling sequence. Memory figures are means over the
+ranks (the trainer averages its metrics over them).
+
+--details adds, per run: each phase's memory per GPU predicted at start-up (the `memory: predicted
+peak per GPU` line of the trainer.log beside metrics.jsonl) against the measured, the seconds of
+every step, the checkpoint stalls, each process's start-up and checkpoint load, and the weight sync
+of every step.
+--scaling prints weak scaling instead (NAME is the run's GPU count; its prompts per step are read
+from the config.toml beside metrics.jsonl): step, generate and update seconds, efficiency t(1)/t(k).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -75,15 +86,118 @@ def table(named: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
+def predicted_phases(log_text: str) -> tuple[dict[str, float], float | None]:
+    """Each phase's predicted GiB per GPU and the card's GiB, from the last start-up memory line of a
+    trainer.log (empty, None: no such line)."""
+    lines = [ln for ln in log_text.splitlines() if "memory: predicted peak per GPU" in ln]
+    if not lines:
+        return {}, None
+    line = lines[-1].rstrip()
+    card = None
+    if line.endswith(" GiB") and ") of " in line:
+        line, _, of = line.rpartition(") of ")
+        card = float(of.removesuffix(" GiB"))
+    else:
+        line = line.removesuffix(" (no GPU: not compared)").removesuffix(")")
+    inner = line.split(" (", 1)[1]  # "actor update: params 5.3 + ... = 32.0; log-prob pass: ...; generation: ..."
+    phases = {}
+    for part in inner.split("; "):
+        name, _, rest = part.partition(": ")
+        phases[name] = float(rest.rpartition("= ")[2] if "=" in rest else rest)
+    return phases, card
+
+
+def measured_phases(rows: list[dict]) -> dict[str, dict]:
+    """Per phase of the start-up plan: the highest driver-view level at the end of any of its step
+    phases (memory/<phase>_device_gb, which phase) and the highest PyTorch peak, over all steps."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's spmd_rl
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from spmd_rl.config.memory_check import PLAN_PHASE
+
+    out: dict[str, dict] = {}
+    for row in rows:
+        for step_phase, plan_phase in PLAN_PHASE.items():
+            m = out.setdefault(plan_phase, {"device": None, "at": None, "peak": None})
+            dev, peak = row.get(f"memory/{step_phase}_device_gb"), row.get(f"memory/{step_phase}_peak_gb")
+            if dev is not None and (m["device"] is None or dev > m["device"]):
+                m["device"], m["at"] = dev, f"{step_phase}, step {row['step']}"
+            if peak is not None and (m["peak"] is None or peak > m["peak"]):
+                m["peak"] = peak
+    return {k: v for k, v in out.items() if v["device"] is not None or v["peak"] is not None}
+
+
+def details(path: str) -> str:
+    """What the table leaves out of one run (module docstring, --details)."""
+    rows = read_steps(path)
+    log_path = os.path.join(os.path.dirname(path), "trainer.log")
+    predicted, card = predicted_phases(open(log_path).read() if os.path.isfile(log_path) else "")
+    measured = measured_phases(rows)
+    cards = f", {card:.1f} GiB cards" if card else ""
+    out = [f"memory per GPU, predicted at start-up ({log_path}{cards}) against measured (mean over ranks, highest "
+           "step; device: driver view at the phase's end; PyTorch: its tensors' peak):",
+           "| phase | predicted GiB | measured device GiB (where) | measured PyTorch peak GiB | device vs predicted |",
+           "|---|---|---|---|---|"]
+    for phase in [*predicted, *(p for p in measured if p not in predicted)]:
+        pred, m = predicted.get(phase), measured.get(phase, {"device": None, "at": None, "peak": None})
+        diff = f"{(m['device'] - pred) / pred:+.1%}" if pred and m["device"] is not None else "–"
+        where = f" ({m['at']})" if m["at"] else ""
+        out.append(f"| {phase} | {fmt(pred, '{:.1f}')} | {fmt(m['device'], '{:.1f}')}{where} | "
+                   f"{fmt(m['peak'], '{:.1f}')} | {diff} |")
+    stalls, starts = [], []
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line) if line.strip() else {}
+            if "time/checkpoint" in row:
+                parts = [f"{k.removeprefix('time/checkpoint_').replace('_', ' ')} {v:.1f}" for k, v in row.items()
+                         if k.startswith("time/checkpoint_")]
+                stalls.append(f"step {row['step']}: {row['time/checkpoint']:.1f} s"
+                              + (f" ({', '.join(parts)})" if parts else ""))
+            if "time/startup_total" in row:
+                load = row.get("time/startup_checkpoint_load")
+                starts.append(f"before step {row['step']}: {row['time/startup_total']:.1f} s"
+                              + (f" (checkpoint load {load:.1f} s)" if load is not None else ""))
+    out.append("step s (time/step), each step (a process's first one warms up): "
+               + ", ".join(f"{r['step']}: {r['time/step']:.1f}" for r in rows))
+    out.append("checkpoint stall (time/checkpoint): " + ("; ".join(stalls) or "no save"))
+    out.append("process start-up (time/startup_total): " + ("; ".join(starts) or "–"))
+    sync = [(r["step"], r["time/weight_sync"]) for r in rows if "time/weight_sync" in r]
+    later = [v for s, v in sync[1:]]
+    out.append("weight sync s (time/weight_sync), steps " + (", ".join(f"{s}: {v:.3f}" for s, v in sync) or "–")
+               + (f"; mean after the first {statistics.fmean(later):.3f}" if later else ""))
+    return "\n".join(out)
+
+
+def scaling_table(runs: list[tuple[int, str]]) -> str:
+    """Weak scaling (module docstring, --scaling): one row per GPU count, efficiency against 1 GPU."""
+    import tomllib
+
+    lines = ["| GPUs | prompts | steps | step s | generate s | update s | efficiency vs 1 GPU |",
+             "|---|---|---|---|---|---|---|"]
+    summaries = {gpus: summarize(read_steps(path)) for gpus, path in runs}
+    one = summaries.get(1, {}).get("time/step")
+    for gpus, path in sorted(runs):
+        s, config = summaries[gpus], os.path.join(os.path.dirname(path), "config.toml")
+        prompts = tomllib.load(open(config, "rb"))["data"]["train_batch_size"] if os.path.isfile(config) else None
+        eff = one / s["time/step"] if one and s["time/step"] else None
+        lines.append(f"| {gpus} | {prompts if prompts is not None else '–'} | {s['steps']} | {fmt(s['time/step'])} | "
+                     f"{fmt(s['time/generate'])} | {fmt(s['time/update_actor'])} | {fmt(eff, '{:.1%}')} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="NAME=path/to/metrics.jsonl (or just the path)")
+    ap.add_argument("--details", action="store_true", help="after the table, what it leaves out (see above)")
+    ap.add_argument("--scaling", action="store_true", help="weak scaling: NAME is each run's GPU count")
     args = ap.parse_args(argv)
-    named = []
-    for spec in args.runs:
-        name, _, path = spec.rpartition("=")
-        named.append((name or path, summarize(read_steps(path))))
-    print(table(named))
+    specs = [spec.rpartition("=")[::2] for spec in args.runs]
+    if args.scaling:
+        print(scaling_table([(int(name), path) for name, path in specs]))
+        return 0
+    print(table([(name or path, summarize(read_steps(path))) for name, path in specs]))
+    for name, path in specs if args.details else []:
+        print(f"\n{name or path}:\n{details(path)}")
     return 0
 
 

@@ -73,3 +73,62 @@ def test_runs_with_and_without_the_old_logprob_pass_share_a_table(tmp_path):
     assert row_pass.split(" | ")[col] == "1.000" and row_short.split(" | ")[col] == "–"
     only_shortcut = summarize_run.table(named[1:])
     assert "old_logprob" not in only_shortcut and "| 4.000 |" in only_shortcut
+
+
+def shipped_7b_line(gpus: int, tmp_path) -> tuple[str, dict[str, float]]:
+    """The start-up memory line of configs/qwen7b.toml on `gpus` 80 GB cards, as the trainer logs it, and
+    its phases' GiB."""
+    from spmd_rl.config.memory_check import plan_for
+    from spmd_rl.config.run_config import load_config
+
+    cfg = load_config(str(REPO / "configs" / "qwen7b.toml"), ['model.init="random"', 'model.arch="qwen2-7b"',
+                                                              'model.path=""', f'trainer.run_dir="{tmp_path}"'])
+    plan = plan_for(cfg, gpus, 79.2 * 2**30)
+    return plan.line(), {p.name: round(p.total / 2**30, 1) for p in plan.phases}
+
+
+def test_details_predicted_against_measured_stall_startup_and_sync(tmp_path):
+    """--details: the phases of the trainer.log's start-up line (the real line of the shipped 7B preset) beside
+    the measured levels of their step phases, each save's stall, each process's start-up, every weight sync."""
+    line, phases = shipped_7b_line(8, tmp_path)
+    assert summarize_run.predicted_phases(f"12:00:01 [r0] INFO spmd_rl: {line}\nother\n") == (phases, 79.2)
+    assert summarize_run.predicted_phases("nothing here") == ({}, None)
+    (tmp_path / "trainer.log").write_text(f"12:00:00 [r0] INFO spmd_rl: start\n12:00:01 [r0] INFO spmd_rl: {line}\n")
+    rows = [{"step": s, "time/step": 90.0, "time/weight_sync": 0.1 + s / 100, "memory/generate_device_gb": 50.0 + s,
+             "memory/wake_device_gb": 40.0, "memory/generate_peak_gb": 9.0, "memory/update_actor_device_gb": 30.0,
+             "memory/update_actor_peak_gb": 25.0 + s} for s in range(1, 8)]
+    rows[0]["time/startup_total"] = 150.0
+    rows[5].update({"time/startup_total": 120.0, "time/startup_checkpoint_load": 40.5})
+    rows.insert(5, {"step": 5, "time/checkpoint": 41.8})
+    write_rows(tmp_path / "metrics.jsonl", rows)
+    out = summarize_run.details(str(tmp_path / "metrics.jsonl"))
+    assert f"| generation | {phases['generation']:.1f} | 57.0 (generate, step 7) | 9.0 | " in out, out
+    assert f"| actor update | {phases['actor update']:.1f} | 30.0 (update_actor, step 1) | 32.0 | " in out, out
+    assert f"| log-prob pass | {phases['log-prob pass']:.1f} | – | – | – |" in out, out
+    assert "each step (a process's first one warms up): 1: 90.0, 2: 90.0, " in out and ", 7: 90.0\n" in out
+    assert "checkpoint stall (time/checkpoint): step 5: 41.8 s\n" in out
+    assert "before step 1: 150.0 s; before step 6: 120.0 s (checkpoint load 40.5 s)" in out
+    assert "steps 1: 0.110, 2: 0.120" in out and "mean after the first 0.145" in out
+    cli = subprocess.run([sys.executable, str(REPO / "scripts" / "summarize_run.py"), "--details",
+                          f"qwen7b={tmp_path / 'metrics.jsonl'}"],
+                         capture_output=True, text=True, check=True).stdout
+    assert cli.startswith("| run |") and "\nqwen7b:\nmemory per GPU, predicted at start-up" in cli and out in cli
+
+
+def test_scaling_table_efficiency_against_one_gpu(tmp_path):
+    """--scaling: one row per GPU count (sorted), prompts from the config.toml beside the metrics, steady step
+    means, t(1)/t(k)."""
+    specs = []
+    for k, step in ((4, 12.5), (1, 10.0), (2, 11.0)):
+        run = tmp_path / f"gpus{k}"
+        run.mkdir()
+        (run / "config.toml").write_text(f"[data]\ntrain_batch_size = {64 * k}\n")
+        write_rows(run / "metrics.jsonl", [{"step": 1, "time/step": 60.0, "time/generate": 30.0},
+                                           {"step": 2, "time/step": step, "time/generate": 6.0,
+                                            "time/update_actor": 4.0}])
+        specs.append(f"{k}={run / 'metrics.jsonl'}")
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "summarize_run.py"), "--scaling", *specs],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[2:] == ["| 1 | 64 | 2 | 10.000 | 6.000 | 4.000 | 100.0% |",
+                       "| 2 | 128 | 2 | 11.000 | 6.000 | 4.000 | 90.9% |",
+                       "| 4 | 256 | 2 | 12.500 | 6.000 | 4.000 | 80.0% |"], out

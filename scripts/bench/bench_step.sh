@@ -13,6 +13,9 @@
 #   TAG=async bash scripts/bench/bench_step.sh $OUT qwen2-0.5b after 4 'rollout.engine_kwargs={async_scheduling=true}'
 #   CONFIG names another preset for the settings (the work stays this script's):
 #   TAG=merged CONFIG=configs/qwen7b-lora.toml bash scripts/bench/bench_step.sh $OUT qwen2-7b after 3 model.lora_sync=merged
+#   GPUS (default 1) runs the same command on that many GPUs (torchrun --nproc_per_node; the prompts per step
+#   are the config's, so scale data.train_batch_size with it for the same work per GPU: weak_scaling.sh);
+#   DRY=1 prints the torchrun command line instead of running it.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$1; ARCH=$2; VARIANT=$3; STEPS=${4:-4}; shift $(( $# < 4 ? $# : 4 ))
@@ -32,8 +35,11 @@ case "$VARIANT" in
   *) echo "VARIANT must be before or after"; exit 2 ;;
 esac
 NAME="$ARCH-$VARIANT${TAG:+-$TAG}"
-dir="$OUT/step-$NAME"; rm -rf "$dir"; mkdir -p "$dir"
-torchrun --standalone --nproc_per_node=1 -m spmd_rl.ppo --config "$CONFIG" "${WORK[@]}" "${VAR[@]}" \
-    trainer.run_dir=\"$dir/run\" "$@" > "$dir/log.txt" 2>&1
+dir="$OUT/step-$NAME"
+cmd=(torchrun --standalone --nproc_per_node="${GPUS:-1}" -m spmd_rl.ppo --config "$CONFIG" "${WORK[@]}" "${VAR[@]}"
+     trainer.run_dir=\"$dir/run\" "$@")
+if [ "${DRY:-0}" = 1 ]; then line=$(printf '%q ' "${cmd[@]}"); echo "${line% }"; exit 0; fi
+rm -rf "$dir"; mkdir -p "$dir"
+"${cmd[@]}" > "$dir/log.txt" 2>&1
 echo "$ARCH $VARIANT${TAG:+ $TAG}: exit $? ($(grep -c '"time/step"' "$dir/run/metrics.jsonl" 2>/dev/null || echo 0) steps; log $dir/log.txt)"
 [ -s "$dir/run/metrics.jsonl" ] && python scripts/summarize_run.py "$NAME=$dir/run/metrics.jsonl"
