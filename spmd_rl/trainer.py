@@ -42,11 +42,11 @@ from spmd_rl.config.run_config import Config
 from spmd_rl.config.toml_io import to_toml
 from spmd_rl.train.critic import compute_values, critic_loss_fn
 from spmd_rl.data.prompts import iter_eval_batches
-from spmd_rl.runtime.distributed import DistEnv, all_reduce_mean, all_reduce_sum
+from spmd_rl.runtime.distributed import DistEnv, all_reduce_mean, all_reduce_metrics, all_reduce_sum
 from spmd_rl.runtime.gpu_memory import PhaseMemory, allocator_lines_held, is_out_of_memory
 from spmd_rl.runtime.memory_plan import MemoryPlan
 from spmd_rl.algo.dynamic_sampling import collect_informative_groups
-from spmd_rl.telemetry.metrics import MetricsLogger, summary_line
+from spmd_rl.telemetry.metrics import MetricsLogger, rank_reduction, summary_line
 from spmd_rl.train.offload import move_train_state
 from spmd_rl.train.old_logprobs import UpdateLogprobs
 from spmd_rl.runtime.preemption import StopFlag
@@ -380,7 +380,7 @@ class Trainer:
         metrics.update({f"actor/{k}": v for k, v in am.items()})
         if self.critic is not None:
             metrics.update({f"critic/{k}": v for k, v in cm.items()})
-        metrics = all_reduce_mean(metrics, self.device)
+        metrics = all_reduce_metrics(metrics, self.device, rank_reduction)
         metrics.update(self.global_metrics(batch, timer.metrics))
         metrics.update(mismatch_metrics(batch, self.device))  # over the rows that carry the engine's log-probs
         metrics.update({**sample_metrics, **balance_metrics, **corr_metrics})  # already reduced over ranks

@@ -8,6 +8,7 @@ import random
 import socket
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -138,13 +139,29 @@ def setup_logging(rank: int, log_file: str | None = None) -> None:
 
 def all_reduce_mean(values: dict[str, float], device: torch.device) -> dict[str, float]:
     """Mean over ranks of each scalar (same keys on every rank)."""
+    return all_reduce_metrics(values, device)
+
+
+_OPS = {"mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce_metrics(values: dict[str, float], device: torch.device,
+                       reduction: Callable[[str], str] = lambda key: "mean") -> dict[str, float]:
+    """Each scalar over ranks (same keys on every rank), as `reduction(key)` says: "mean", "max"
+    or "min" (one collective per kind used)."""
     if not values or not dist.is_initialized() or dist.get_world_size() == 1:
         return dict(values)
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    t /= dist.get_world_size()
-    return dict(zip(keys, t.tolist()))
+    out = {}
+    for how, op in _OPS.items():
+        keys = sorted(k for k in values if reduction(k) == how)
+        if not keys:
+            continue
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=op)
+        if how == "mean":
+            t /= dist.get_world_size()
+        out.update(zip(keys, t.tolist()))
+    return out
 
 
 def all_reduce_sum(t: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:

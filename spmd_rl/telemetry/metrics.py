@@ -13,6 +13,16 @@ import time
 log = logging.getLogger("spmd_rl")
 
 
+def rank_reduction(key: str) -> str:
+    """How a step metric combines over ranks: a memory figure is the fullest GPU's (the highest
+    peak and device level, the least free memory, the smallest card), the rest the mean."""
+    if key.startswith("memory/") and key.endswith(("_peak_gb", "_device_gb")):
+        return "max"
+    if key in ("memory/free_after_sleep_gb", "memory/device_total_gb"):
+        return "min"
+    return "mean"
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str, enabled: bool, tensorboard: bool = True):
         self.enabled = enabled
