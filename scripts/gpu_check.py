@@ -517,31 +517,36 @@ def logs_tarball(out: Path) -> Path:
     return path
 
 
+def _cuda_visible() -> list[str]:
+    """CUDA_VISIBLE_DEVICES given to gpu_check, as a list (empty: every GPU)."""
+    return [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+
+
+def _nvidia_smi(fields: str) -> list[str]:
+    """nvidia-smi's `--query-gpu=fields` lines, one per GPU of the machine (none: no nvidia-smi)."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
 def _physical(gpus: tuple[int, ...]) -> list[str]:
     """Scheduler GPU indices -> the machine's (CUDA_VISIBLE_DEVICES given to gpu_check respected)."""
-    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    visible = _cuda_visible()
     return [visible[g] if visible else str(g) for g in gpus]
 
 
 def visible_gpus() -> int:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=60).stdout.split()
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    return len(visible) if visible else len(out)
+    gpus = _nvidia_smi("index")
+    return (len(_cuda_visible()) or len(gpus)) if gpus else 0
 
 
 def visible_gpu_gib() -> float:
     """The smallest memory of the GPUs gpu_check uses, in GiB (nvidia-smi's memory.total;
     CUDA_VISIBLE_DEVICES respected, by index or UUID); 0 when unknown (no nvidia-smi)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0.0
-    return smallest_card_gib(out, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    return smallest_card_gib("\n".join(_nvidia_smi("index,uuid,memory.total")), ",".join(_cuda_visible()))
 
 
 def smallest_card_gib(nvidia_smi_csv: str, visible: str = "") -> float:
@@ -590,15 +595,8 @@ def code_fingerprint(root: Path = ROOT) -> str:
 
 def machine_name() -> str:
     """'4x NVIDIA H100 80GB HBM3' (the visible GPUs, from nvidia-smi), or 'no GPU'."""
-    try:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                               text=True, timeout=60).stdout.split("\n")
-    except (OSError, subprocess.TimeoutExpired):
-        return "no GPU"
-    names = [n.strip() for n in names if n.strip()]
-    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    n = len(visible) if visible else len(names)
-    return f"{n}x {names[0]}" if names else "no GPU"
+    names = _nvidia_smi("name")
+    return f"{len(_cuda_visible()) or len(names)}x {names[0]}" if names else "no GPU"
 
 
 def earlier_results(path: Path, code: str) -> dict:

@@ -7,8 +7,8 @@ records for full training steps).
 
 Step 1 is a warm-up (CUDA graphs, allocator, AdamW's moments appear) and is left out of the
 averages unless it is the only step; memory columns are maxima over all steps, and "free after
-sleep" lists every step so a leak shows as a falling sequence. Memory figures are means over the
-ranks (the trainer averages its metrics over them).
+sleep" lists every step so a leak shows as a falling sequence. Memory figures are the fullest
+GPU's (the trainer takes the highest over ranks, the least free memory: rank_reduction).
 
 --details adds, per run: each phase's memory per GPU predicted at start-up (the `memory: predicted
 peak per GPU` line of the trainer.log beside metrics.jsonl) against the measured, the seconds of
@@ -134,7 +134,7 @@ def details(path: str) -> str:
     predicted, card = predicted_phases(open(log_path).read() if os.path.isfile(log_path) else "")
     measured = measured_phases(rows)
     cards = f", {card:.1f} GiB cards" if card else ""
-    out = [f"memory per GPU, predicted at start-up ({log_path}{cards}) against measured (mean over ranks, highest "
+    out = [f"memory per GPU, predicted at start-up ({log_path}{cards}) against measured (the fullest GPU, highest "
            "step; device: driver view at the phase's end; PyTorch: its tensors' peak):",
            "| phase | predicted GiB | measured device GiB (where) | measured PyTorch peak GiB | device vs predicted |",
            "|---|---|---|---|---|"]
