@@ -5,7 +5,8 @@
   every rank's own from_pretrained model, on the 2-D mesh too;
 - the first two optimizer steps of the PPO update (2 mini-batches of 2 micro-batches per rank,
   gradient clipping that binds) give the parameters, loss and gradient norm of a float64
-  single-process reference written with plain torch;
+  single-process reference written with plain torch, with each micro-batch's gradients
+  reduce-scattered before the next (no rank holds the whole model's unsharded gradients);
 - the weight sync gathers within the shard group only and gives the full weights;
 - a checkpoint saved under one fsdp_size loads under every other with parameters and AdamW state
   bitwise equal to what was saved (test_e2e's HSDP run resumes on another world size, too).
@@ -78,6 +79,33 @@ def reference_steps(model_dir: str, batch) -> tuple[dict[str, torch.Tensor], lis
     return {n: p.detach() for n, p in model.named_parameters()}, losses, norms
 
 
+def unsharded_grads_held(model) -> bool:
+    """Whether any FSDP2 parameter holds an unsharded gradient: what a deferred reduce-scatter
+    (set_requires_gradient_sync(False)) keeps between micro-batches, a gradient of the whole
+    parameter on every rank. (FSDPParam's fields: torch has no public view of them.)"""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fp in group.fsdp_params if group else ():
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if fp.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None):
+                return True
+    return False
+
+
+def grads_at_each_micro_batch(model, loss_fn):
+    """(calls, loss_fn wrapped): each call appends whether an unsharded gradient was held when the
+    micro-batch started."""
+    calls = []
+
+    def spy(mb, denom):
+        calls.append(unsharded_grads_held(model))
+        return loss_fn(mb, denom)
+
+    return calls, spy
+
+
 def _layouts_body(rank, world, model_dir, root, reference):
     import torch.distributed as dist
 
@@ -108,8 +136,13 @@ def _layouts_body(rank, world, model_dir, root, reference):
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         cfg = ActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean")
         mine = batch.select(slice(rank * ROWS, (rank + 1) * ROWS))
-        metrics = ppo_update(model, opt, mine, actor_loss_fn(model, cfg, 1.0), mini_batch_size=MINI,
+        held, loss_fn = grads_at_each_micro_batch(model, actor_loss_fn(model, cfg, 1.0))
+        metrics = ppo_update(model, opt, mine, loss_fn, mini_batch_size=MINI,
                              micro_batch_size=1, epochs=1, grad_clip=CLIP, loss_agg_mode="token-mean", device=cpu)
+        # each micro-batch's gradients were reduce-scattered before the next one ran: no rank held
+        # the unsharded gradients of the whole model between them (under HSDP the all-reduce across
+        # replicas still waits for the last micro-batch)
+        assert held == [False] * ROWS, (what, held)
         metrics = all_reduce_mean(metrics, cpu)  # per-rank shares of the loss -> the global loss, as the trainer logs
         for n, p in model.named_parameters():
             got, want = full(p.detach()).double() - before[n], want_params[n] - before[n]

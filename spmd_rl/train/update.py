@@ -92,9 +92,14 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
             optimizer.zero_grad(set_to_none=True)
             micros = [mb for _, mb in iter_micro_batches(mini, micro_batch_size, max_tokens)]
             for i, micro in enumerate(micros):
-                # Reduce-scatter gradients only once per optimizer step.
-                if hasattr(model, "set_requires_gradient_sync"):
-                    model.set_requires_gradient_sync(i == len(micros) - 1)
+                # Each micro-batch's gradients are reduce-scattered in its backward (FSDP2's default)
+                # and accumulate in the shards. Deferring that to the last micro-batch
+                # (set_requires_gradient_sync(False)) keeps every parameter's unsharded float32
+                # gradient on every rank in between: 4 bytes per parameter of the whole model,
+                # 28 GiB a rank at 7B on any number of ranks (docs/performance.md, "Memory predicted at start-up").
+                # Under HSDP only the all-reduce across replicas waits for the last micro-batch.
+                if hasattr(model, "set_requires_all_reduce"):
+                    model.set_requires_all_reduce(i == len(micros) - 1)
                 loss, metrics = loss_fn(micro.to(device), denom)
                 loss.backward()
                 share = float(micro["response_mask"].sum()) / token_denom  # the host's copy: no wait
