@@ -30,15 +30,16 @@ PHASES = ["wake", "weight_sync", "generate", "sleep", "offload", "reload", "rewa
           "ref_logprob", "values", "adv", "update_critic", "update_actor", "step"]
 
 
-def read_steps(path: str) -> list[dict]:
-    """Metrics rows of training steps, the last row per step (a resumed run may repeat a step)."""
-    by_step: dict[int, dict] = {}
+def read_rows(path: str) -> list[dict]:
+    """Every metrics row of a metrics.jsonl (steps, checkpoint stalls, start-ups, validations)."""
     with open(path) as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                if "time/step" in row:
-                    by_step[int(row["step"])] = row
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def read_steps(path: str, rows: list[dict] | None = None) -> list[dict]:
+    """Metrics rows of training steps, the last row per step (a resumed run may repeat a step);
+    `rows`: the file's rows where already read."""
+    by_step = {int(row["step"]): row for row in (read_rows(path) if rows is None else rows) if "time/step" in row}
     if not by_step:
         raise SystemExit(f"{path}: no training steps (no 'time/step' rows)")
     return [by_step[s] for s in sorted(by_step)]
@@ -129,7 +130,8 @@ def measured_phases(rows: list[dict]) -> dict[str, dict]:
 
 def details(path: str) -> str:
     """What the table leaves out of one run (module docstring, --details)."""
-    rows = read_steps(path)
+    every_row = read_rows(path)
+    rows = read_steps(path, every_row)
     log_path = os.path.join(os.path.dirname(path), "trainer.log")
     predicted, card = predicted_phases(open(log_path).read() if os.path.isfile(log_path) else "")
     measured = measured_phases(rows)
@@ -145,18 +147,16 @@ def details(path: str) -> str:
         out.append(f"| {phase} | {fmt(pred, '{:.1f}')} | {fmt(m['device'], '{:.1f}')}{where} | "
                    f"{fmt(m['peak'], '{:.1f}')} | {diff} |")
     stalls, starts = [], []
-    with open(path) as f:
-        for line in f:
-            row = json.loads(line) if line.strip() else {}
-            if "time/checkpoint" in row:
-                parts = [f"{k.removeprefix('time/checkpoint_').replace('_', ' ')} {v:.1f}" for k, v in row.items()
-                         if k.startswith("time/checkpoint_")]
-                stalls.append(f"step {row['step']}: {row['time/checkpoint']:.1f} s"
-                              + (f" ({', '.join(parts)})" if parts else ""))
-            if "time/startup_total" in row:
-                load = row.get("time/startup_checkpoint_load")
-                starts.append(f"before step {row['step']}: {row['time/startup_total']:.1f} s"
-                              + (f" (checkpoint load {load:.1f} s)" if load is not None else ""))
+    for row in every_row:
+        if "time/checkpoint" in row:
+            parts = [f"{k.removeprefix('time/checkpoint_').replace('_', ' ')} {v:.1f}" for k, v in row.items()
+                     if k.startswith("time/checkpoint_")]
+            stalls.append(f"step {row['step']}: {row['time/checkpoint']:.1f} s"
+                          + (f" ({', '.join(parts)})" if parts else ""))
+        if "time/startup_total" in row:
+            load = row.get("time/startup_checkpoint_load")
+            starts.append(f"before step {row['step']}: {row['time/startup_total']:.1f} s"
+                          + (f" (checkpoint load {load:.1f} s)" if load is not None else ""))
     out.append("step s (time/step), each step (a process's first one warms up): "
                + ", ".join(f"{r['step']}: {r['time/step']:.1f}" for r in rows))
     out.append("checkpoint stall (time/checkpoint): " + ("; ".join(stalls) or "no save"))
