@@ -47,7 +47,7 @@ from spmd_rl.runtime.gpu_memory import PhaseMemory, allocator_lines_held, is_out
 from spmd_rl.runtime.memory_plan import MemoryPlan
 from spmd_rl.algo.dynamic_sampling import collect_informative_groups
 from spmd_rl.telemetry.metrics import MetricsLogger, rank_reduction, summary_line
-from spmd_rl.train.offload import move_train_state
+from spmd_rl.train.offload import TrainStateOffload
 from spmd_rl.train.old_logprobs import UpdateLogprobs
 from spmd_rl.runtime.preemption import StopFlag
 from spmd_rl.batching.rank_balance import balance_ranks, mini_batch_block_rows
@@ -120,6 +120,7 @@ class Trainer:
         self.ref, self.n_params = models.ref, models.n_params
         self.reward_model = models.reward_model  # reward_model.path: data.reward_model.RewardModel
         self.critic, self.critic_opt, self.critic_sched = models.critic, models.critic_opt, models.critic_sched
+        self.train_offload = TrainStateOffload(self.device)  # rollout.offload_train_states' host buffers
         # after every input check (data, tokenizer, model files): a run refused for one of them must
         # not add files (TensorBoard events) to an existing run_dir
         self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
@@ -212,7 +213,7 @@ class Trainer:
         if self.cfg.rollout.offload_train_states:
             before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
             with timer("offload"):
-                move_train_state(*self._train_state(), torch.device("cpu"))
+                self.train_offload.offload(*self._train_state())
             if self.device.type == "cuda":
                 timer.metrics["memory/offloaded_gb"] = (before - torch.cuda.memory_allocated(self.device)) / 2**30
         with timer("wake"), allocator_lines_held():
@@ -260,7 +261,7 @@ class Trainer:
             timer.metrics["memory/free_after_sleep_gb"] = torch.cuda.mem_get_info(self.device)[0] / 2**30
         if self.cfg.rollout.offload_train_states:
             with timer("reload"):
-                move_train_state(*self._train_state(), self.device)
+                self.train_offload.reload()
         if not records:
             return None
         meta = {"data_source": [r.data_source for r in records], "ground_truth": [r.ground_truth for r in records],

@@ -185,7 +185,7 @@ def test_torchrun_with_a_reward_model_logs_its_share(tmp_path, turns):
 
 def test_the_reward_model_moves_with_the_training_state():
     """rollout.offload_train_states: the reward model leaves the GPU while the engine generates, as the
-    reference model does (Trainer._train_state lists what train.offload.move_train_state moves)."""
+    reference model does (Trainer._train_state lists what train.offload.TrainStateOffload moves)."""
     from types import SimpleNamespace
 
     from spmd_rl.trainer import Trainer

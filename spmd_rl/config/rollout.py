@@ -100,10 +100,12 @@ class RolloutConfig:
     weight_sync_bucket_mb: int = 512
     """Size of the buckets in which FSDP shards are gathered and handed to the engine."""
     offload_train_states: bool = False
-    """Move actor/critic/reference parameters, gradients and optimizer states to CPU while the
-    engine generates, and back before training (GPU only). Costs about 3 s + 1 s per step for a
-    0.5B actor + critic (PCIe); worth it when the engine needs the memory (memory/offloaded_gb
-    shows what it frees)."""
+    """Move actor/critic/reference (and reward model) parameters and optimizer states to host
+    memory while the engine generates, and back before training (GPU only; spmd_rl/train/offload.py).
+    The host buffers are pinned at the first offload and kept for the run: host RAM of the size of
+    this rank's training state. Costs two copies of that state over PCIe a step (time/offload,
+    time/reload); worth it when the engine needs the memory (memory/offloaded_gb shows what it
+    frees)."""
     compile_cache_dir: str = ""
     """vLLM's compilation cache (VLLM_CACHE_ROOT: torch.compile/Inductor/Triton artifacts), kept
     across restarts so a warm restart skips compilation; empty = <run_dir>/compile_cache. Point it

@@ -99,9 +99,7 @@ class TrainerConfig:
     memory (pinned on GPU; it costs host RAM of the size of this rank's model + optimizer shards,
     kept for the run), the files are written while the next steps train; at most one save in
     flight; a checkpoint becomes `latest` only once written and verified. false = the step waits
-    for the whole write. The end of the run and a stop signal wait for the save in flight. With
-    rollout.offload_train_states the state moves every step, so every save pays the first save's
-    allocation and pinning of those buffers."""
+    for the whole write. The end of the run and a stop signal wait for the save in flight."""
     balance_ranks: bool = True
     """Before the log-prob passes and the updates, move rollout rows between ranks so every rank
     holds nearly the same number of tokens (verl's balance_batch; Karmarkar-Karp on prompt +
