@@ -86,8 +86,10 @@ def check_memory(cfg: Config, env: DistEnv) -> MemoryPlan | None:
     raise_together(lambda: plans.append(memory_check.check_memory(cfg, env.world_size, total)))
     if plans[0] is not None:
         log.info(plans[0].line())
-        if cfg.rollout.engine == "vllm" and env.local_rank == 0:  # one line per node
-            host = memory_check.host_memory_line(cfg, env.local_world_size, memory_check.available_host_memory())
+        # one line per node, where pinned host memory is held (a GPU run's)
+        if (env.device.type == "cuda" or cfg.rollout.engine == "vllm") and env.local_rank == 0:
+            host = memory_check.host_memory_line(cfg, env.world_size, env.local_world_size,
+                                                 memory_check.available_host_memory())
             if host is not None:
                 (log.info if host[1] else log.warning)(host[0])
     return plans[0]

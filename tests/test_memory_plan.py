@@ -275,21 +275,51 @@ def test_host_memory_line_for_the_engine_kept_at_sleep_level_1(tmp_path):
     from spmd_rl.config.memory_check import host_memory_line
     from spmd_rl.config.run_config import load_config
 
-    base = ['model.init="random"', 'model.path=""', 'model.arch="qwen2-7b"', 'model.tokenizer="char"']
+    base = ['model.init="random"', 'model.path=""', 'model.arch="qwen2-7b"', 'model.tokenizer="char"',
+            "trainer.save_every=-1"]
     cfg = load_config(os.path.join(ROOT, "configs", "qwen7b-lora.toml"), base)
     weights = 7_615_616_512 * 2  # Qwen2.5-7B's parameters (untied head) in bf16, TP = 1
-    line, fits = host_memory_line(cfg, 8, 512 * 2**30)
-    assert line.startswith("host memory: vLLM sleeps at level 1") and fits, line
-    assert f"{weights / 2**30:.1f} GiB per rank, {8 * weights / 2**30:.1f} GiB for this node's 8 rank(s)" in line, line
-    line, fits = host_memory_line(cfg, 8, 100 * 2**30)
+    line, fits = host_memory_line(cfg, 8, 8, 512 * 2**30)
+    assert line.startswith(f"host memory: {weights / 2**30:.1f} GiB per rank held for the run (vLLM weights asleep "
+                           "(sleep level 1)") and fits, line
+    assert f"{8 * weights / 2**30:.1f} GiB for this node's 8 rank(s)" in line, line
+    line, fits = host_memory_line(cfg, 8, 8, 100 * 2**30)
     assert not fits and 'model.lora_sync = "merged"' in line, line
     assert host_memory_line(load_config(os.path.join(ROOT, "configs", "qwen7b-lora.toml"),
-                                        [*base, "model.lora_sync=merged"]), 8, 100 * 2**30) is None
-    assert host_memory_line(load_config(os.path.join(ROOT, "configs", "qwen7b.toml"), base), 8, None) is None
+                                        [*base, "model.lora_sync=merged"]), 8, 8, 100 * 2**30) is None
+    assert host_memory_line(load_config(os.path.join(ROOT, "configs", "qwen7b.toml"), base), 8, 8, None) is None
+
+
+def test_host_memory_line_counts_offloaded_state_and_checkpoint_staging(tmp_path):
+    """rollout.offload_train_states keeps each rank's training state in pinned host buffers for the
+    run, and an asynchronous save keeps a staging copy of the trained models' parameters and moments:
+    PPO at 7B on 4 ranks of one node, counted by hand from the shape's parameter counts (the offloaded
+    part, 44.6 GiB, is what PPO at 7B on four H100s measured as memory/offloaded_gb: 44.58)."""
+    from spmd_rl.config.memory_check import host_memory_line
+    from spmd_rl.config.run_config import load_config
+
+    base = ['model.init="random"', 'model.path=""', 'model.arch="qwen2-7b"', 'model.tokenizer="char"',
+            'algorithm.adv_estimator="gae"', "rollout.offload_train_states=true"]
+    cfg = load_config(os.path.join(ROOT, "configs", "qwen7b.toml"), base)
+    actor = 7_615_616_512  # fp32 masters, 2 AdamW moments; the bf16 reference; the critic: no head, a value head
+    critic = actor - 152_064 * 3_584 + 3_584 + 1
+    ref = 2 * actor if cfg.use_reference else 0
+    offloaded = (12 * actor + 12 * critic + ref) / 4
+    staging = (12 * actor + 12 * critic) / 4
+    line, fits = host_memory_line(cfg, 4, 4, 1024 * 2**30)
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    assert fits and line == (f"host memory: {gib(offloaded + staging)} per rank held for the run (offloaded training "
+                             f"state {gib(offloaded)}, checkpoint staging (trainer.async_save) {gib(staging)}), "
+                             f"{gib(4 * (offloaded + staging))} for this node's 4 rank(s) of the 1024.0 GiB available"), line
+    line, fits = host_memory_line(cfg, 4, 4, 400 * 2**30)  # 342.4 GiB of 400: more than four fifths
+    assert not fits and line.endswith("too close to what the node has: rollout.offload_train_states = false; "
+                                      "trainer.async_save = false"), line
+    quiet = load_config(os.path.join(ROOT, "configs", "qwen7b.toml"), [*base[:-1], "trainer.async_save=false"])
+    assert host_memory_line(quiet, 4, 4, None) is None
 
 
 def test_the_host_memory_line_is_logged_once_per_node_with_the_adapter_sync(monkeypatch, caplog):
-    """build.check_memory adds the host-memory line on a node's first rank where vLLM sleeps at level 1."""
+    """build.check_memory adds the host-memory line on a node's first rank (here: vLLM asleep at level 1)."""
     import spmd_rl.build as build
 
     monkeypatch.setattr(build, "raise_together", lambda fn: fn())
@@ -301,4 +331,4 @@ def test_the_host_memory_line_is_logged_once_per_node_with_the_adapter_sync(monk
                                "local_world_size": 8})()
         with caplog.at_level(logging.INFO, logger="spmd_rl"):
             build.check_memory(cfg, env)
-        assert ("host memory: vLLM sleeps at level 1" in caplog.text) == logged, caplog.text
+        assert ("held for the run (vLLM weights asleep (sleep level 1)" in caplog.text) == logged, caplog.text

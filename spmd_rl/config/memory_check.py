@@ -235,20 +235,54 @@ def check_memory(cfg: Config, world_size: int, device_total: float | None) -> mp
     return plan
 
 
-def host_memory_line(cfg: Config, local_ranks: int, available: float | None) -> tuple[str, bool] | None:
-    """With vLLM at sleep level 1 (LoRA's adapter sync keeps the base there): the node's host memory the
-    sleeping engines hold, (the line, whether it fits `available` bytes with a fifth spare; True when
-    unknown). None at sleep level 2, which keeps nothing on the host."""
-    if cfg.rollout.engine != "vllm" or cfg.engine_sleep_level() != 1:
+def host_memory_parts(cfg: Config, world_size: int) -> dict[str, float]:
+    """What one rank keeps in (pinned) host memory for the whole run, in bytes, by what holds it:
+    vLLM's weights while it sleeps at level 1 (LoRA's adapter sync), the training state offloaded
+    while the engine generates (rollout.offload_train_states: spmd_rl/train/offload.py's buffers),
+    AdamW's moments kept there (actor.offload_optimizer), and an asynchronous checkpoint's staging
+    buffers (trainer.async_save: the trained models' parameters and moments)."""
+    shape = model_shape(cfg)
+    critic = model_shape(cfg, critic=True) if cfg.use_critic else None
+    roles, shard = roles_of(cfg, shape, critic), cfg.trainer.fsdp_size or world_size
+    parts = {}
+    if cfg.rollout.engine == "vllm" and cfg.engine_sleep_level() == 1:
+        parts["vLLM weights asleep (sleep level 1)"] = engine_of(cfg, shape).weight_bytes
+    if cfg.rollout.offload_train_states:
+        parts["offloaded training state"] = sum(r.param_bytes(shard) + r.resident_optimizer_bytes(shard) for r in roles)
+    if cfg.actor.offload_optimizer:
+        parts["actor's AdamW moments (actor.offload_optimizer)"] = sum(
+            r.optimizer_bytes(shard) for r in roles if r.trained and not r.optimizer_on_gpu)
+    if cfg.trainer.async_save and cfg.trainer.save_every != -1:
+        parts["checkpoint staging (trainer.async_save)"] = sum(
+            r.param_bytes(shard) + r.optimizer_bytes(shard) for r in roles if r.trained)
+    return {k: v for k, v in parts.items() if v > 0}
+
+
+HOST_FIXES = {
+    "vLLM weights asleep (sleep level 1)": 'model.lora_sync = "merged" (sleep level 2)',
+    "offloaded training state": "rollout.offload_train_states = false",
+    "actor's AdamW moments (actor.offload_optimizer)": "actor.offload_optimizer = false",
+    "checkpoint staging (trainer.async_save)": "trainer.async_save = false",
+}
+
+
+def host_memory_line(cfg: Config, world_size: int, local_ranks: int,
+                     available: float | None) -> tuple[str, bool] | None:
+    """The node's host memory held for the run (`host_memory_parts` x its ranks): (the line, whether it
+    fits `available` bytes with a fifth spare; True when unknown). None when nothing is held there."""
+    parts = host_memory_parts(cfg, world_size)
+    if not parts:
         return None
-    per_rank = engine_of(cfg, model_shape(cfg)).weight_bytes
+    per_rank = sum(parts.values())
     node = per_rank * local_ranks
     fits = available is None or node <= 0.8 * available
     room = "" if available is None else f" of the {_gib(available)} available"
-    return (f"host memory: vLLM sleeps at level 1 (rollout.sleep_level), keeping its weights in pinned host memory "
-            f"while training: {_gib(per_rank)} per rank, {_gib(node)} for this node's {local_ranks} "
-            f"rank(s){room}" + ("" if fits else
-            '; too close to what the node has: model.lora_sync = "merged" (sleep level 2) keeps nothing there'), fits)
+    held = ", ".join(f"{name} {_gib(b)}" for name, b in parts.items())
+    fixes = "; ".join(HOST_FIXES[name] for name in parts)
+    if not cfg.model.adapter_sync:  # sleep level 1 set by hand
+        fixes = fixes.replace(HOST_FIXES["vLLM weights asleep (sleep level 1)"], "rollout.sleep_level = 2")
+    return (f"host memory: {_gib(per_rank)} per rank held for the run ({held}), {_gib(node)} for this node's "
+            f"{local_ranks} rank(s){room}" + ("" if fits else f"; too close to what the node has: {fixes}"), fits)
 
 
 def available_host_memory() -> float | None:
