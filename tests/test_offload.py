@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from test_sharded_init import local
 from test_update import tiny_config
 
 STEPS = 3
@@ -55,10 +56,6 @@ def _full_state(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _state_bytes(models, opts) -> int:
     from spmd_rl.train.offload import state_storages
 
@@ -81,8 +78,8 @@ def _body(rank, world):
         assert offload.offload(models, opts) == want_bytes > 0
         with pytest.raises(RuntimeError, match="already offloaded"):
             offload.offload(models, opts)
-        held = [n for m in models for n, t in (*m.named_parameters(), *m.named_buffers()) if _local(t).untyped_storage().nbytes()]
-        held += [k for o in opts for s in o.state.values() for k, v in s.items() if k != "step" and _local(v).untyped_storage().nbytes()]
+        held = [n for m in models for n, t in (*m.named_parameters(), *m.named_buffers()) if local(t).untyped_storage().nbytes()]
+        held += [k for o in opts for s in o.state.values() for k, v in s.items() if k != "step" and local(v).untyped_storage().nbytes()]
         assert not held, f"offloaded storages still hold their bytes: {held}"
         assert not state_storages(models, opts, cpu)
         if buffers is None:
@@ -123,8 +120,7 @@ def _staging_body(rank, world, root):
 
     def recording_stage(self, state_dict):
         out = stage(self, state_dict)
-        staged.append({k: v.to_local().data_ptr() if hasattr(v, "to_local") else v.data_ptr()
-                       for k, v in out["actor"]["model"].items()})
+        staged.append({k: local(v).data_ptr() for k, v in out["actor"]["model"].items()})
         return out
 
     HostStager.stage = recording_stage

@@ -235,35 +235,32 @@ def check_memory(cfg: Config, world_size: int, device_total: float | None) -> mp
     return plan
 
 
-def host_memory_parts(cfg: Config, world_size: int) -> dict[str, float]:
-    """What one rank keeps in (pinned) host memory for the whole run, in bytes, by what holds it:
-    vLLM's weights while it sleeps at level 1 (LoRA's adapter sync), the training state offloaded
-    while the engine generates (rollout.offload_train_states: spmd_rl/train/offload.py's buffers),
-    AdamW's moments kept there (actor.offload_optimizer), and an asynchronous checkpoint's staging
-    buffers (trainer.async_save: the trained models' parameters and moments)."""
+def host_memory_parts(cfg: Config, world_size: int) -> dict[str, tuple[float, str]]:
+    """What one rank keeps in (pinned) host memory for the whole run, by what holds it: (bytes, the
+    switch that frees it). vLLM's weights while it sleeps at level 1 (LoRA's adapter sync), the
+    training state offloaded while the engine generates (rollout.offload_train_states:
+    spmd_rl/train/offload.py's buffers), AdamW's moments kept there (actor.offload_optimizer), and an
+    asynchronous checkpoint's staging buffers (trainer.async_save: the trained models' parameters and
+    moments)."""
     shape = model_shape(cfg)
     critic = model_shape(cfg, critic=True) if cfg.use_critic else None
     roles, shard = roles_of(cfg, shape, critic), cfg.trainer.fsdp_size or world_size
     parts = {}
     if cfg.rollout.engine == "vllm" and cfg.engine_sleep_level() == 1:
-        parts["vLLM weights asleep (sleep level 1)"] = engine_of(cfg, shape).weight_bytes
+        parts["vLLM weights asleep (sleep level 1)"] = (
+            engine_of(cfg, shape).weight_bytes,
+            'model.lora_sync = "merged" (sleep level 2)' if cfg.model.adapter_sync else "rollout.sleep_level = 2")
     if cfg.rollout.offload_train_states:
-        parts["offloaded training state"] = sum(r.param_bytes(shard) + r.resident_optimizer_bytes(shard) for r in roles)
+        parts["offloaded training state"] = (sum(mp.resident_state_bytes(roles, shard).values()),
+                                             "rollout.offload_train_states = false")
     if cfg.actor.offload_optimizer:
-        parts["actor's AdamW moments (actor.offload_optimizer)"] = sum(
-            r.optimizer_bytes(shard) for r in roles if r.trained and not r.optimizer_on_gpu)
+        parts["actor's AdamW moments (actor.offload_optimizer)"] = (
+            sum(r.optimizer_bytes(shard) for r in roles if r.trained and not r.optimizer_on_gpu),
+            "actor.offload_optimizer = false")
     if cfg.trainer.async_save and cfg.trainer.save_every != -1:
-        parts["checkpoint staging (trainer.async_save)"] = sum(
-            r.param_bytes(shard) + r.optimizer_bytes(shard) for r in roles if r.trained)
-    return {k: v for k, v in parts.items() if v > 0}
-
-
-HOST_FIXES = {
-    "vLLM weights asleep (sleep level 1)": 'model.lora_sync = "merged" (sleep level 2)',
-    "offloaded training state": "rollout.offload_train_states = false",
-    "actor's AdamW moments (actor.offload_optimizer)": "actor.offload_optimizer = false",
-    "checkpoint staging (trainer.async_save)": "trainer.async_save = false",
-}
+        parts["checkpoint staging (trainer.async_save)"] = (
+            sum(r.param_bytes(shard) + r.optimizer_bytes(shard) for r in roles if r.trained), "trainer.async_save = false")
+    return {name: part for name, part in parts.items() if part[0] > 0}
 
 
 def host_memory_line(cfg: Config, world_size: int, local_ranks: int,
@@ -273,14 +270,12 @@ def host_memory_line(cfg: Config, world_size: int, local_ranks: int,
     parts = host_memory_parts(cfg, world_size)
     if not parts:
         return None
-    per_rank = sum(parts.values())
+    per_rank = sum(b for b, _ in parts.values())
     node = per_rank * local_ranks
     fits = available is None or node <= 0.8 * available
     room = "" if available is None else f" of the {_gib(available)} available"
-    held = ", ".join(f"{name} {_gib(b)}" for name, b in parts.items())
-    fixes = "; ".join(HOST_FIXES[name] for name in parts)
-    if not cfg.model.adapter_sync:  # sleep level 1 set by hand
-        fixes = fixes.replace(HOST_FIXES["vLLM weights asleep (sleep level 1)"], "rollout.sleep_level = 2")
+    held = ", ".join(f"{name} {_gib(b)}" for name, (b, _) in parts.items())
+    fixes = "; ".join(fix for _, fix in parts.values())
     return (f"host memory: {_gib(per_rank)} per rank held for the run ({held}), {_gib(node)} for this node's "
             f"{local_ranks} rank(s){room}" + ("" if fits else f"; too close to what the node has: {fixes}"), fits)
 

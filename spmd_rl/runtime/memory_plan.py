@@ -324,12 +324,18 @@ def training_phases(roles: list[Role], shard: int, models: dict[str, tuple[Model
     return phases
 
 
+def resident_state_bytes(roles: list[Role], shard: int) -> dict[str, float]:
+    """Parameters and the optimizer state kept on the GPU between updates, per GPU: what stays there
+    while the engine generates, or what rollout.offload_train_states moves to the host."""
+    return {"params": sum(r.param_bytes(shard) for r in roles),
+            "optimizer": sum(r.resident_optimizer_bytes(shard) for r in roles)}
+
+
 def generation_phases(roles: list[Role], shard: int, engine: Engine, device_total: float, offload: bool,
                       overhead: float) -> list[Phase]:
     """The weight sync (training state resident, the engine's weights awake) and generation (the
     engine at its memory share; the training state resident unless offloaded)."""
-    state = {"params": sum(r.param_bytes(shard) for r in roles),
-             "optimizer": sum(r.resident_optimizer_bytes(shard) for r in roles)}
+    state = resident_state_bytes(roles, shard)
     if engine.kind == "hf":
         return [Phase("generation", {**state, "HF engine": engine.weight_bytes, "overhead": overhead})]
     share = engine.gpu_memory_utilization * device_total
