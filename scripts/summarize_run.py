@@ -108,18 +108,19 @@ def predicted_phases(log_text: str) -> tuple[dict[str, float], float | None]:
     return phases, card
 
 
-def measured_phases(rows: list[dict]) -> dict[str, dict]:
-    """Per phase of the start-up plan: the highest driver-view level at the end of any of its step
-    phases (memory/<phase>_device_gb, which phase) and the highest PyTorch peak, over all steps."""
+def measured_phases(rows: list[dict], plan_phases=()) -> dict[str, dict]:
+    """Per phase of the start-up plan (`plan_phases`: its names, which tell whether the training state
+    was offloaded): the highest driver-view level at the end of any of its step phases
+    (memory/<phase>_device_gb, which phase) and the highest PyTorch peak, over all steps."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's spmd_rl
     if root not in sys.path:
         sys.path.insert(0, root)
-    from spmd_rl.config.memory_check import PLAN_PHASE
+    from spmd_rl.config.memory_check import PLAN_PHASE, plan_phase
 
     out: dict[str, dict] = {}
     for row in rows:
-        for step_phase, plan_phase in PLAN_PHASE.items():
-            m = out.setdefault(plan_phase, {"device": None, "at": None, "peak": None})
+        for step_phase in PLAN_PHASE:
+            m = out.setdefault(plan_phase(step_phase, plan_phases), {"device": None, "at": None, "peak": None})
             dev, peak = row.get(f"memory/{step_phase}_device_gb"), row.get(f"memory/{step_phase}_peak_gb")
             if dev is not None and (m["device"] is None or dev > m["device"]):
                 m["device"], m["at"] = dev, f"{step_phase}, step {row['step']}"
@@ -134,7 +135,7 @@ def details(path: str) -> str:
     rows = read_steps(path, every_row)
     log_path = os.path.join(os.path.dirname(path), "trainer.log")
     predicted, card = predicted_phases(open(log_path).read() if os.path.isfile(log_path) else "")
-    measured = measured_phases(rows)
+    measured = measured_phases(rows, list(predicted))
     cards = f", {card:.1f} GiB cards" if card else ""
     out = [f"memory per GPU, predicted at start-up ({log_path}{cards}) against measured (the fullest GPU, highest "
            "step; device: driver view at the phase's end; PyTorch: its tensors' peak):",

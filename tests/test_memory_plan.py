@@ -227,6 +227,32 @@ def test_out_of_memory_in_a_phase_is_one_line_naming_it(tmp_path, capsys):
             raise RuntimeError("shapes differ")
 
 
+def test_with_offload_an_out_of_memory_in_the_weight_sync_names_the_weight_syncs_prediction(tmp_path):
+    """With rollout.offload_train_states, the weight sync, the offload and the reload hold the training state
+    beside the engine's weights: their out-of-memory line gives the weight sync's prediction, not generation's
+    (the engine alone); without offload the plan has no weight sync phase and generation covers them."""
+    from spmd_rl.trainer import PhaseTimer
+
+    cfg = qwen7b_config(tmp_path)
+    cfg.rollout.offload_train_states = True
+    plan = mc.plan_for(cfg, 2, H100_TOTAL)
+    for phase in ("weight_sync", "offload", "reload"):
+        with pytest.raises(mc.OutOfMemory) as e:
+            with PhaseTimer(torch.device("cpu"), plan)(phase):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+        assert f"{phase} phase (CUDA" in str(e.value) and "predicted weight sync: params 21.3 + " in str(e.value)
+        assert str(e.value).endswith(": set actor.offload_optimizer = true, use LoRA (model.lora_rank), or shard "
+                                     "over more GPUs")  # not the offload it already has
+    with pytest.raises(mc.OutOfMemory) as e:
+        with PhaseTimer(torch.device("cpu"), plan)("generate"):
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+    assert "predicted generation: vLLM 39.6 + vLLM asleep" in str(e.value)
+    assert str(e.value).endswith(": lower rollout.gpu_memory_utilization, or shard over more GPUs")
+    assert mc.plan_phase("generate", [p.name for p in plan.phases]) == "generation"
+    assert mc.plan_phase("weight_sync", [p.name for p in mc.plan_for(qwen7b_config(tmp_path), 2, H100_TOTAL).phases]) \
+        == "generation"
+
+
 def test_lora_adapter_count_equals_pefts_and_the_base_is_frozen_in_the_compute_dtype(tmp_path):
     """The adapter's parameter count against PEFT's own on a tiny Qwen2 built on the meta device (every
     linear layer, and two of them); with LoRA the plan holds the base once, in bf16, with no gradients or

@@ -75,14 +75,15 @@ def test_runs_with_and_without_the_old_logprob_pass_share_a_table(tmp_path):
     assert "old_logprob" not in only_shortcut and "| 4.000 |" in only_shortcut
 
 
-def shipped_7b_line(gpus: int, tmp_path) -> tuple[str, dict[str, float]]:
-    """The start-up memory line of configs/qwen7b.toml on `gpus` 80 GB cards, as the trainer logs it, and
-    its phases' GiB."""
+def shipped_7b_line(gpus: int, tmp_path, *overrides: str) -> tuple[str, dict[str, float]]:
+    """The start-up memory line of configs/qwen7b.toml (with `overrides`) on `gpus` 80 GB cards, as the
+    trainer logs it, and its phases' GiB."""
     from spmd_rl.config.memory_check import plan_for
     from spmd_rl.config.run_config import load_config
 
     cfg = load_config(str(REPO / "configs" / "qwen7b.toml"), ['model.init="random"', 'model.arch="qwen2-7b"',
-                                                              'model.path=""', f'trainer.run_dir="{tmp_path}"'])
+                                                              'model.path=""', f'trainer.run_dir="{tmp_path}"',
+                                                              *overrides])
     plan = plan_for(cfg, gpus, 79.2 * 2**30)
     return plan.line(), {p.name: round(p.total / 2**30, 1) for p in plan.phases}
 
@@ -113,6 +114,25 @@ def test_details_predicted_against_measured_stall_startup_and_sync(tmp_path):
                           f"qwen7b={tmp_path / 'metrics.jsonl'}"],
                          capture_output=True, text=True, check=True).stdout
     assert cli.startswith("| run |") and "\nqwen7b:\nmemory per GPU, predicted at start-up" in cli and out in cli
+
+
+def test_details_with_offload_sets_the_weight_sync_beside_its_own_prediction(tmp_path):
+    """With rollout.offload_train_states the plan predicts the weight sync (training state and the engine's
+    weights) apart from generation (the engine alone): the weight sync, offload and reload levels go to the
+    first, the rest of the rollout to the second. Before, the weight sync's level (the 7B PPO run on four
+    GPUs: 60.8 GiB) was set against generation's 43.8 as +39%."""
+    line, phases = shipped_7b_line(2, tmp_path, "rollout.offload_train_states=true")
+    assert set(phases) >= {"generation", "weight sync"} and phases["weight sync"] > phases["generation"] + 10
+    (tmp_path / "trainer.log").write_text(f"12:00:01 [r0] INFO spmd_rl: {line}\n")
+    rows = [{"step": s, "time/step": 20.0, "memory/wake_device_gb": 44.0, "memory/weight_sync_device_gb": 60.0 + s,
+             "memory/weight_sync_peak_gb": 50.0, "memory/offload_device_gb": 55.0, "memory/generate_device_gb": 45.0,
+             "memory/generate_peak_gb": 46.0 + s, "memory/reload_device_gb": 52.0, "memory/reload_peak_gb": 47.0}
+            for s in (1, 2)]
+    write_rows(tmp_path / "metrics.jsonl", rows)
+    out = summarize_run.details(str(tmp_path / "metrics.jsonl"))
+    sync, gen = phases["weight sync"], phases["generation"]
+    assert f"| weight sync | {sync:.1f} | 62.0 (weight_sync, step 2) | 50.0 | {(62.0 - sync) / sync:+.1%} |" in out, out
+    assert f"| generation | {gen:.1f} | 45.0 (generate, step 1) | 48.0 | {(45.0 - gen) / gen:+.1%} |" in out, out
 
 
 def test_scaling_table_efficiency_against_one_gpu(tmp_path):

@@ -30,7 +30,19 @@ PLAN_PHASE = {"wake": "generation", "weight_sync": "generation", "offload": "gen
               "sleep": "generation", "reload": "generation", "old_logprob": "log-prob pass",
               "ref_logprob": "log-prob pass", "values": "log-prob pass", "update_actor": "actor update",
               "update_critic": "critic update"}
-"""The plan's phase of each step phase the trainer times (PhaseTimer names)."""
+"""The plan's phase of each step phase the trainer times (PhaseTimer names), without offload (plan_phase)."""
+
+OFFLOAD_PLAN_PHASE = {"weight_sync": "weight sync", "offload": "weight sync", "reload": "weight sync"}
+"""With rollout.offload_train_states the plan has a "weight sync" phase: the weights stream into the
+engine, and the state leaves and comes back, while the engine holds its weights but no KV cache."""
+
+
+def plan_phase(step_phase: str, plan_phases) -> str:
+    """The phase among `plan_phases` (names) whose prediction covers the trainer's `step_phase`
+    ("" for a step phase no prediction covers)."""
+    if "weight sync" in plan_phases and step_phase in OFFLOAD_PLAN_PHASE:
+        return OFFLOAD_PLAN_PHASE[step_phase]
+    return PLAN_PHASE.get(step_phase, "")
 
 
 class MemoryPlanError(UserError):
@@ -296,15 +308,19 @@ def out_of_memory_message(step_phase: str, plan: mp.MemoryPlan | None, error: Ba
     """One line for an out-of-memory error in the trainer's `step_phase` (a PhaseTimer name)."""
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
     first = first[:200] + ("..." if len(first) > 200 else "")
-    name = PLAN_PHASE.get(step_phase, "")
+    names = [] if plan is None else [p.name for p in plan.phases]
+    name = plan_phase(step_phase, names)
     predicted = ""
     if plan is not None:
         phase = next((p for p in plan.phases if p.name == name), plan.peak)
         of = f" of the GPU's {_gib(plan.device_total)}" if plan.device_total else ""
         predicted = f"; predicted {phase.describe()} GiB{of}"
-    if name in ("generation", "weight sync"):
-        fix = ("set rollout.offload_train_states = true, lower rollout.gpu_memory_utilization, or shard over more "
-               "GPUs")
+    offloaded = "weight sync" in names  # the plan's sign of rollout.offload_train_states
+    if name == "weight sync":  # the training state beside the engine's weights
+        fix = "set actor.offload_optimizer = true, use LoRA (model.lora_rank), or shard over more GPUs"
+    elif name == "generation":
+        fix = (("" if offloaded else "set rollout.offload_train_states = true, ")
+               + "lower rollout.gpu_memory_utilization, or shard over more GPUs")
     elif name == "log-prob pass":
         fix = "lower actor.logprob_max_token_len_per_gpu (critic.forward_max_token_len_per_gpu), or shard over more GPUs"
     else:
