@@ -104,8 +104,9 @@ class RolloutConfig:
     memory while the engine generates, and back before training (GPU only; spmd_rl/train/offload.py).
     The host buffers are pinned at the first offload and kept for the run: host RAM of the size of
     this rank's training state. Costs two copies of that state over PCIe a step (time/offload,
-    time/reload); worth it when the engine needs the memory (memory/offloaded_gb shows what it
-    frees)."""
+    time/reload: at 7B with a critic, 44.6 GiB a rank, 2.2 s and 1.3 s, after first offloads of
+    15-32 s that pin the buffers; docs/performance.md, "Two and four GPUs"); worth it when the
+    engine needs the memory (memory/offloaded_gb shows what it frees)."""
     compile_cache_dir: str = ""
     """vLLM's compilation cache (VLLM_CACHE_ROOT: torch.compile/Inductor/Triton artifacts), kept
     across restarts so a warm restart skips compilation; empty = <run_dir>/compile_cache. Point it
