@@ -14,7 +14,8 @@ prints the table; see docs/performance.md, "Checkpoint stall and restart".
   (b) the stall of a synchronous save (spmd_rl.checkpoint.checkpointer.Checkpointer, async_save=False): the
       whole write;
   (c) the stall of an asynchronous save (first save: host buffers allocated and pinned), then
-      the step seconds while that save is being written, its write seconds;
+      the step seconds while that save is being written, its write seconds (from the save's call,
+      the stall included, and after the stall) with --write-threads writer threads per rank;
   (d) the stall of every later asynchronous save: staging into the same, reused host buffers;
   (e) resume: seconds to load the checkpoint back into the FSDP model and optimizer (each rank
       reads its shards; the page cache may still hold the files: a lower bound on a cold disk).
@@ -40,6 +41,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from spmd_rl.checkpoint import checkpointer as checkpointer_module  # noqa: E402
 from spmd_rl.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer  # noqa: E402
 from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
 from spmd_rl.model.loading import allocate_meta_model, apply_fsdp, random_model_config  # noqa: E402
@@ -125,9 +127,10 @@ def phase_save(args, env, say) -> dict:
     while not all_ranks_true(not ck.in_flight(), env.device):  # every rank runs the same number of steps
         in_flight.append(step())
     ck.wait()
-    res["async_write_s"] = time.perf_counter() - t0
+    res["async_write_s"] = time.perf_counter() - t0  # from the save's call: the stall included
     res["steps_in_flight_s"] = in_flight
-    say("async first stall", res["async_first_stall_s"], "write", res["async_write_s"], "steps in flight", in_flight)
+    say("async first stall", res["async_first_stall_s"], "write (from the call, stall included)", res["async_write_s"],
+        "steps in flight", in_flight)
     # What every later save waits for: staging into the host buffers the first save allocated (the
     # same call Checkpointer.save makes, without writing another ~85 GiB).
     stager = ck._stager
@@ -141,12 +144,13 @@ def phase_save(args, env, say) -> dict:
     idle = statistics.median(res["steps_idle_s"])
     busy = statistics.median(in_flight) if in_flight else float("nan")
     res["summary"] = {
-        "state_GiB_per_rank": round(res["state_GiB_per_rank"], 1),
+        "state_GiB_per_rank": round(res["state_GiB_per_rank"], 1), "write_threads": checkpointer_module.WRITE_THREADS,
         "step_s_idle": round(idle, 2), "step_s_save_in_flight": round(busy, 2),
         "slowdown_in_flight": round(busy / idle - 1, 3),
         "stall_sync_s": round(res["sync_stall_s"], 1), "stall_async_first_s": round(res["async_first_stall_s"], 1),
         "stall_async_s": round(min(res["async_stall_s"]), 1), "async_write_s": round(res["async_write_s"], 1),
-        "write_GBps_per_rank": round(res["state_GiB_per_rank"] * 2**30 / 1e9 / res["sync_stall_s"], 2),
+        "async_write_after_stall_s": round(res["async_write_s"] - res["async_first_stall_s"], 1),
+        "sync_write_GBps_per_rank": round(res["state_GiB_per_rank"] * 2**30 / 1e9 / res["sync_stall_s"], 2),
         "load_s": round(res["load_s"], 1),
     }
     return res
@@ -191,10 +195,15 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/spmd_rl_bench_checkpoint", help="checkpoints / model config (local disk)")
     ap.add_argument("--cache", default="/tmp/spmd_rl_bench_vllm_cache", help="VLLM_CACHE_ROOT of --phase engine")
     ap.add_argument("--out", default="/tmp/bench_checkpoint")
+    ap.add_argument("--write-threads", type=int, default=0,
+                    help="threads (and files) per rank that write a checkpoint; 0: the checkpointer's WRITE_THREADS")
     args = ap.parse_args()
+    if args.write_threads:  # what the step's slowdown while a save is written depends on, if anything
+        checkpointer_module.WRITE_THREADS = args.write_threads
     env = init_distributed("auto")
     say = (lambda *a: print("[bench r0]", *a, flush=True)) if env.rank == 0 else (lambda *a: None)
     res = {"phase": args.phase, "arch": args.arch, "world": env.world_size, "torch": torch.__version__,
+           "write_threads": checkpointer_module.WRITE_THREADS,
            "device": torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu", "args": vars(args)}
     res.update(phase_save(args, env, say) if args.phase == "save" else phase_engine(args, env, say))
     if env.rank == 0:

@@ -9,6 +9,7 @@
 #   e.g. bash scripts/bench/bench_checkpoint.sh $OUT qwen2-7b /tmp/ckbench
 #        BENCH_NPROC=1 BENCH_PHASES=save bash scripts/bench/bench_checkpoint.sh $OUT qwen2-1.5b /tmp/ckbench  (one GPU)
 #
+# BENCH_WRITE_THREADS sets the save phase's writer threads per rank (default: the checkpointer's WRITE_THREADS).
 # BENCH_PHASES picks phases (default "engine save"; split them over two calls if one is too short). CKPT_DIR must be on a local disk with room
 # for one checkpoint (qwen2-7b: ~85 GiB: fp32 weights + 2 Adam moments).
 set -uo pipefail
@@ -28,7 +29,7 @@ run() {  # name, args...
 }
 for phase in ${BENCH_PHASES:-engine save}; do  # engine first: the save phase prints as it goes
   if [ "$phase" = save ]; then
-    run save --phase save
+    run save --phase save ${BENCH_WRITE_THREADS:+--write-threads "$BENCH_WRITE_THREADS"}
   else
     rm -rf "$CACHE"
     run engine_cold --phase engine --tp "${BENCH_NPROC:-2}" --cache "$CACHE"
