@@ -32,16 +32,17 @@ PLAN_PHASE = {"wake": "generation", "weight_sync": "generation", "offload": "gen
               "update_critic": "critic update"}
 """The plan's phase of each step phase the trainer times (PhaseTimer names), without offload (plan_phase)."""
 
-OFFLOAD_PLAN_PHASE = {"weight_sync": "weight sync", "offload": "weight sync", "reload": "weight sync"}
-"""With rollout.offload_train_states the plan has a "weight sync" phase: the weights stream into the
-engine, and the state leaves and comes back, while the engine holds its weights but no KV cache."""
+WEIGHT_SYNC_STEP_PHASES = ("weight_sync", "offload", "reload")
+"""With rollout.offload_train_states the plan has a "weight sync" phase, which covers these step
+phases: the weights stream into the engine, and the state leaves and comes back, while the engine
+holds its weights but no KV cache."""
 
 
 def plan_phase(step_phase: str, plan_phases) -> str:
     """The phase among `plan_phases` (names) whose prediction covers the trainer's `step_phase`
     ("" for a step phase no prediction covers)."""
-    if "weight sync" in plan_phases and step_phase in OFFLOAD_PLAN_PHASE:
-        return OFFLOAD_PLAN_PHASE[step_phase]
+    if step_phase in WEIGHT_SYNC_STEP_PHASES and "weight sync" in plan_phases:
+        return "weight sync"
     return PLAN_PHASE.get(step_phase, "")
 
 
