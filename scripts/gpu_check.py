@@ -44,7 +44,8 @@ wrapper's set-up time already spent counted in): the call runs the first group a
 table of the calls before, kept in GPU_CHECK_WORK on the same machine). A plan longer than one
 machine's loan goes on on another machine of the same kind: every call writes OUT/results.json (its
 rows and those before, the code's fingerprint, the machine), and `--continue FILE` starts from such
-a file. Rows of other code are refused (`earlier_results`: the fingerprint is a hash of the files
+a file (a --continue whose file is not there is refused before any check runs: the table would lose
+the earlier rows). Rows of other code are refused (`earlier_results`: the fingerprint is a hash of the files
 that decide what the checks run), and the table names every machine its rows ran on.
 `--plan --max-call-s S --gpus N [--gpu-gib G]` prints the calls without running anything.
 
@@ -93,6 +94,8 @@ TRAINER_TEST = "tests/gpu/test_trainer_gpu.py::test_training_steps_with_vllm"
 LEARNING_TEST = "tests/gpu/test_learning_gpu.py::test_learns"
 PYTEST: tuple[str, ...] = (sys.executable, "-m", "pytest")
 """The command that runs a check's tests (a CPU test puts a fake pytest in its place)."""
+THIS_MACHINE = "this machine"
+"""--continue without FILE: the results of the calls before on this machine (WORK/results.json)."""
 TAIL_S = 20.0
 """Seconds a call needs after its checks: results, the logs tarball, the table."""
 MULTITURN_TEST = "tests/gpu/test_multiturn_learning_gpu.py::test_learns_a_task_that_needs_the_environment"
@@ -679,7 +682,7 @@ def main() -> int:
     ap.add_argument("--max-call-s", type=float, default=0,
                     help="the longest one command may run: run the checks that fit, then print the next command")
     ap.add_argument("--only", default="", help="comma-separated check names (default: all), in PLAN's order")
-    ap.add_argument("--continue", dest="cont", nargs="?", const=str(WORK / "results.json"), default="",
+    ap.add_argument("--continue", dest="cont", nargs="?", const=THIS_MACHINE, default="",
                     help="add to the table of earlier calls (on this machine, or FILE: an earlier call's "
                          "OUT/results.json, of the same code); without --only, run the checks they have not run")
     ap.add_argument("--plan", action="store_true", help="print the expected schedule (and the calls) and exit")
@@ -705,11 +708,12 @@ def main() -> int:
               + "; ".join(by_memory), flush=True)
     checks = [c for c in plan if not only or c.name in only]
     saved, code = WORK / "results.json", code_fingerprint()
-    given = Path(args.cont) if args.cont else None
+    given = (saved if args.cont == THIS_MACHINE else Path(args.cont)) if args.cont else None
+    if given and not args.plan and not given.is_file():
+        ap.error(f"--continue: no earlier results in {given} (a fresh machine, or a path on another one): copy "
+                 "the earlier call's OUT/results.json to this machine and pass it (--continue FILE), or drop "
+                 "--continue to start a new table")
     earlier = earlier_results(given, code) if given and given.is_file() else {"rows": [], "seconds": 0.0}
-    if given and not given.is_file():
-        print(f"[gpu_check] --continue: no earlier results in {given} (a fresh machine?): this call's table "
-              "holds only its own checks", flush=True)
     earlier_rows = [Row(**r) for r in earlier["rows"]]
     if args.cont and not only:  # the checks the earlier calls have not run
         ran = {r.check for r in earlier_rows if r.result != "NOT RUN"}

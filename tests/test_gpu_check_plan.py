@@ -322,6 +322,21 @@ def test_a_table_goes_on_on_another_machine_of_the_same_code_only(monkeypatch, t
         _call(monkeypatch, tmp_path, "4x H100 c", "ppo", ["--continue", str(out / "results.json")])
 
 
+def test_continue_from_results_that_are_not_there_stops_before_any_check(monkeypatch, tmp_path):
+    """--continue FILE where FILE is missing (a path of the other machine, a copy not made), or plain
+    --continue on a fresh machine: one error naming the file and the fix, and no check runs (a table
+    that silently dropped the earlier rows would run them again, or total PASS without them)."""
+    ran = []
+    monkeypatch.setattr(gpu_check, "pytest_runner", lambda out: ran.append(out))
+    for argv in (["--continue", str(tmp_path / "elsewhere" / "results.json")], ["--continue"]):
+        with pytest.raises(SystemExit) as e:
+            _call(monkeypatch, tmp_path, "4x H100 fresh", "offload", argv)
+        assert e.value.code == 2
+        assert ran == []
+    code, out = _call(monkeypatch, tmp_path, "4x H100 fresh", "offload", [])
+    assert code == 0 and (out / "results.json").is_file()
+
+
 def test_the_code_fingerprint_follows_the_code_not_the_caches(tmp_path):
     (tmp_path / "spmd_rl" / "__pycache__").mkdir(parents=True)
     (tmp_path / "spmd_rl" / "a.py").write_text("x = 1\n")
