@@ -203,7 +203,6 @@ def main() -> None:
     env = init_distributed("auto")
     say = (lambda *a: print("[bench r0]", *a, flush=True)) if env.rank == 0 else (lambda *a: None)
     res = {"phase": args.phase, "arch": args.arch, "world": env.world_size, "torch": torch.__version__,
-           "write_threads": checkpointer_module.WRITE_THREADS,
            "device": torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu", "args": vars(args)}
     res.update(phase_save(args, env, say) if args.phase == "save" else phase_engine(args, env, say))
     if env.rank == 0:
