@@ -58,8 +58,8 @@ and the 7B one writes and reads an 86 GB checkpoint (40 s each way); families an
 presets 417-454 s, which their seconds now are). The whole plan was about 30 minutes on
 2xH200 and 27 on one GPU (the 2-GPU checks n/a) before families and reward-model (about 5 minutes
 of 1-GPU work) and the LoRA rows (about 25); on two 80 GB GPUs preset-7b is n/a (it needs 4 of
-them): with --max-call-s 570 and a quick set-up, 4 calls on four 80 GB GPUs, 7 on two 141 GB GPUs,
-6 on two 80 GB ones, 8 on one (the tool preset at TP=2 needs two GPUs).
+them): with --max-call-s 570 and a quick set-up, 2 calls on eight 80 GB GPUs, 4 calls on four 80 GB GPUs,
+7 on two 141 GB GPUs, 6 on two 80 GB ones, 8 on one (the tool preset at TP=2 needs two GPUs).
 """
 
 from __future__ import annotations
@@ -288,8 +288,11 @@ def schedule(checks: list[Check], n_gpus: int, budget_s: float, runner: Runner, 
 
 def expected_schedule(checks: list[Check], n_gpus: int) -> tuple[list[str], float]:
     """The schedule the expected seconds give (printed at start, before any GPU time is spent):
-    its lines and its expected total seconds."""
-    t = [0.0] * n_gpus
+    its lines and its expected total seconds. It places the checks as `schedule` does: each on the
+    GPUs that are free first (a check of several GPUs waits for as many, not for all the machine's,
+    and no check after it starts before it), a small one beside the others."""
+    t = [0.0] * n_gpus  # when each GPU's checks end
+    after = 0.0  # no check starts before a check of several GPUs placed before it
     alone_until = 0.0  # a small check starts after the alone checks placed before it
     end = 0.0
     lines = []
@@ -302,16 +305,14 @@ def expected_schedule(checks: list[Check], n_gpus: int) -> tuple[list[str], floa
                          f"{alone_until:5.0f} -> {alone_until + c.secs:5.0f}s")
             end = max(end, alone_until + c.secs)
             continue
-        if c.gpus == 1:
-            g = min(range(n_gpus), key=lambda k: t[k])
-            lines.append(f"  {c.name:14s} GPU {g}: {t[g]:5.0f} -> {t[g] + c.secs:5.0f}s")
-            t[g] += c.secs
-            finish = t[g]
-        else:
-            begin = max(t)
-            lines.append(f"  {c.name:14s} GPU {_label(tuple(range(c.gpus)))}: {begin:5.0f} -> {begin + c.secs:5.0f}s")
-            t = [begin + c.secs if g < c.gpus else max(t[g], begin) for g in range(n_gpus)]
-            finish = begin + c.secs
+        gpus = tuple(sorted(sorted(range(n_gpus), key=lambda g: (t[g], g))[:c.gpus]))
+        begin = max([after, *(t[g] for g in gpus)])
+        finish = begin + c.secs
+        lines.append(f"  {c.name:14s} GPU {_label(gpus)}: {begin:5.0f} -> {finish:5.0f}s")
+        for g in gpus:
+            t[g] = finish
+        if c.gpus > 1:
+            after = begin
         if c.alone:
             alone_until = max(alone_until, finish)
     total = max([end, *t])

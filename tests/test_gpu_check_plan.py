@@ -276,7 +276,7 @@ def test_table_names_the_gpus_of_every_row_and_fails_on_not_run():
 
 
 @pytest.mark.parametrize("n_gpus, gpu_gib, n_calls", [(1, H100_GIB, 8), (2, H100_GIB, 6), (2, H200_GIB, 7),
-                                                     (4, H100_GIB, 4)])
+                                                     (4, H100_GIB, 4), (8, H100_GIB, 2)])
 def test_the_plan_splits_into_calls_that_each_fit(n_gpus, gpu_gib, n_calls):
     """--max-call-s 570 (a 10-minute device call): every check in one call, in PLAN order, each
     call's expected schedule within what the call leaves for checks; the docstring's call counts."""
@@ -290,7 +290,8 @@ def test_the_plan_splits_into_calls_that_each_fit(n_gpus, gpu_gib, n_calls):
         assert gpu_check.expected_schedule(group, n_gpus)[1] <= limit, [c.name for c in group]
     assert len(calls) == n_calls
     said = {(1, H100_GIB): f"{n_calls} on one", (2, H100_GIB): f"{n_calls} on two 80 GB ones",
-            (2, H200_GIB): f"{n_calls} on two 141 GB GPUs", (4, H100_GIB): f"{n_calls} calls on four 80 GB GPUs"}[
+            (2, H200_GIB): f"{n_calls} on two 141 GB GPUs", (4, H100_GIB): f"{n_calls} calls on four 80 GB GPUs",
+            (8, H100_GIB): f"{n_calls} calls on eight 80 GB GPUs"}[
         n_gpus, gpu_gib]
     assert said in " ".join(gpu_check.__doc__.split()), f"gpu_check's docstring should say '{said}'"
 
@@ -352,6 +353,24 @@ def test_expected_schedule_puts_small_checks_after_an_alone_one():
     checks = [C("big", ("x",), gpus=2, secs=100, alone=True), C("tiny", ("x",), secs=30, small=True)]
     assert gpu_check.expected_schedule(checks, 2)[1] == 130
     assert gpu_check.expected_schedule([C("tiny", ("x",), secs=30, small=True)], 1)[1] == 30
+
+
+@pytest.mark.parametrize("n_gpus, checks", [
+    (8, [C("7b", ("x",), gpus=4, secs=40, alone=True), C("long", ("x",), gpus=2, secs=25),
+         C("uly", ("x",), gpus=2, secs=15), C("tp2", ("x",), gpus=2, secs=33), C("k", ("x",), secs=15),
+         C("fam", ("x",), secs=23)]),
+    (4, [C("a", ("x",), secs=30), C("b", ("x",), secs=20), C("pair", ("x",), gpus=2, secs=10),
+         C("c", ("x",), secs=10), C("pair2", ("x",), gpus=2, secs=25), C("d", ("x",), secs=5)]),
+    (2, [C("a", ("x",), secs=30), C("b", ("x",), secs=20), C("pair", ("x",), gpus=2, secs=10), C("c", ("x",), secs=10)]),
+])
+def test_expected_schedule_ends_when_the_scheduler_does(n_gpus, checks):
+    """The plan's expected total (what --max-call-s splits the calls by) against the scheduler itself,
+    run with checks that take exactly their expected seconds: checks of several GPUs run side by side
+    where the machine has GPUs for them (on eight GPUs the 7B preset on four, and two pairs at once)."""
+    rows, ran = fake_run(checks, n_gpus, 1000, {c.name: c.secs for c in checks})
+    assert all(r.result == "PASS" for r in rows)
+    took = max(end for _, _, end, _ in ran.values()) * 100
+    assert gpu_check.expected_schedule(checks, n_gpus)[1] == pytest.approx(took, rel=0.1), ran
 
 
 def test_a_check_longer_than_a_call_gets_a_call_of_its_own():
