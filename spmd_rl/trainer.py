@@ -377,6 +377,8 @@ class Trainer:
             corr_metrics = actor_update_batch(batch, cfg.algorithm, self.device)[1]
         self.step += 1
         timer.metrics["time/step"] = time.perf_counter() - t_step
+        # the slowest rank's generation: every rank waits for it at the next collective (metrics.rank_reduction)
+        timer.metrics["time/generate_max"] = timer.metrics["time/generate"]
         metrics = self.step_metrics(batch, timer.metrics, extra)
         metrics.update({f"actor/{k}": v for k, v in am.items()})
         if self.critic is not None:

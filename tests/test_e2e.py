@@ -137,6 +137,8 @@ def test_balance_ranks_keeps_the_update_and_evens_the_ranks_tokens(tmp_path):
         before, after = on[step]["batch/rank_tokens_max_over_mean_before"], on[step]["batch/rank_tokens_max_over_mean_after"]
         assert 1.0 <= after <= before, (step, before, after)
         assert "batch/rank_tokens_max_over_mean_before" not in off[step]
+        # the slowest rank's generation, beside the ranks' mean (metrics.rank_reduction)
+        assert on[step]["time/generate_max"] >= on[step]["time/generate"] > 0, step
 
 
 ALGOS = {

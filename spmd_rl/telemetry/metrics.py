@@ -15,8 +15,11 @@ log = logging.getLogger("spmd_rl")
 
 def rank_reduction(key: str) -> str:
     """How a step metric combines over ranks: a memory figure is the fullest GPU's (the highest
-    peak and device level, the least free memory, the smallest card), the rest the mean."""
+    peak and device level, the least free memory, the smallest card), a `time/<phase>_max` the
+    slowest rank's seconds, the rest (phase seconds included) the mean."""
     if key.startswith("memory/") and key.endswith(("_peak_gb", "_device_gb")):
+        return "max"
+    if key.startswith("time/") and key.endswith("_max"):
         return "max"
     if key in ("memory/free_after_sleep_gb", "memory/device_total_gb"):
         return "min"
