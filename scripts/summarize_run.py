@@ -15,7 +15,8 @@ peak per GPU` line of the trainer.log beside metrics.jsonl) against the measured
 every step, the checkpoint stalls, each process's start-up and checkpoint load, and the weight sync
 of every step.
 --scaling prints weak scaling instead (NAME is the run's GPU count; its prompts per step are read
-from the config.toml beside metrics.jsonl): step, generate and update seconds, efficiency t(1)/t(k).
+from the config.toml beside metrics.jsonl): step, generate (the ranks' mean and the slowest rank's, which
+every rank waits for) and update seconds, efficiency t(1)/t(k).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def summarize(rows: list[dict]) -> dict:
     for phase in PHASES:
         out[f"time/{phase}"] = mean(f"time/{phase}")
     for key in ("perf/tokens_per_sec_per_gpu", "perf/mfu_update_actor", "rollout/logprob_diff_mean",
-                "rollout/mismatch_kl"):
+                "rollout/mismatch_kl", "time/generate_max"):
         out[key] = mean(key)
     diff_max = [r["rollout/logprob_diff_max"] for r in rows if "rollout/logprob_diff_max" in r]
     out["rollout/logprob_diff_max"] = max(diff_max) if diff_max else None
@@ -173,8 +174,8 @@ def scaling_table(runs: list[tuple[int, str]]) -> str:
     """Weak scaling (module docstring, --scaling): one row per GPU count, efficiency against 1 GPU."""
     import tomllib
 
-    lines = ["| GPUs | prompts | steps | step s | generate s | update s | efficiency vs 1 GPU |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| GPUs | prompts | steps | step s | generate s | generate s, slowest rank | update s | efficiency vs 1 GPU |",
+             "|---|---|---|---|---|---|---|---|"]
     summaries = {gpus: summarize(read_steps(path)) for gpus, path in runs}
     one = summaries.get(1, {}).get("time/step")
     for gpus, path in sorted(runs):
@@ -182,7 +183,8 @@ def scaling_table(runs: list[tuple[int, str]]) -> str:
         prompts = tomllib.load(open(config, "rb"))["data"]["train_batch_size"] if os.path.isfile(config) else None
         eff = one / s["time/step"] if one and s["time/step"] else None
         lines.append(f"| {gpus} | {prompts if prompts is not None else '–'} | {s['steps']} | {fmt(s['time/step'])} | "
-                     f"{fmt(s['time/generate'])} | {fmt(s['time/update_actor'])} | {fmt(eff, '{:.1%}')} |")
+                     f"{fmt(s['time/generate'])} | {fmt(s['time/generate_max'])} | {fmt(s['time/update_actor'])} | "
+                     f"{fmt(eff, '{:.1%}')} |")
     return "\n".join(lines)
 
 

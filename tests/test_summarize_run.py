@@ -137,7 +137,7 @@ def test_details_with_offload_sets_the_weight_sync_beside_its_own_prediction(tmp
 
 def test_scaling_table_efficiency_against_one_gpu(tmp_path):
     """--scaling: one row per GPU count (sorted), prompts from the config.toml beside the metrics, steady step
-    means, t(1)/t(k)."""
+    means (generation: the ranks' mean and the slowest rank's), t(1)/t(k)."""
     specs = []
     for k, step in ((4, 12.5), (1, 10.0), (2, 11.0)):
         run = tmp_path / f"gpus{k}"
@@ -145,10 +145,10 @@ def test_scaling_table_efficiency_against_one_gpu(tmp_path):
         (run / "config.toml").write_text(f"[data]\ntrain_batch_size = {64 * k}\n")
         write_rows(run / "metrics.jsonl", [{"step": 1, "time/step": 60.0, "time/generate": 30.0},
                                            {"step": 2, "time/step": step, "time/generate": 6.0,
-                                            "time/update_actor": 4.0}])
+                                            "time/generate_max": 6.0 + step - 10.0, "time/update_actor": 4.0}])
         specs.append(f"{k}={run / 'metrics.jsonl'}")
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "summarize_run.py"), "--scaling", *specs],
                          capture_output=True, text=True, check=True).stdout.splitlines()
-    assert out[2:] == ["| 1 | 64 | 2 | 10.000 | 6.000 | 4.000 | 100.0% |",
-                       "| 2 | 128 | 2 | 11.000 | 6.000 | 4.000 | 90.9% |",
-                       "| 4 | 256 | 2 | 12.500 | 6.000 | 4.000 | 80.0% |"], out
+    assert out[2:] == ["| 1 | 64 | 2 | 10.000 | 6.000 | 6.000 | 4.000 | 100.0% |",
+                       "| 2 | 128 | 2 | 11.000 | 6.000 | 7.000 | 4.000 | 90.9% |",
+                       "| 4 | 256 | 2 | 12.500 | 6.000 | 8.500 | 4.000 | 80.0% |"], out

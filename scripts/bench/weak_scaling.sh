@@ -3,8 +3,8 @@
 # x 8 samples on one GPU, k x 64 prompts on k GPUs, so that every GPU generates and trains the same 512 responses a
 # step. The mini-batch grows with the batch (actor.ppo_mini_batch_size = 64 x k): one optimizer step a step on every
 # count, on-policy, no old log-prob pass, as on one GPU (with 64 it would take k optimizer steps and that pass).
-# Then one table: GPUs, prompts, step s (mean of the steps after the first), generate s, update s, and the
-# efficiency t(1)/t(k) against one GPU (target >= 90%).
+# Then one table: GPUs, prompts, step s (mean of the steps after the first), generate s (the ranks' mean and the
+# slowest rank's, which every rank waits for), update s, and the efficiency t(1)/t(k) against one GPU (target >= 90%).
 #
 #   bash scripts/bench/weak_scaling.sh OUT [GPU COUNTS] [EXTRA OVERRIDES...]
 #   e.g. bash scripts/bench/weak_scaling.sh $OUT                 (1 2 4 8, those above the visible GPUs left out)
