@@ -233,7 +233,7 @@ def test_hsdp_run_on_4_ranks_resumes_on_2_with_another_fsdp_size(tmp_path):
     from test_e2e import read_metrics, run, torchrun_cmd
 
     run_dir = tmp_path / "run"
-    common = [f"trainer.run_dir={run_dir}", f'data.train_files=["{tmp_path}/data/train.parquet"]', "data.val_files=[]",
+    common = [f"trainer.run_dir={run_dir}", "data.val_files=[]",
               "data.synthetic_size=64", "trainer.val_every=0", "trainer.tensorboard=false",
               "actor.micro_batch_size_per_gpu=8", 'algorithm.adv_estimator="gae"', "actor.use_kl_loss=true"]
     out = run(torchrun_cmd(4, *common, "trainer.total_steps=2", "trainer.fsdp_size=2"))
