@@ -78,14 +78,17 @@ def resume_target(checkpointer: Checkpointer, resume: str) -> str | None:
 
 
 def check_memory(cfg: Config, env: DistEnv) -> MemoryPlan | None:
-    """Each GPU's predicted peak memory (spmd_rl/runtime/memory_plan.py), logged as one line; a run
-    predicted not to fit stops here on every rank, before any model loads (trainer.memory_check).
-    Collective. None: trainer.memory_check = "off", or a model shape the formula cannot read."""
-    total = torch.cuda.mem_get_info(env.device)[1] if env.device.type == "cuda" else None
+    """Each GPU's predicted peak memory (spmd_rl/runtime/memory_plan.py), logged as one line on a
+    GPU (a CPU run has no GPU memory to predict: no line); a run predicted not to fit stops here on
+    every rank, before any model loads (trainer.memory_check). Collective. None:
+    trainer.memory_check = "off", or a model shape the formula cannot read."""
+    on_gpu = env.device.type == "cuda"
+    total = torch.cuda.mem_get_info(env.device)[1] if on_gpu else None
     plans: list[MemoryPlan | None] = []
     raise_together(lambda: plans.append(memory_check.check_memory(cfg, env.world_size, total)))
     if plans[0] is not None:
-        log.info(plans[0].line())
+        if on_gpu:
+            log.info(plans[0].line())
         # one line per node, where pinned host memory is held (a GPU run's)
         if (env.device.type == "cuda" or cfg.rollout.engine == "vllm") and env.local_rank == 0:
             host = memory_check.host_memory_line(cfg, env.world_size, env.local_world_size,
