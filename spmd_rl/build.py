@@ -129,7 +129,7 @@ def build_data(cfg: Config, env: DistEnv, reward_fn: RewardFunction) -> Data:
     sources = [r.data_source for r in train_data.records]
     if val_data is not None:
         sources += [r.data_source for r in val_data.records]
-    reward_fn.check_data_sources(sources)  # an unscorable data source fails before models load
+    reward_fn.check_data_sources(sources, cfg.rollout.environment)  # an unscorable one fails before models load
     sampler = ShardedSampler(len(train_data), d.train_batch_size, env.rank, env.world_size,
                              cfg.trainer.seed, d.shuffle)
     log.info("data: %d training prompts (%d steps per epoch), %d validation prompts",
