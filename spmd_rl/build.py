@@ -78,14 +78,17 @@ def resume_target(checkpointer: Checkpointer, resume: str) -> str | None:
 
 
 def check_memory(cfg: Config, env: DistEnv) -> MemoryPlan | None:
-    """Each GPU's predicted peak memory (spmd_rl/runtime/memory_plan.py), logged as one line; a run
-    predicted not to fit stops here on every rank, before any model loads (trainer.memory_check).
-    Collective. None: trainer.memory_check = "off", or a model shape the formula cannot read."""
-    total = torch.cuda.mem_get_info(env.device)[1] if env.device.type == "cuda" else None
+    """Each GPU's predicted peak memory (spmd_rl/runtime/memory_plan.py), logged as one line on a
+    GPU (a CPU run has no GPU memory to predict: no line); a run predicted not to fit stops here on
+    every rank, before any model loads (trainer.memory_check). Collective. None:
+    trainer.memory_check = "off", or a model shape the formula cannot read."""
+    on_gpu = env.device.type == "cuda"
+    total = torch.cuda.mem_get_info(env.device)[1] if on_gpu else None
     plans: list[MemoryPlan | None] = []
     raise_together(lambda: plans.append(memory_check.check_memory(cfg, env.world_size, total)))
     if plans[0] is not None:
-        log.info(plans[0].line())
+        if on_gpu:
+            log.info(plans[0].line())
         # one line per node, where pinned host memory is held (a GPU run's)
         if (env.device.type == "cuda" or cfg.rollout.engine == "vllm") and env.local_rank == 0:
             host = memory_check.host_memory_line(cfg, env.world_size, env.local_world_size,
@@ -120,7 +123,7 @@ def build_data(cfg: Config, env: DistEnv, reward_fn: RewardFunction) -> Data:
     sources = [r.data_source for r in train_data.records]
     if val_data is not None:
         sources += [r.data_source for r in val_data.records]
-    reward_fn.check_data_sources(sources)  # an unscorable data source fails before models load
+    reward_fn.check_data_sources(sources, cfg.rollout.environment)  # an unscorable one fails before models load
     sampler = ShardedSampler(len(train_data), d.train_batch_size, env.rank, env.world_size,
                              cfg.trainer.seed, d.shuffle)
     log.info("data: %d training prompts (%d steps per epoch), %d validation prompts",

@@ -71,6 +71,19 @@ def test_tiny_grpo_learns_on_two_ranks(tmp_path):
         assert f.read().strip() == "step_80"
 
 
+NOISE = ("is deprecated", "returned a view tensor", "no GPU: not compared", "memory: predicted peak")
+"""What a CPU run once printed that says nothing to its user: torch's deprecation of a collective
+we called, FSDP2's warning at a view among the actor's outputs, a GPU memory line without a GPU."""
+
+
+def test_a_cpu_run_with_a_save_prints_no_noise(tmp_path):
+    run_dir = tmp_path / "run"
+    out = run(torchrun_cmd(2, f"trainer.run_dir={run_dir}", "trainer.total_steps=3", "trainer.save_every=2",
+                           "trainer.val_every=0", *data_overrides(tmp_path)))
+    assert "step 3/3" in out and os.path.isdir(run_dir / "checkpoints" / "step_2"), out[-3000:]
+    assert not [n for n in NOISE if n in out], out[-5000:]
+
+
 def test_kill_and_resume_continues_identically(tmp_path):
     common = ["trainer.total_steps=8", "trainer.save_every=2", "trainer.val_every=0", 'data.val_files=[]',
               "trainer.tensorboard=false"]

@@ -172,20 +172,20 @@ def check_weight_sync(model, mesh, shard_ranks: int, what: str) -> None:
     bytes go to the other replicas: with a node per shard group, none cross nodes)."""
     import torch.distributed as dist
 
-    from spmd_rl.rollout.weight_sync import iter_weights
+    from spmd_rl.rollout import weight_sync
 
     group_sizes = []
-    gather = dist.all_gather_into_tensor
+    gather = weight_sync.all_gather_flat
 
     def spy(out, inp, group=None, **kw):
         group_sizes.append(dist.get_world_size(group))
         return gather(out, inp, group=group, **kw)
 
-    dist.all_gather_into_tensor = spy
+    weight_sync.all_gather_flat = spy
     try:
-        got = dict(iter_weights(model, torch.float32, 1))
+        got = dict(weight_sync.iter_weights(model, torch.float32, 1))
     finally:
-        dist.all_gather_into_tensor = gather
+        weight_sync.all_gather_flat = gather
     want = {n: full(p.detach()) for n, p in model.named_parameters()}
     assert got.keys() == want.keys(), what
     for n, t in want.items():

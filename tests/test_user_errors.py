@@ -186,18 +186,28 @@ def test_reward_failure_on_one_rank_stops_every_rank(reward_file):
     run_distributed(_sync_worker, 2, reward_file)
 
 
+def _suggested_command_shows(message: str, error: str, cwd) -> None:
+    """The message's "run <command> to see the traceback" is a shell command that shows it."""
+    command = re.search(r"; run (.*) to see the traceback$", message).group(1)
+    p = subprocess.run(["bash", "-c", command.replace("python ", f"{sys.executable} ", 1)], cwd=cwd,
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(cwd)))
+    assert p.returncode == 1 and "Traceback" in p.stderr and error in p.stderr, (command, p.stderr)
+
+
 def test_unimportable_reward_module_is_one_line(tmp_path):
     bad = tmp_path / "broken.py"
     bad.write_text("def score(:\n")
-    with pytest.raises(RewardError, match=r"importing .*broken.py' failed with SyntaxError"):
+    with pytest.raises(RewardError, match=r"importing .*broken.py' failed with SyntaxError") as e:
         RewardFunction(RewardConfig(custom_function=f"{bad}:score"))
+    _suggested_command_shows(str(e.value), "SyntaxError", tmp_path)
     (tmp_path / "needs_dep.py").write_text("import surely_not_installed_dep\n")
     sys.path.insert(0, str(tmp_path))
     try:
-        with pytest.raises(RewardError, match="importing 'needs_dep' failed with ModuleNotFoundError"):
+        with pytest.raises(RewardError, match="importing 'needs_dep' failed with ModuleNotFoundError") as e:
             RewardFunction(RewardConfig(custom_function="needs_dep:score"))
     finally:
         sys.path.remove(str(tmp_path))
+    _suggested_command_shows(str(e.value), "No module named 'surely_not_installed_dep'", tmp_path)
 
 
 # --------------------------------------------------------------------------- run directory
