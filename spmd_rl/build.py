@@ -216,6 +216,8 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
              f", reward model from {cfg.reward_model.path}" if reward_model is not None else "",
              (f"the base from {model_dir}, the adapter left for the checkpoint" if m.use_lora else
               "weights left for the checkpoint") if resume else f"from {model_dir}")
+    if tiny_lora_problem(cfg):
+        log.warning(tiny_lora_problem(cfg))
     return Models(model_dir, model_key, actor, actor_opt, actor_sched, n_params, ref, critic, critic_opt, critic_sched,
                   reward_model)
 
@@ -256,8 +258,17 @@ def lora_note(cfg: Config, actor: torch.nn.Module) -> str:
         sync = ('the engine gets W + (alpha/r) B A merged each step, in its dtype (model.lora_sync = "merged": no '
                 "LoRA layers in generation, but an update below half a bf16 step of W is rounded away)")
     return (f" (LoRA rank {m.lora_rank}, alpha {m.lora_alpha:g}: {trained / 1e6:.2f}M trained, the base frozen"
-            f"{reference}; {sync}; LoRA usually wants ~10x full fine-tuning's learning rate: actor.lr = "
-            f"{cfg.actor.lr:g} is used as set)")
+            f"{reference}; {sync}; on a pretrained model LoRA usually wants ~10x full fine-tuning's learning "
+            f"rate: actor.lr = {cfg.actor.lr:g} is used as set)")
+
+
+def tiny_lora_problem(cfg: Config) -> str | None:
+    """Why LoRA on the "tiny" random model cannot learn, and the setting that does (docs/lora.md)."""
+    if not (cfg.model.use_lora and cfg.model.arch == "tiny"):
+        return None
+    return ('model.arch = "tiny" does not learn with LoRA: its frozen embeddings (the tied head) bound every logit '
+            'to about +-1.3, so no adapter makes an answer more than a few percent likely; use '
+            'model.arch = "tiny-lora" with actor.lr = 2e-3 (docs/lora.md)')
 
 
 def build_engine(cfg: Config, env: DistEnv, model_dir: str, model_key: str, tokenizer) -> Rollout:

@@ -79,7 +79,7 @@ we called, FSDP2's warning at a view among the actor's outputs, a GPU memory lin
 def test_a_cpu_run_with_a_save_prints_no_noise(tmp_path):
     run_dir = tmp_path / "run"
     out = run(torchrun_cmd(2, f"trainer.run_dir={run_dir}", "trainer.total_steps=3", "trainer.save_every=2",
-                           "trainer.val_every=0", *data_overrides(tmp_path)))
+                           "trainer.val_every=0"))
     assert "step 3/3" in out and os.path.isdir(run_dir / "checkpoints" / "step_2"), out[-3000:]
     assert not [n for n in NOISE if n in out], out[-5000:]
 

@@ -27,6 +27,31 @@ def tiny_model(tmp_path):
     return path
 
 
+def test_the_tiny_models_frozen_head_bounds_its_logits_and_tiny_lora_does_not():
+    """What the start-up warning says of LoRA on model.arch = "tiny": with the embeddings (the tied head)
+    frozen, a logit is at most |E_t| x |final norm's output| (RMSNorm at weight 1: sqrt(hidden)), about
+    1.3 at tiny's initializer range and about 6 at tiny-lora's; the warning is given for the one only."""
+    import torch
+
+    from spmd_rl.build import tiny_lora_problem
+    from spmd_rl.config.run_config import load_config
+    from spmd_rl.model.loading import random_model_config
+    from test_e2e import TINY
+    from transformers import AutoModelForCausalLM
+
+    bounds = {}
+    for arch in ("tiny", "tiny-lora"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(random_model_config(arch))
+        emb = model.get_output_embeddings().weight
+        bounds[arch] = (emb.norm(dim=1).max() * model.config.hidden_size ** 0.5).item()
+    assert bounds["tiny"] < 1.6 and bounds["tiny-lora"] > 5, bounds
+    warned = {arch: tiny_lora_problem(load_config(TINY, [f'model.arch="{arch}"', "model.lora_rank=8"]))
+              for arch in ("tiny", "tiny-lora")}
+    assert warned["tiny-lora"] is None and "use model.arch = \"tiny-lora\" with actor.lr = 2e-3" in warned["tiny"]
+    assert tiny_lora_problem(load_config(TINY)) is None
+
+
 def check_export(ckpt, base_dir, merged_dir, tmp_path):
     """The run's merged export (trainer.export_hf_dir) is PEFT's adapter, exported by
     `python -m spmd_rl.export --adapter-out`, on the base; and not the base (verl #4553)."""
@@ -52,14 +77,15 @@ def test_lora_grpo_learns_on_two_ranks_and_resumes_on_one(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     run_dir = tmp_path / "run"
-    common = [f"trainer.run_dir={run_dir}", 'model.arch=""', f"model.path={tiny_model(tmp_path)}",
-              "model.lora_rank=8", "trainer.tensorboard=false"]
+    # the setting docs/lora.md gives for LoRA on the default job
+    common = [f"trainer.run_dir={run_dir}", 'model.arch="tiny-lora"', "model.lora_rank=8", "trainer.tensorboard=false"]
     # 80 steps of this model, reward at step 40 / 80 (val acc at 80): full fine-tuning at lr 3e-3 0.87 / 0.87
     # (0.86); LoRA r8 alpha 32 at lr 2e-3 0.45 / 0.65 (0.81), 5e-3 0.30 / 0.61 (0.66), 1e-2 0.10 / 0.14 (0.05).
     # Here ~10x the full lr is too much: alpha / r = 4 already scales the adapter's update.
     out = run(torchrun_cmd(2, *common, "actor.lr=2e-3", "trainer.total_steps=40",
                            f"trainer.export_hf_dir={tmp_path / 'merged'}"))
     assert "(LoRA rank 8, alpha 32: 0.02M trained, the base frozen; the engine gets the base once" in out
+    assert "does not learn with LoRA" not in out
     m = read_metrics(run_dir)
     steps = sorted(s for s in m if "reward/mean" in m[s])
     assert steps == list(range(1, 41)), steps

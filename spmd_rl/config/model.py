@@ -35,7 +35,7 @@ class ModelConfig:
     `<run_dir>/init_model`, then loaded by every rank exactly like a pretrained model."""
     arch: str = ""
     """With `init = "random"` and no `path`: a preset architecture, one of
-    tiny, small, qwen2-0.5b, qwen2-1.5b, qwen2-7b, qwen3-0.6b, qwen3-8b, llama3.1-8b, llama3.2-1b,
+    tiny, tiny-lora (tiny for a LoRA adapter on CPU), small, qwen2-0.5b, qwen2-1.5b, qwen2-7b, qwen3-0.6b, qwen3-8b, llama3.1-8b, llama3.2-1b,
     gemma3-1b (the real models' shapes; see spmd_rl/model/loading.py ARCH_PRESETS)."""
     tokenizer: str = ""
     """Tokenizer directory; empty = `path`. "char" = the built-in character tokenizer used by the
@@ -88,9 +88,9 @@ class ModelConfig:
     its weights; 0 = off (full fine-tuning). The base weights stay frozen in `compute_dtype`, the
     adapter in `dtype` (the optimizer holds the adapter only); the reference model is the actor with
     its adapter disabled; checkpoints hold the adapter and its optimizer (the base is read from
-    `path` on resume). The critic (algorithm.adv_estimator = "gae") is trained in full. LoRA usually
-    wants about 10x full fine-tuning's `actor.lr` (the start-up line says so; the value is never
-    changed). Needs the `lora` extra (pip install -e '.[lora]': peft)."""
+    `path` on resume). The critic (algorithm.adv_estimator = "gae") is trained in full. On a pretrained
+    model LoRA usually wants about 10x full fine-tuning's `actor.lr` (the start-up line says so; the
+    value is never changed); on the CPU default job use `arch = "tiny-lora"` (docs/lora.md). Needs the `lora` extra (pip install -e '.[lora]': peft)."""
     lora_alpha: float = 32.0
     """With `lora_rank` > 0: LoRA's alpha; the adapter's update is scaled by lora_alpha / lora_rank."""
     lora_target_modules: list[str] = field(default_factory=list)

@@ -41,6 +41,13 @@ ARCH_PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                  max_position_embeddings=512),
+    # "tiny" for LoRA: LoRA trains only the decoder's linear layers, and at "tiny"'s initializer range
+    # (0.02) the frozen tied embeddings bound every logit to about +-1.3, so no adapter can make an
+    # answer more than a few percent likely; at 0.1 an adapter alone learns the default job
+    # (docs/lora.md)
+    "tiny-lora": dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=512, initializer_range=0.1),
     # the GPU learning check's model (tests/gpu/test_learning_gpu.py): learns the successor task in a
     # few dozen steps; head_dim 64, as FlashAttention 3 (vLLM on Hopper) takes
     "small": dict(vocab_size=64, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
