@@ -114,10 +114,8 @@ def test_the_resume_command_is_the_launch_command_without_its_resume_override(mo
 
 # --------------------------------------------------------------------------- end to end
 def launcher_cmd(run_dir, *args):
-    data = f"{run_dir}_data"
     return [sys.executable, "-m", "spmd_rl.launcher", "--standalone", "--nproc_per_node=2", *TINY,
-            f"trainer.run_dir={run_dir}", f'data.train_files=["{data}/train.parquet"]',
-            f'data.val_files=["{data}/val.parquet"]', *args]
+            f"trainer.run_dir={run_dir}", *args]
 
 
 def test_a_user_error_under_the_launcher_ends_with_its_line_and_status_2(tmp_path):
@@ -152,13 +150,12 @@ def test_ctrl_c_under_the_launcher_checkpoints_the_step_and_says_how_to_resume(t
 
 
 def test_check_runs_the_start_up_checks_and_exits_without_training(tmp_path):
-    base = [sys.executable, "-m", "spmd_rl.ppo", "--check", *TINY, f"trainer.run_dir={tmp_path / 'run'}",
-            f'data.train_files=["{tmp_path}/data/train.parquet"]', f'data.val_files=["{tmp_path}/data/val.parquet"]']
+    base = [sys.executable, "-m", "spmd_rl.ppo", "--check", *TINY, f"trainer.run_dir={tmp_path / 'run'}"]
     p = run_cmd(base)
     assert p.returncode == 0 and p.stdout.splitlines()[-1] == "check: OK", p.stdout + p.stderr[-3000:]
     assert [line.split(":")[0] for line in p.stdout.splitlines()] == ["config", "reward", "memory", "data", "check"]
     assert "data: 256 training prompts, 64 validation prompts" in p.stdout
-    assert not (tmp_path / "run").exists()  # no run: nothing written into its directory
+    assert os.listdir(tmp_path / "run") == ["data"]  # the run's synthetic data, nothing else: no run
     bad = run_cmd([*base, 'reward.custom_function="no_such_module:score"'])
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: reward.custom_function")
     assert "check: OK" not in bad.stdout
