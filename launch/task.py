@@ -34,18 +34,14 @@ from typing import NoReturn
 import submitit
 from submitit.core.job_environment import JobEnvironment
 
+from spmd_rl.launcher import graceful_stop_options, node_exit_status, torchrun_supports_graceful_stop
 from spmd_rl.runtime.preemption import EXIT_PREEMPTED, EXIT_STATUS_DIR_ENV, StopFlag, recorded_exit_statuses
+from spmd_rl.runtime.resume_hint import TRAINER_MODULE
 
 log = logging.getLogger("launch")
 
-TRAINER_MODULE = "spmd_rl.ppo"  # main(argv) -> exit status; `python -m` runs it too
 MODES = ("per-gpu", "torchrun")
 PORT_BASE, PORT_SPAN = 20000, 12000  # below Linux's ephemeral range (32768+), so no client socket holds it
-# torchrun passes these signals on to its workers and then waits this long for them to exit before
-# SIGKILL (its default, 30 s, can be shorter than a step + checkpoint). SLURM's own SIGKILL after
-# GraceTime/KillWait still bounds the wait.
-TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
-TORCHRUN_SHUTDOWN_TIMEOUT_S = 900
 
 
 def rendezvous_port(job_id: str, restart_count: int) -> int:
@@ -93,18 +89,10 @@ def rank_env(env: JobEnvironment, rdzv: Rendezvous) -> dict[str, str]:
     }
 
 
-def torchrun_supports_graceful_stop() -> bool:
-    """Whether this torch's torchrun has --signals-to-handle and --shutdown-timeout (newer ones)."""
-    from torch.distributed.run import get_args_parser
-
-    options = {o for action in get_args_parser()._actions for o in action.option_strings}
-    return {"--signals-to-handle", "--shutdown-timeout"} <= options
-
-
 def torchrun_command(env: JobEnvironment, rdzv: Rendezvous, nproc_per_node: int, module: str,
                      argv: list[str], log_dir: str, graceful_stop: bool = True) -> list[str]:
     """The torchrun command line of one node (this task)."""
-    graceful = [f"--signals-to-handle={TORCHRUN_SIGNALS}", f"--shutdown-timeout={TORCHRUN_SHUTDOWN_TIMEOUT_S}"]
+    graceful = graceful_stop_options()
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={env.num_nodes}",
@@ -218,26 +206,6 @@ class TrainerTask(submitit.helpers.Checkpointable):
         (an explicit trainer.resume of the first run must not apply to the second)."""
         argv = [a for a in self.argv if not a.startswith("trainer.resume=")] + ["trainer.resume=auto"]
         return submitit.helpers.DelayedSubmission(replace(self, argv=argv), *args, **kwargs)
-
-
-def node_exit_status(torchrun_rc: int, ranks: dict[int, int], stopped: bool) -> int:
-    """The trainer's exit status on a node that ran torchrun, which reports any failing worker as
-    its own status 1. `ranks`: the statuses the node's ranks recorded (a rank killed first has
-    none); `stopped`: this task got a stop signal too.
-
-    A rank's own failure wins (EXIT_NOT_SAVED above all: a stop whose checkpoint was not written
-    must not be requeued, the requeue would only repeat it); then EXIT_PREEMPTED when a rank
-    recorded it or the task was stopped (torchrun exits on the signal too); else torchrun's."""
-    from spmd_rl.checkpoint.checkpointer import EXIT_NOT_SAVED  # imports torch: only when the trainer failed or stopped
-
-    if torchrun_rc == 0:
-        return 0
-    failed = [code for code in ranks.values() if code not in (0, EXIT_PREEMPTED)]
-    if failed:
-        return EXIT_NOT_SAVED if EXIT_NOT_SAVED in failed else failed[0]
-    if stopped or EXIT_PREEMPTED in ranks.values():
-        return EXIT_PREEMPTED
-    return torchrun_rc
 
 
 def requeue_reason(stop: StopFlag) -> str | None:

@@ -5,6 +5,10 @@ reward function, run directory, checkpoint, export) derives from `UserError`. Th
 as one line on rank 0 and exit with `EXIT_USER_ERROR`, instead of a traceback per rank: the
 message itself names the problem and the fix. An error of one rank's own state (a step out of GPU
 memory: `report(..., per_rank=True)`) is one line on every rank that has it, naming the rank.
+
+Under the `spmd-rl` launcher (spmd_rl/launcher.py, LAUNCHER_REPORTS_ENV) a rank prints none of
+its closing lines (`say_last`): it records them with its exit status, and the launcher prints
+the failing rank's lines last, after torchrun's own output.
 """
 
 from __future__ import annotations
@@ -21,7 +25,11 @@ RANK0_GRACE_S = 20.0
 """How long a rank other than 0 that hit a user error waits for rank 0 to report it (see
 `let_rank0_report_first`)."""
 
+LAUNCHER_REPORTS_ENV = "SPMD_RL_LAUNCHER_REPORTS"
+"""Set by the `spmd-rl` launcher: the ranks leave their closing lines to it (see `say_last`)."""
+
 _unreported: str | None = None  # this rank's one-line message, when rank 0 is the one to print it
+_closing: list[str] = []  # this rank's lines for the user at its exit (closing_message)
 
 
 class UserError(Exception):
@@ -45,12 +53,32 @@ def report(e: Exception, rank: int | None = None, kind: str = "error", per_rank:
     message = " ".join(str(e).split())
     if per_rank:
         several = int(os.environ.get("WORLD_SIZE", "1")) > 1
-        print(f"{kind}: " + (f"rank {rank}: " if several else "") + message, file=sys.stderr, flush=True)
-    elif rank == 0:
-        print(f"{kind}: {message}", file=sys.stderr, flush=True)
+        line = f"{kind}: " + (f"rank {rank}: " if several else "") + message
+        _closing.append(line)
+        print(line, file=sys.stderr, flush=True)
+    elif rank == 0 or LAUNCHER_REPORTS_ENV in os.environ:
+        say_last(f"{kind}: {message}", rank)
     else:
         _unreported = f"{kind}: {message}"
     return EXIT_USER_ERROR
+
+
+def say_last(line: str, rank: int | None = None) -> None:
+    """A line for the user at the end of the run (an error, where to resume): printed now on rank 0,
+    or, under the `spmd-rl` launcher, kept for `closing_message` on every rank."""
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    if LAUNCHER_REPORTS_ENV in os.environ:
+        _closing.append(line)
+    elif rank == 0:
+        _closing.append(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def closing_message() -> str | None:
+    """This rank's closing lines (`report`, `say_last`), recorded with its exit status
+    (preemption.record_exit_status) for the launcher to print; None when it has none."""
+    return "".join(f"{line}\n" for line in _closing) or None
 
 
 def let_rank0_report_first() -> None:

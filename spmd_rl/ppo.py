@@ -1,16 +1,22 @@
 """Entry point: `torchrun --nproc_per_node=N -m spmd_rl.ppo --config configs/X.toml key.sub=value ...`
 
-(also `python -m spmd_rl.ppo ...` as a single process). `--config` takes a TOML file or the name
+(also `python -m spmd_rl.ppo ...` as a single process, and `spmd-rl --nproc_per_node=N --config ...`,
+which runs torchrun and passes the exit status below on: spmd_rl/launcher.py). `--config` takes a TOML file or the name
 of a shipped preset (`--config tiny-cpu`; `--list-configs` lists them). The config is loaded and
 validated before the process group or any model exists, so mistakes fail in a second. Every
 mistake a user can fix (config, data, model directories, reward function, run directory,
 checkpoints) ends the run with one line on rank 0 and exit code 2, not a traceback per rank.
+`--check` runs the start-up checks (config, reward function, memory, data) and exits without
+training: `check: OK` and status 0, or the `error:` line and status 2.
 
-Exit status: 0 finished, 1 crashed, 2 user error, 3 stopped on a signal after writing a
-checkpoint (EXIT_PREEMPTED: requeue), 4 ended (finished, or stopped on a signal) without its last
-checkpoint: no disk space for it, or its write failed (checkpoint.EXIT_NOT_SAVED; the log says why
-and names the latest complete checkpoint), 130 interrupted. Whatever the outcome, everything the run
-started is stopped in the order spmd_rl/runtime/lifecycle.py describes before the process exits.
+Exit status: 0 finished, 1 crashed, 2 user error, 3 stopped on a signal (SIGTERM, SIGUSR1/2,
+Ctrl-C) after writing a checkpoint (EXIT_PREEMPTED: requeue), 4 ended (finished, or stopped on a
+signal) without its last checkpoint: no disk space for it, or its write failed
+(checkpoint.EXIT_NOT_SAVED; the log says why and names the latest complete checkpoint), 130
+interrupted (a second Ctrl-C: no checkpoint; lifecycle.EXIT_INTERRUPTED). A run that stops with 1,
+3, 4 or 130 names its latest checkpoint and the command that resumes it
+(spmd_rl/runtime/resume_hint.py). Whatever the outcome, everything the run started is stopped in
+the order spmd_rl/runtime/lifecycle.py describes before the process exits.
 """
 
 from __future__ import annotations
@@ -22,19 +28,27 @@ import sys
 import time
 
 from spmd_rl.config.run_config import load_config
-from spmd_rl.errors import UserError, let_rank0_report_first, report
+from spmd_rl.errors import EXIT_USER_ERROR, UserError, closing_message, let_rank0_report_first, report, say_last
 from spmd_rl.config.presets import describe_presets, resolve_config
 
 log = logging.getLogger("spmd_rl")
 
 
 def parse_args(argv: list[str] | None):
+    return arg_parser().parse_args(argv)
+
+
+def arg_parser() -> argparse.ArgumentParser:
+    """The trainer's arguments. None of its option names may start a torchrun option name: torchrun
+    would take it as its own (tests/test_launcher.py)."""
     ap = argparse.ArgumentParser(prog="python -m spmd_rl.ppo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="TOML config file or preset name (see docs/config.md, --list-configs)")
     ap.add_argument("--list-configs", action="store_true", help="list the shipped presets and exit")
+    ap.add_argument("--check", action="store_true",
+                    help="check the config, reward function, memory and data, then exit without training")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. actor.lr=1e-6")
-    return ap.parse_args(argv)
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from spmd_rl.runtime.preemption import record_exit_status
 
     code = _main(argv)
-    record_exit_status(code)
+    record_exit_status(code, closing_message())
     return code
 
 
@@ -73,7 +87,7 @@ def _main(argv: list[str] | None) -> int:
 
     lifecycle.die_with_launcher()
     try:
-        code = _train(cfg)
+        code = _check(cfg) if args.check else _train(cfg)
     finally:
         # 3. The trainer and its env went with _train's frame: collect the process group now,
         #    joining its threads while the interpreter is fully alive (see spmd_rl/runtime/lifecycle.py).
@@ -83,8 +97,47 @@ def _main(argv: list[str] | None) -> int:
         if lifecycle.python_threads():
             log.warning("threads still running at exit: %s", ", ".join(lifecycle.python_threads()))
         lifecycle.ignore_stop_signals()
+    if not args.check and code not in (lifecycle.EXIT_OK, EXIT_USER_ERROR):  # stopped before its end
+        # (crashed, stopped on a signal, interrupted); a user error's own line stays the last
+        for line in _resume_lines(cfg, sys.argv[1:] if argv is None else argv):
+            say_last(line)
     let_rank0_report_first()
     return code
+
+
+def _resume_lines(cfg, trainer_args: list[str]) -> list[str]:
+    """Where a run that stopped before its end can resume from, and the command (resume_hint)."""
+    from spmd_rl.checkpoint.checkpointer import Checkpointer
+    from spmd_rl.runtime.resume_hint import resume_lines
+
+    return resume_lines(Checkpointer(cfg.checkpoint_dir, cfg.trainer.keep_last).latest(), trainer_args)
+
+
+def _check(cfg) -> int:
+    """--check: the checks a run makes before its models load, on every rank; one line each
+    (rank 0), then `check: OK`. Loads the tokenizer and the data, no model weights."""
+    from spmd_rl.build import build_data, check_memory
+    from spmd_rl.data.rewards import RewardFunction
+    from spmd_rl.runtime.distributed import init_distributed
+    from spmd_rl.runtime.lifecycle import EXIT_OK
+
+    env = init_distributed(cfg.trainer.device, cfg.trainer.fsdp_size, cfg.trainer.ulysses_size)
+    say = print if env.is_main else (lambda line: None)
+    try:
+        say(f"config: valid for {env.world_size} rank(s); run directory {cfg.run_dir}")
+        reward = RewardFunction(cfg.reward)
+        say(f"reward: {cfg.reward.custom_function or 'built-in scorers'} loaded")
+        plan = check_memory(cfg, env)
+        say(plan.line() if plan is not None else f"memory: not predicted (trainer.memory_check = "
+                                                  f"{cfg.trainer.memory_check!r}, or see the log)")
+        data = build_data(cfg, env, reward)
+        say(f"data: {len(data.train)} training prompts, "
+            f"{len(data.val) if data.val is not None else 0} validation prompts; every data source "
+            "has a scorer")
+    except UserError as e:
+        return report(e)
+    say("check: OK")
+    return EXIT_OK
 
 
 def _train(cfg) -> int:
@@ -92,8 +145,9 @@ def _train(cfg) -> int:
     and close the trainer (steps 1-2 of the teardown); the exit status."""
     from spmd_rl.checkpoint.checkpointer import EXIT_NOT_SAVED, CheckpointError
     from spmd_rl.config.memory_check import OutOfMemory
+    from spmd_rl.runtime import lifecycle
     from spmd_rl.runtime.distributed import init_distributed, raise_together, seed_everything, setup_logging
-    from spmd_rl.runtime.lifecycle import EXIT_CRASHED, EXIT_OK
+    from spmd_rl.runtime.lifecycle import EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_OK
     from spmd_rl.runtime.preemption import EXIT_PREEMPTED
     from spmd_rl.config.resume_check import check_resume_config
     from spmd_rl.runtime.run_lock import RunDirLock
@@ -121,6 +175,7 @@ def _train(cfg) -> int:
         trainer.__init__(cfg, env)
         fitting = True
         status = trainer.fit()
+        lifecycle.ignore_stop_signals()  # the stop, if any, is done: a late signal must not cut the rest short
         log.info("run %s: %s at step %d", cfg.run_dir, status, trainer.step)
         if status == "finished" and cfg.trainer.export_hf_dir and env.is_main:
             from spmd_rl.export import export_checkpoint
@@ -139,7 +194,7 @@ def _train(cfg) -> int:
         return EXIT_CRASHED if fitting else code
     except KeyboardInterrupt:
         log.error("interrupted")
-        return 130
+        return EXIT_INTERRUPTED
     except Exception:
         log.exception("run %s failed", cfg.run_dir)
         return EXIT_CRASHED

@@ -49,6 +49,46 @@ def test_sigterm_stops_but_is_no_requeue_request(stop):
     assert signal.SIGTERM not in REQUEUE_SIGNALS
 
 
+def test_ctrl_c_stops_like_sigterm_and_a_second_one_interrupts_at_once(stop):
+    """The first SIGINT only sets the flag (the step ends, the checkpoint is written); a second
+    SIGINT, or the SIGTERM torchrun sends on a second Ctrl-C, raises KeyboardInterrupt."""
+    _deliver(signal.SIGINT)
+    assert stop.requested() and stop.signals == {signal.SIGINT} and not stop.requeue_requested
+    for second in (signal.SIGINT, signal.SIGTERM):
+        with pytest.raises(KeyboardInterrupt):
+            _deliver(second)
+
+
+def test_a_second_ctrl_c_lost_in_a_weakref_callback_is_raised_at_the_next_check(stop):
+    """Python drops an exception raised while a weakref callback runs (as a signal handler can):
+    requested(), which the trainer calls after every step, raises it again."""
+    _deliver(signal.SIGINT)
+    try:
+        stop._handle(signal.SIGINT, None)
+    except KeyboardInterrupt:
+        pass  # as if swallowed by the callback it interrupted
+    with pytest.raises(KeyboardInterrupt):
+        stop.requested()
+
+
+def test_a_sigterm_alone_never_interrupts(stop):
+    _deliver(signal.SIGTERM)
+    _deliver(signal.SIGTERM)
+    assert stop.requested()
+
+
+def test_exit_status_and_closing_lines_are_recorded_per_rank(tmp_path, monkeypatch):
+    from spmd_rl.runtime.preemption import (EXIT_STATUS_DIR_ENV, record_exit_status, recorded_exit_statuses,
+                                            recorded_messages)
+
+    monkeypatch.setenv(EXIT_STATUS_DIR_ENV, str(tmp_path))
+    for rank, code, message in ((0, 2, "error: actor.lr = -1.0 must be > 0\n"), (1, 2, None)):
+        monkeypatch.setenv("RANK", str(rank))
+        record_exit_status(code, message)
+    assert recorded_exit_statuses(str(tmp_path)) == {0: 2, 1: 2}
+    assert recorded_messages(str(tmp_path)) == {0: "error: actor.lr = -1.0 must be > 0\n"}
+
+
 def test_install_keeps_the_handlers_it_replaced():
     StopFlag._uninstall()
     seen = []

@@ -22,12 +22,12 @@ So a rank tears down in a fixed order, all of it while the interpreter is fully 
   4. library threads started on our behalf (tqdm's monitor from the model loaders' progress bars);
   5. a check that no thread of ours is left (a warning names any survivor).
 
-After that, late stop signals are ignored: the run is over, and a SIGTERM that torchrun sends to
-the remaining ranks once one rank has exited must not turn their exit status into a signal death.
+Stop signals are ignored from the moment training returned (and after this teardown on every
+path): the run is over, a second Ctrl-C must not cut the teardown short, and a SIGTERM that torchrun
+sends to the remaining ranks once one rank has exited must not turn their exit status into a
+signal death.
 
-Exit statuses (`python -m spmd_rl.ppo`): 0 finished, 1 crashed, 2 configuration error,
-3 stopped on a signal after a checkpoint (EXIT_PREEMPTED, requeue), 4 finished or stopped on a
-signal without its last checkpoint (checkpoint.EXIT_NOT_SAVED).
+The exit statuses are listed in spmd_rl/ppo.py's docstring.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import threading
 
 log = logging.getLogger("spmd_rl")
 
-EXIT_OK, EXIT_CRASHED, EXIT_CONFIG_ERROR = 0, 1, 2
+EXIT_OK, EXIT_CRASHED, EXIT_INTERRUPTED = 0, 1, 130
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 

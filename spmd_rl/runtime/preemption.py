@@ -1,5 +1,9 @@
 """Stop cleanly when the scheduler says so: a signal sets a flag, the trainer checks it per step.
 
+Ctrl-C (SIGINT) stops the same way: the current step ends, a checkpoint is written. A second stop
+signal after a SIGINT (a second Ctrl-C: torchrun passes it on as SIGTERM) raises KeyboardInterrupt
+at once, without a checkpoint.
+
 SLURM announces the end of a job with signals: SIGTERM on preemption, cancellation and at the
 time limit (then SIGKILL after `KillWait`/`GraceTime`), and the `--signal` user signal some time
 before the time limit (submitit asks for SIGUSR2, `#SBATCH --signal=USR2@90`; many sites use
@@ -36,8 +40,8 @@ worker's status 3 and 4 alike as its own failure (1), and only 3 means "requeue"
 writes its status there, in `rank_<RANK>` (`record_exit_status`), and the SLURM task that ran
 torchrun reads them (`recorded_exit_statuses`, launch/task.py)."""
 
-STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-"""The signals that ask the trainer to stop: SLURM's SIGTERM and the usual `--signal` choices."""
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+"""The signals that ask the trainer to stop: SLURM's SIGTERM, Ctrl-C and the usual `--signal` choices."""
 
 REQUEUE_SIGNALS: frozenset[signal.Signals] = frozenset({signal.SIGUSR1, signal.SIGUSR2})
 """Signals meaning "time is up, come back later" (the `--signal` warning before the time limit, or
@@ -53,6 +57,7 @@ class StopFlag:
         self._local: set[signal.Signals] = set()  # received by this process
         self._seen: set[signal.Signals] = set()  # received by any rank, as of the last requested()
         self._previous: dict[signal.Signals, Any] = {}
+        self._interrupted = False  # a second Ctrl-C came
 
     # ------------------------------------------------------------------ setup
     @classmethod
@@ -75,13 +80,19 @@ class StopFlag:
 
     def _handle(self, signum: int, frame: Any) -> None:
         sig = signal.Signals(signum)
+        if signal.SIGINT in self._local and sig in (signal.SIGINT, signal.SIGTERM):
+            # the second Ctrl-C (torchrun forwards it as SIGTERM): stop now. Python drops an exception
+            # raised while a weakref callback or __del__ runs; requested() raises it again then.
+            self._interrupted = True
+            raise KeyboardInterrupt
         if sig in self._local:
             return
         self._local.add(sig)
         # os.write, not logging/print: the main thread may be inside a write to the same stream,
         # and re-entering a buffered writer from a handler raises RuntimeError.
+        again = " (Ctrl-C again stops at once, without a checkpoint)" if sig == signal.SIGINT else ""
         msg = (f"[spmd_rl pid {os.getpid()}] received {sig.name}: finishing the current step, "
-               "then writing a checkpoint and stopping\n")
+               f"then writing a checkpoint and stopping{again}\n")
         os.write(2, msg.encode())
 
     # ------------------------------------------------------------------ queries
@@ -91,7 +102,10 @@ class StopFlag:
 
     def requested(self, group: Any = None) -> bool:
         """Whether any rank received a stop signal. COLLECTIVE when torch.distributed is
-        initialized: every rank of `group` must call it at the same point (e.g. after each step)."""
+        initialized: every rank of `group` must call it at the same point (e.g. after each step).
+        Raises KeyboardInterrupt after a second Ctrl-C whose own was lost (see `_handle`)."""
+        if self._interrupted:
+            raise KeyboardInterrupt
         self._seen |= self._local
         try:
             import torch
@@ -126,17 +140,21 @@ class StopFlag:
             cls._instance = None
 
 
-def record_exit_status(code: int) -> None:
-    """Write this rank's exit status into the folder EXIT_STATUS_DIR_ENV names (nothing when unset).
-    Written to a temporary name and renamed, so a reader never sees half a number."""
+def record_exit_status(code: int, message: str | None = None) -> None:
+    """Write this rank's exit status into the folder EXIT_STATUS_DIR_ENV names (nothing when unset),
+    and `message`, the lines this rank has for the user at its exit (its `error:` line, where to
+    resume), into `rank_<RANK>.message` beside it (`recorded_messages`). Each is written to a
+    temporary name and renamed, so a reader never sees half of it; the message goes first."""
     directory = os.environ.get(EXIT_STATUS_DIR_ENV)
     if not directory:
         return
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"rank_{os.environ.get('RANK', '0')}")
-    with open(path + ".tmp", "w") as f:
-        f.write(f"{code}\n")
-    os.replace(path + ".tmp", path)
+    for name, text in ((path + ".message", message), (path, f"{code}\n")):
+        if text is not None:
+            with open(name + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(name + ".tmp", name)
 
 
 def recorded_exit_statuses(directory: str) -> dict[int, int]:
@@ -148,4 +166,15 @@ def recorded_exit_statuses(directory: str) -> dict[int, int]:
         if m:
             with open(os.path.join(directory, name)) as f:
                 found[int(m.group(1))] = int(f.read())
+    return dict(sorted(found.items()))
+
+
+def recorded_messages(directory: str) -> dict[int, str]:
+    """Rank -> the message it recorded with its exit status (`record_exit_status`)."""
+    found = {}
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        m = re.fullmatch(r"rank_(\d+)\.message", name)
+        if m:
+            with open(os.path.join(directory, name)) as f:
+                found[int(m.group(1))] = f.read()
     return dict(sorted(found.items()))
