@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from spmd_rl.checkpoint.checkpointer import run_dir_of
+from spmd_rl.checkpoint.checkpointer import CheckpointError, run_dir_of
 from spmd_rl.errors import UserError
 from spmd_rl.model import lora
 
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.dtype, args.model_dir, args.shard_size_gb,
                                 args.adapter_out)
-    except UserError as e:
+    except (UserError, CheckpointError) as e:  # CheckpointError: one of a later version's format
         print(f"error: {e}", file=sys.stderr)
         return 2
     log.info("exported %s to %s", args.checkpoint, out)

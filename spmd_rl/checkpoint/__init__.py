@@ -1,3 +1,4 @@
-"""Checkpoints with torch.distributed.checkpoint, importing nothing of the package above them: saving,
-verifying and resuming (checkpointer), the bytes of a save and free space (space), host buffers of
-asynchronous saves (staging), and failed writes by errno (writes)."""
+"""Checkpoints with torch.distributed.checkpoint, importing nothing of the package above them but
+its version: saving, verifying and resuming (checkpointer), the bytes of a save and free space
+(space), host buffers of asynchronous saves (staging), failed writes by errno (writes), and
+manifest.json with its format version and the upgrades of older formats (manifest)."""

@@ -8,7 +8,8 @@ Layout under the checkpoint directory (trainer.checkpoint_dir, by default <run_d
     latest                   text: the name of the newest complete checkpoint
 
 A save writes `step_N.tmp`; once every rank's files are written, rank 0 verifies them against
-DCP's `.metadata`, writes `manifest.json` (every file and its size, the run directory), renames
+DCP's `.metadata`, writes `manifest.json` (every file and its size, the run directory, the format
+and the package version: spmd_rl/checkpoint/manifest.py), renames
 the directory to `step_N` and only then points `latest` at it (write + os.replace). A crash at any
 moment leaves `latest` on a complete checkpoint. Older checkpoints beyond `keep_last` are deleted
 after that.
@@ -64,6 +65,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from spmd_rl.checkpoint import manifest as manifest_format
 from spmd_rl.checkpoint import space as space
 from spmd_rl.checkpoint import writes as checkpoint_writes
 from spmd_rl.checkpoint.staging import make_stager
@@ -71,7 +73,7 @@ from spmd_rl.checkpoint.staging import make_stager
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-MANIFEST = "manifest.json"
+MANIFEST = manifest_format.MANIFEST
 WRITE_THREADS = min(8, os.cpu_count() or 1)
 """Threads (and files) per rank that write a checkpoint. DCP's default is one: a rank's shards then
 go through one thread's serialisation at about 1.1 GB/s (measured: a 7B actor's 86 GB took 75 s
@@ -183,14 +185,12 @@ def verify(path: str, world_size: int | None = None) -> str | None:
     if not os.path.isdir(path):
         return "it is missing"
     manifest: dict[str, Any] = {}
-    mpath = os.path.join(path, MANIFEST)
-    if os.path.isfile(mpath):
+    if os.path.isfile(os.path.join(path, MANIFEST)):
         try:
-            with open(mpath) as f:
-                manifest = json.load(f)
+            manifest = read_manifest(path)
         except (OSError, ValueError) as e:
             return f"{MANIFEST} is unreadable ({e})"
-        for name, size in manifest.get("files", {}).items():
+        for name, size in manifest["files"].items():
             full = os.path.join(path, name)
             if not os.path.isfile(full):
                 return f"{name} is missing"
@@ -212,7 +212,7 @@ def verify(path: str, world_size: int | None = None) -> str | None:
             return f"{name} is missing"
         if os.path.getsize(full) < end:
             return f"{name} is truncated ({os.path.getsize(full)} of at least {end} bytes)"
-    ranks = manifest.get("world_size", world_size)
+    ranks = manifest.get("world_size") or world_size
     for r in range(ranks or 1):
         if not os.path.isfile(os.path.join(path, f"trainer_state_rank{r}.pt")):
             return f"trainer_state_rank{r}.pt is missing"
@@ -522,7 +522,7 @@ class Checkpointer:
         problem = verify(tmp, _world())
         if problem:
             raise CheckpointError(f"checkpoint of step {step} failed verification after writing: {problem}")
-        manifest = {"step": step, "world_size": _world(), "run_dir": self.run_dir, "files": _files(tmp)}
+        manifest = manifest_format.written(step, _world(), self.run_dir, _files(tmp))
         with open(os.path.join(tmp, MANIFEST + ".tmp"), "w") as f:
             json.dump(manifest, f)
         os.replace(os.path.join(tmp, MANIFEST + ".tmp"), os.path.join(tmp, MANIFEST))
@@ -609,24 +609,24 @@ def _other_model(path: str, models: dict[str, Stateful]) -> str | None:
     return None
 
 
-def saved_world_size(path: str) -> int:
-    """Ranks of the run that wrote the checkpoint `path`: its manifest's count, else (checkpoints
-    of older versions) its trainer state files'."""
+def read_manifest(path: str) -> dict[str, Any]:
+    """The manifest of checkpoint `path` at today's format (manifest_format.read: a checkpoint of an
+    older format upgraded, one without a manifest described by its directory). A checkpoint of a
+    newer format: CheckpointError, one line naming both versions."""
     try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            return int(json.load(f)["world_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return sum(1 for n in os.listdir(path) if re.fullmatch(r"trainer_state_rank\d+\.pt", n))
+        return manifest_format.read(path)
+    except manifest_format.NewerFormat as e:
+        raise CheckpointError(str(e)) from None
+
+
+def saved_world_size(path: str) -> int:
+    """Ranks of the run that wrote the checkpoint `path`."""
+    return int(read_manifest(path)["world_size"])
 
 
 def run_dir_of(checkpoint: str) -> str:
-    """The run directory of the run that wrote `checkpoint` (its config.toml is there): the one its
-    manifest records, else (checkpoints of older versions) RUN for RUN/checkpoints/step_N."""
-    try:
-        with open(os.path.join(checkpoint, MANIFEST)) as f:
-            return str(json.load(f)["run_dir"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
+    """The run directory of the run that wrote `checkpoint` (its config.toml is there)."""
+    return str(read_manifest(checkpoint)["run_dir"])
 
 
 def _describe(error: BaseException) -> str:

@@ -13,6 +13,7 @@ import logging
 import os
 from typing import Any
 
+from spmd_rl.config.older_configs import with_missing_keys
 from spmd_rl.config.run_config import Config
 from spmd_rl.config.toml_io import to_dict, tomllib
 from spmd_rl.errors import ConfigError
@@ -56,8 +57,10 @@ def flatten(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """key -> (old, new) for every key whose value differs (keys unknown to one side included)."""
-    a, b = flatten(old), flatten(new)
+    """key -> (old, new) for every key whose value differs (keys unknown to one side included).
+    `old` is a saved config.toml: a key its version did not have reads as that version behaved
+    (older_configs)."""
+    a, b = with_missing_keys(flatten(old), flatten(to_dict(Config()))), flatten(new)
     missing = object()
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
             if a.get(k, missing) != b.get(k, missing)}

@@ -1,0 +1,29 @@
+"""What a key missing from a config.toml written by an older version means.
+
+A run writes every key of its version into `<run_dir>/config.toml`; a key added since is missing
+there. The run that wrote it behaved as that version did, so the resume check (resume_check)
+reads a missing key as the value that reproduces that behaviour, never as "no value". The rule,
+for every key added to the config:
+
+- where the key's dataclass default is "off" (the behaviour before the key existed: no LoRA
+  adapter, no reward model, the tokenizer's own chat template, a weight of 1), that default is
+  the value, and nothing is written here;
+- otherwise OLD_BEHAVIOUR gives the value, with the reason beside it. A key added with a default
+  that changes what a run does belongs here in the same change that adds it
+  (tests/test_config_compat.py checks this table against the config.toml of every run directory
+  in tests/fixtures/old_runs; docs/checkpoints.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+OLD_BEHAVIOUR: dict[str, Any] = {
+    "trainer.memory_check": "off",  # added with "error" as its default; versions before it checked no memory
+}
+
+
+def with_missing_keys(saved: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """`saved` (section.key -> value, of a config.toml) with every key of `defaults` (today's
+    dataclass defaults, flattened alike) it lacks, as the version that wrote it behaved."""
+    return {**{k: OLD_BEHAVIOUR.get(k, v) for k, v in defaults.items()}, **saved}
