@@ -22,8 +22,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-size", type=int, default=2048)
     parser.add_argument("--val-size", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="replace train.parquet / val.parquet if they exist")
     args = parser.parse_args(argv)
-    train, val = write_synthetic(args.task, args.out_dir, args.train_size, args.val_size, args.seed)
+    try:
+        train, val = write_synthetic(args.task, args.out_dir, args.train_size, args.val_size, args.seed,
+                                     replace=args.force)
+    except FileExistsError as e:
+        sys.exit(f"error: {e}: choose another --out-dir, or pass --force to replace it")
     print(f"wrote {args.train_size} rows to {train} and {args.val_size} rows to {val}")
 
 

@@ -78,14 +78,17 @@ def resume_target(checkpointer: Checkpointer, resume: str) -> str | None:
 
 
 def check_memory(cfg: Config, env: DistEnv) -> MemoryPlan | None:
-    """Each GPU's predicted peak memory (spmd_rl/runtime/memory_plan.py), logged as one line; a run
-    predicted not to fit stops here on every rank, before any model loads (trainer.memory_check).
-    Collective. None: trainer.memory_check = "off", or a model shape the formula cannot read."""
-    total = torch.cuda.mem_get_info(env.device)[1] if env.device.type == "cuda" else None
+    """Each GPU's predicted peak memory (spmd_rl/runtime/memory_plan.py), logged as one line on a
+    GPU (a CPU run has no GPU memory to predict: no line); a run predicted not to fit stops here on
+    every rank, before any model loads (trainer.memory_check). Collective. None:
+    trainer.memory_check = "off", or a model shape the formula cannot read."""
+    on_gpu = env.device.type == "cuda"
+    total = torch.cuda.mem_get_info(env.device)[1] if on_gpu else None
     plans: list[MemoryPlan | None] = []
     raise_together(lambda: plans.append(memory_check.check_memory(cfg, env.world_size, total)))
     if plans[0] is not None:
-        log.info(plans[0].line())
+        if on_gpu:
+            log.info(plans[0].line())
         # one line per node, where pinned host memory is held (a GPU run's)
         if (env.device.type == "cuda" or cfg.rollout.engine == "vllm") and env.local_rank == 0:
             host = memory_check.host_memory_line(cfg, env.world_size, env.local_world_size,
@@ -96,26 +99,20 @@ def check_memory(cfg: Config, env: DistEnv) -> MemoryPlan | None:
 
 
 def build_data(cfg: Config, env: DistEnv, reward_fn: RewardFunction) -> Data:
-    d = cfg.data
-    if d.synthetic_task:
-        # rank 0 alone looks: a rank looking after rank 0 wrote the files would skip the barrier,
-        # and its next collective would meet rank 0's barrier
-        if env.is_main and not all(os.path.isfile(f) for f in d.train_files):
-            from spmd_rl.data.synthetic import write_synthetic
-
-            out_dir = os.path.dirname(d.train_files[0]) or "."
-            train, val = write_synthetic(d.synthetic_task, out_dir, d.synthetic_size,
-                                         max(1, d.synthetic_size // 4), cfg.trainer.seed)
-            if os.path.abspath(train) != os.path.abspath(d.train_files[0]):
-                os.replace(train, d.train_files[0])
-            if d.val_files and os.path.abspath(val) != os.path.abspath(d.val_files[0]):
-                os.replace(val, d.val_files[0])
-            log.info("wrote synthetic %r data to %s", d.synthetic_task, out_dir)
-        dist.barrier()
-    m = cfg.model
+    d, m = cfg.data, cfg.model
     tok_spec = m.tokenizer if m.tokenizer else ""
     tokenizer = load_tokenizer(tok_spec, m.path, cfg.rollout.chat_template)
-    check_tokenizer_vocab(cfg, tokenizer)
+    check_tokenizer_vocab(cfg, tokenizer)  # before anything is written into the run directory
+    if d.synthetic_task:
+        # rank 0 alone writes (the files the config check placed under the run directory); the
+        # others wait at the barrier
+        if env.is_main:
+            from spmd_rl.data.synthetic import write_run_data
+
+            written = write_run_data(cfg.run_dir, d.synthetic_recipe(cfg.trainer.seed))
+            log.info("%s synthetic %r data: %s", "wrote" if written else "reusing the run's", d.synthetic_task,
+                     ", ".join(d.train_files + d.val_files))
+        dist.barrier()
     tools = tool_schemas(cfg.rollout.tools)  # multi-turn: the prompts' chat template lists the tools
     train_data = PromptDataset(d.train_files, tokenizer, d.max_prompt_length, d.apply_chat_template, tools)
     if train_data.num_dropped:
@@ -126,7 +123,7 @@ def build_data(cfg: Config, env: DistEnv, reward_fn: RewardFunction) -> Data:
     sources = [r.data_source for r in train_data.records]
     if val_data is not None:
         sources += [r.data_source for r in val_data.records]
-    reward_fn.check_data_sources(sources)  # an unscorable data source fails before models load
+    reward_fn.check_data_sources(sources, cfg.rollout.environment)  # an unscorable one fails before models load
     sampler = ShardedSampler(len(train_data), d.train_batch_size, env.rank, env.world_size,
                              cfg.trainer.seed, d.shuffle)
     log.info("data: %d training prompts (%d steps per epoch), %d validation prompts",

@@ -43,9 +43,14 @@ def _import_module(name: str, spec: str, key: str, error: type[UserError]):
 
 
 def _import_failed(spec: str, name: str, e: Exception, key: str, error: type[UserError]) -> UserError:
+    """`name`: a module's dotted name, or the path of a .py file."""
     where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
+    if name.endswith(".py"):  # runpy runs the file as an import does (its __main__ block not)
+        see = f'python -c "import runpy; runpy.run_path({name!r})"'
+    else:
+        see = f"python -c 'import {name}'"
     return error(f"{key} = {spec!r}: importing {name!r} failed with {type(e).__name__}: "
-                 f"{e}{where}; run python -c 'import {name}' to see the traceback")
+                 f"{e}{where}; run {see} to see the traceback")
 
 
 def _import_path(path: str, spec: str, key: str, error: type[UserError]):

@@ -301,11 +301,10 @@ def test_preemption_waits_for_the_save_in_flight_and_broken_checkpoints_are_a_on
     checkpoint broken: a one-line error on rank 0 and exit 2, nothing in the run directory touched.
     (A SIGKILL with a save in flight and the fallback past a truncated checkpoint: test_e2e.py's
     kill-and-resume test.)"""
-    from test_e2e import data_overrides, read_metrics
+    from test_e2e import read_metrics
 
     run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    common = ["trainer.save_every=2", "trainer.val_every=0", "data.val_files=[]", "trainer.tensorboard=false",
-              *data_overrides(tmp_path)[:1]]
+    common = ["trainer.save_every=2", "trainer.val_every=0", "data.val_files=[]", "trainer.tensorboard=false"]
     procs = launch_ranks(run_dir, tmp_path, ["trainer.total_steps=40", *common], fault="delay@4:4")
     deadline = time.time() + 300
     log = run_dir / "trainer.log"

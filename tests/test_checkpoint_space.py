@@ -582,7 +582,7 @@ def test_a_run_whose_checkpoints_do_not_fit_warns_goes_on_exits_4_and_resumes(tm
     size = tiny_checkpoint_bytes()
     ckpt = small_filesystem.mount(int(1.6 * size))
     run_dir = tmp_path / "run"
-    cmd = tiny_cmd(run_dir, tmp_path / "data", "trainer.total_steps=3", "trainer.save_every=1",
+    cmd = tiny_cmd(run_dir, "trainer.total_steps=3", "trainer.save_every=1",
                    f"trainer.checkpoint_dir={ckpt}", "trainer.tensorboard=false", nproc=1)
     statuses = tmp_path / "exit_status"
     p = run_cmd(cmd, **{EXIT_STATUS_DIR_ENV: str(statuses)})
@@ -618,7 +618,7 @@ def test_a_run_whose_save_fails_writing_names_the_errno_and_goes_on(tmp_path):
     from conftest import tiny_cmd
 
     run_dir = tmp_path / "run"
-    cmd = tiny_cmd(run_dir, tmp_path / "data", "trainer.total_steps=3", "trainer.save_every=1",
+    cmd = tiny_cmd(run_dir, "trainer.total_steps=3", "trainer.save_every=1",
                    "trainer.tensorboard=false", nproc=1)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, SPMD_RL_CHECKPOINT_FAULT="fail@2")
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -1,5 +1,6 @@
 import dataclasses
 import os
+import re
 
 import pytest
 
@@ -63,6 +64,41 @@ def test_parse_errors_name_the_key(tmp_path, text, overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(write(tmp_path, text), overrides)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("key, suggestion", [
+    ("actor.lrr", "actor.lr"),  # a close spelling
+    ("rollout.temprature", "rollout.temperature"),
+    ("trainer.lr", "actor.lr"),  # the key of another section
+    ("total_steps", "trainer.total_steps"),  # no section
+    ("actr.lr", "actor"),  # a section
+])
+def test_a_typo_gets_did_you_mean_on_the_command_line_as_in_toml(tmp_path, key, suggestion):
+    section, _, name = key.rpartition(".")
+    texts = [("", [f"{key}=1"])] + ([(f"[{section}]\n{name} = 1\n", [])] if section else [])
+    for text, overrides in texts:
+        with pytest.raises(ConfigError) as e:
+            load_config(write(tmp_path, text), overrides)
+        assert re.search(rf"\(did you mean ([\w.]+, )*{re.escape(suggestion)}[,?]", str(e.value)), str(e.value)
+
+
+def test_a_single_value_is_a_list_of_one_and_anything_list_like_shows_the_syntax(tmp_path):
+    """The rule of docs/config.md's header: a list is TOML's `[...]`; one value alone is a list of
+    one, in a TOML file and on the command line; a value that looks like a list but is not TOML's
+    is refused with the syntax."""
+    cfg = load_config(write(tmp_path, '[data]\nval_files = "v.parquet"\n'),
+                      ["data.train_files=t.parquet", "rollout.stop_token_ids=5", "model.lora_target_modules="])
+    assert (cfg.data.train_files, cfg.data.val_files, cfg.rollout.stop_token_ids) == (["t.parquet"], ["v.parquet"], [5])
+    assert cfg.model.lora_target_modules == []
+    cfg = load_config(None, ['data.train_files=["a.parquet", "b.parquet"]', "rollout.stop_token_ids=[5,6]"])
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"] and cfg.rollout.stop_token_ids == [5, 6]
+    for override in ["data.train_files=[a.parquet]", "data.train_files=a.parquet,b.parquet"]:
+        with pytest.raises(ConfigError, match=re.escape(
+                f"is not a list: write a TOML list, quoted for the shell: data.train_files='[\"a.parquet\", "
+                f"\"b.parquet\"]'")):
+            load_config(None, [override])
+    with pytest.raises(ConfigError, match=re.escape("rollout.stop_token_ids='[1, 2]'")):
+        load_config(None, ["rollout.stop_token_ids=5,6"])
 
 
 def test_missing_config_file():

@@ -1,6 +1,7 @@
 """Parquet prompt datasets, the sharded sampler, eval batches and the data-making scripts."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,8 @@ from spmd_rl.data.rewards import RewardFunction
 from spmd_rl.config.reward import RewardConfig
 from spmd_rl.data.synthetic import write_synthetic
 from spmd_rl.model.tokenizer import build_char_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -228,6 +231,37 @@ def test_synthetic_data_loads_and_is_scorable(tok, tmp_path, task):
     assert all(s["acc"] == 1.0 for s in scores)
     again, _ = write_synthetic(task, str(tmp_path / "again"), 40, 10, seed=1)
     assert pq.read_table(again).equals(pq.read_table(train))
+
+
+def test_synthetic_data_never_replaces_a_file(tmp_path):
+    """write_synthetic refuses an existing file unless told to replace it; a run's own data is written
+    once, kept on a restart (the same bytes), and its recipe recorded beside it."""
+    from spmd_rl.data.synthetic import recorded_recipe, recipe, run_data_files, write_run_data
+
+    (tmp_path / "val.parquet").write_text("mine")
+    with pytest.raises(FileExistsError, match="val.parquet exists"):
+        write_synthetic("successor", str(tmp_path), 40, 10, seed=1)
+    assert (tmp_path / "val.parquet").read_text() == "mine" and not (tmp_path / "train.parquet").exists()
+    write_synthetic("successor", str(tmp_path), 40, 10, seed=1, replace=True)
+    assert pq.read_table(tmp_path / "val.parquet").num_rows == 10
+
+    run, want = tmp_path / "run", recipe("successor", 40, 10, 1)
+    assert write_run_data(str(run), want) == list(run_data_files(str(run)))
+    assert recorded_recipe(str(run)) == want
+    train, val = run_data_files(str(run))
+    assert pq.read_table(train).equals(pq.read_table(tmp_path / "train.parquet"))
+    first = open(val, "rb").read()
+    assert write_run_data(str(run), want) == [] and open(val, "rb").read() == first
+
+
+def test_make_synthetic_refuses_to_replace_a_file(tmp_path):
+    (tmp_path / "train.parquet").write_text("mine")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_synthetic.py"), "--task", "successor",
+                        "--out-dir", str(tmp_path)], capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr.strip() == (f"error: {tmp_path}/train.parquet exists; synthetic data never "
+                                                      "replaces a file: choose another --out-dir, or pass --force to "
+                                                      "replace it"), p.stderr
+    assert (tmp_path / "train.parquet").read_text() == "mine"
 
 
 def test_successor_answers(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import os
 import re
 
-from test_e2e import ROOT, data_overrides, documented_metrics, read_metrics, run, torchrun_cmd
+from test_e2e import ROOT, documented_metrics, read_metrics, run, torchrun_cmd
 
 BATCH = 4
 COMMON = [f"data.train_batch_size={BATCH}", "data.synthetic_size=256", "rollout.n=8", "actor.ppo_mini_batch_size=4",
@@ -22,9 +22,8 @@ COMPARED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "prompt/length_me
 
 
 def test_dynamic_sampling_trains_on_full_informative_batches_and_resumes_identically(tmp_path):
-    data = data_overrides(tmp_path)
     straight = tmp_path / "straight"
-    run(torchrun_cmd(2, f"trainer.run_dir={straight}", "trainer.total_steps=4", *COMMON, *data))
+    run(torchrun_cmd(2, f"trainer.run_dir={straight}", "trainer.total_steps=4", *COMMON))
     m = read_metrics(straight)
     assert sorted(m) == [1, 2, 3, 4]
     for s in m:
@@ -56,7 +55,7 @@ def test_dynamic_sampling_trains_on_full_informative_batches_and_resumes_identic
     (resumed / "checkpoints" / "latest").write_text("step_2")
     lines = (resumed / "metrics.jsonl").read_text().splitlines()
     (resumed / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
-    out = run(torchrun_cmd(2, f"trainer.run_dir={resumed}", "trainer.total_steps=4", *COMMON, *data))
+    out = run(torchrun_cmd(2, f"trainer.run_dir={resumed}", "trainer.total_steps=4", *COMMON))
     assert "at step 2" in out
     r = read_metrics(resumed)
     for step in (3, 4):  # same prompts drawn over the same rounds, same samples, same updates

@@ -172,20 +172,20 @@ def check_weight_sync(model, mesh, shard_ranks: int, what: str) -> None:
     bytes go to the other replicas: with a node per shard group, none cross nodes)."""
     import torch.distributed as dist
 
-    from spmd_rl.rollout.weight_sync import iter_weights
+    from spmd_rl.rollout import weight_sync
 
     group_sizes = []
-    gather = dist.all_gather_into_tensor
+    gather = weight_sync.all_gather_flat
 
     def spy(out, inp, group=None, **kw):
         group_sizes.append(dist.get_world_size(group))
         return gather(out, inp, group=group, **kw)
 
-    dist.all_gather_into_tensor = spy
+    weight_sync.all_gather_flat = spy
     try:
-        got = dict(iter_weights(model, torch.float32, 1))
+        got = dict(weight_sync.iter_weights(model, torch.float32, 1))
     finally:
-        dist.all_gather_into_tensor = gather
+        weight_sync.all_gather_flat = gather
     want = {n: full(p.detach()) for n, p in model.named_parameters()}
     assert got.keys() == want.keys(), what
     for n, t in want.items():
@@ -233,7 +233,7 @@ def test_hsdp_run_on_4_ranks_resumes_on_2_with_another_fsdp_size(tmp_path):
     from test_e2e import read_metrics, run, torchrun_cmd
 
     run_dir = tmp_path / "run"
-    common = [f"trainer.run_dir={run_dir}", f'data.train_files=["{tmp_path}/data/train.parquet"]', "data.val_files=[]",
+    common = [f"trainer.run_dir={run_dir}", "data.val_files=[]",
               "data.synthetic_size=64", "trainer.val_every=0", "trainer.tensorboard=false",
               "actor.micro_batch_size_per_gpu=8", 'algorithm.adv_estimator="gae"', "actor.use_kl_loss=true"]
     out = run(torchrun_cmd(4, *common, "trainer.total_steps=2", "trainer.fsdp_size=2"))

@@ -117,8 +117,7 @@ def _rank_pids(needle: str) -> list[int]:
 def test_ranks_die_with_their_launcher(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "spmd_rl.ppo",
-           "--config", TINY, f"trainer.run_dir={run_dir}", f'data.train_files=["{tmp_path}/data/train.parquet"]',
-           "data.val_files=[]", "trainer.total_steps=1000", "trainer.save_every=1", "trainer.keep_last=2"]
+           "--config", TINY, f"trainer.run_dir={run_dir}", "data.val_files=[]", "trainer.total_steps=1000", "trainer.save_every=1", "trainer.keep_last=2"]
     agent = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
     try:

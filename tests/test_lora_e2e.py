@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from test_e2e import data_overrides, read_metrics, run, torchrun_cmd
+from test_e2e import read_metrics, run, torchrun_cmd
 
 pytest.importorskip("peft")
 
@@ -53,7 +53,7 @@ def test_lora_grpo_learns_on_two_ranks_and_resumes_on_one(tmp_path):
 
     run_dir = tmp_path / "run"
     common = [f"trainer.run_dir={run_dir}", 'model.arch=""', f"model.path={tiny_model(tmp_path)}",
-              "model.lora_rank=8", "trainer.tensorboard=false", *data_overrides(tmp_path)]
+              "model.lora_rank=8", "trainer.tensorboard=false"]
     # 80 steps of this model, reward at step 40 / 80 (val acc at 80): full fine-tuning at lr 3e-3 0.87 / 0.87
     # (0.86); LoRA r8 alpha 32 at lr 2e-3 0.45 / 0.65 (0.81), 5e-3 0.30 / 0.61 (0.66), 1e-2 0.10 / 0.14 (0.05).
     # Here ~10x the full lr is too much: alpha / r = 4 already scales the adapter's update.
@@ -115,8 +115,7 @@ def test_lora_with_packing_token_budgets_and_gradient_checkpointing(tmp_path, mo
                "data.train_batch_size=4", "data.synthetic_size=64", "trainer.tensorboard=false", "rollout.n=4",
                "actor.micro_batch_size_per_gpu=8", "actor.entropy_coeff=0.01", "actor.ppo_epochs=2", "model.lora_rank=4",
                "actor.lr=5e-3", f"model.lora_sync={sync}",
-               "model.remove_padding=true", "actor.max_token_len_per_gpu=64", "model.gradient_checkpointing=true",
-               *data_overrides(tmp_path)])
+               "model.remove_padding=true", "actor.max_token_len_per_gpu=64", "model.gradient_checkpointing=true"])
     assert rc == 0
     m = read_metrics(run_dir)
     assert all(m[s]["actor/grad_norm"] > 0 for s in (1, 2, 3))
@@ -157,8 +156,7 @@ def run_in_process(tmp_path, steps, *overrides):
         os.environ.pop(k, None)
     run_dir = tmp_path / "run"
     assert main(["--config", TINY, f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}",
-                 "trainer.val_every=0", "data.val_files=[]", f'data.train_files=["{tmp_path}/data/train.parquet"]',
-                 "data.train_batch_size=4", "data.synthetic_size=64", "trainer.tensorboard=false", "rollout.n=4",
+                 "trainer.val_every=0", "data.val_files=[]", "data.train_batch_size=4", "data.synthetic_size=64", "trainer.tensorboard=false", "rollout.n=4",
                  "actor.micro_batch_size_per_gpu=8", "model.lora_rank=4", "actor.lr=5e-3", "actor.entropy_coeff=0.01",
                  *overrides]) == 0
     m = read_metrics(run_dir)
@@ -212,8 +210,7 @@ def test_lora_ppo_with_a_critic(tmp_path, monkeypatch):
 def small_lora_run(tmp_path, name, *more):
     """torchrun arguments of a 2-step LoRA run of the tiny preset (4 prompts x 4 samples a step),
     entropy bonus on, no validation."""
-    return [f"trainer.run_dir={tmp_path / name}", f'data.train_files=["{tmp_path}/data/train.parquet"]',
-            "data.val_files=[]", "data.synthetic_size=64", "trainer.val_every=0", "trainer.tensorboard=false",
+    return [f"trainer.run_dir={tmp_path / name}", "data.val_files=[]", "data.synthetic_size=64", "trainer.val_every=0", "trainer.tensorboard=false",
             "trainer.total_steps=2", "data.train_batch_size=4", "rollout.n=4", "model.lora_rank=4", "actor.lr=5e-3",
             "actor.entropy_coeff=0.01", *more]
 

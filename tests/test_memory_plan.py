@@ -166,8 +166,22 @@ def test_a_mixture_of_experts_model_is_not_predicted(tmp_path, caplog):
     assert "memory: not predicted" in caplog.text and "num_experts = 64: a mixture-of-experts model" in caplog.text
 
 
-def test_the_start_up_line_is_logged_before_the_models(monkeypatch, caplog):
-    """build.check_memory logs the plan's line (a CPU run: no device to compare with)."""
+def test_the_start_up_line_is_logged_before_the_models_on_a_gpu(monkeypatch, caplog):
+    """build.check_memory logs the plan's line against the GPU's memory."""
+    import spmd_rl.build as build
+
+    monkeypatch.setattr(build, "raise_together", lambda fn: fn())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (H100_TOTAL, H100_TOTAL))
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny-cpu.toml"))
+    env = type("Env", (), {"device": torch.device("cuda", 0), "world_size": 2, "local_rank": 1})()
+    with caplog.at_level(logging.INFO, logger="spmd_rl"):
+        plan = build.check_memory(cfg, env)
+    assert plan is not None and f"memory: predicted peak per GPU {plan.peak.total / mp.GiB:.1f} GiB" in caplog.text
+    assert f"of {H100_TOTAL / mp.GiB:.1f} GiB" in caplog.text
+
+
+def test_a_cpu_run_logs_no_gpu_memory_line(monkeypatch, caplog):
+    """Without a GPU there is nothing to predict or compare: the plan is made, no line is logged."""
     import spmd_rl.build as build
 
     monkeypatch.setattr(build, "raise_together", lambda fn: fn())
@@ -175,8 +189,7 @@ def test_the_start_up_line_is_logged_before_the_models(monkeypatch, caplog):
     env = type("Env", (), {"device": torch.device("cpu"), "world_size": 2})()
     with caplog.at_level(logging.INFO, logger="spmd_rl"):
         plan = build.check_memory(cfg, env)
-    assert plan is not None and "memory: predicted peak per GPU 0.0 GiB in actor update" in caplog.text
-    assert "(no GPU: not compared)" in caplog.text
+    assert plan is not None and "memory:" not in caplog.text
 
 
 MEASURED_UPDATE_PEAKS = [  # docs/performance.md: memory/update_actor_peak_gb (PyTorch's tensors), 1xH100,

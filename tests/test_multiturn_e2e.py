@@ -15,7 +15,7 @@ HIDDEN = ["data.synthetic_task=hidden", "data.max_response_length=16",
 
 
 def hidden_overrides(tmp_path, *more):
-    return [f'data.train_files=["{tmp_path}/data/train.parquet"]', "data.val_files=[]", "trainer.val_every=0",
+    return ["data.val_files=[]", "trainer.val_every=0",
             "trainer.tensorboard=false", *HIDDEN, *more]
 
 

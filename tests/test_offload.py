@@ -152,7 +152,7 @@ def test_ppo_with_offload_trains_as_without(tmp_path):
     import os
 
     from spmd_rl.ppo import main
-    from test_e2e import TINY, data_overrides, read_metrics
+    from test_e2e import TINY, read_metrics
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)
@@ -163,7 +163,7 @@ def test_ppo_with_offload_trains_as_without(tmp_path):
                    "trainer.save_every=-1", "data.train_batch_size=4", "data.synthetic_size=64",
                    "trainer.tensorboard=false", "rollout.n=4", "actor.micro_batch_size_per_gpu=8",
                    'algorithm.adv_estimator="gae"', "critic.ppo_mini_batch_size=4", "actor.use_kl_loss=true",
-                   f"rollout.offload_train_states={offload}", *data_overrides(tmp_path)])
+                   f"rollout.offload_train_states={offload}"])
         assert rc == 0
         runs[offload] = read_metrics(run_dir)
     on, off = runs["true"], runs["false"]

@@ -28,8 +28,7 @@ def test_a_checkpoint_of_version_0_1_resumes_and_continues_as_it_did(tmp_path):
     shutil.copytree(os.path.join(FIXTURE, "step_2"), run_dir / "checkpoints" / "step_2")
     (run_dir / "checkpoints" / "latest").write_text("step_2")
     out = run(torchrun_cmd(2, f"trainer.run_dir={run_dir}", "trainer.total_steps=3", "trainer.save_every=0",
-                           "trainer.val_every=0", "data.val_files=[]", "trainer.tensorboard=false",
-                           f'data.train_files=["{tmp_path}/data/train.parquet"]'))
+                           "trainer.val_every=0", "data.val_files=[]", "trainer.tensorboard=false"))
     assert f"resumed from {run_dir / 'checkpoints' / 'step_2'} at step 2" in out, out[-2000:]
     then = json.load(open(os.path.join(FIXTURE, "step_3_metrics.json")))
     now = read_metrics(run_dir)

@@ -226,8 +226,7 @@ def _trainer(run_dir, data_dir, overrides, rank):
     from spmd_rl.runtime.preemption import StopFlag
     from spmd_rl.trainer import Trainer
 
-    cfg = load_config(TINY, [f"trainer.run_dir={run_dir}", f'data.train_files=["{data_dir}/train.parquet"]',
-                             "data.val_files=[]", "data.synthetic_size=64", "trainer.tensorboard=false",
+    cfg = load_config(TINY, [f"trainer.run_dir={run_dir}", "data.val_files=[]", "data.synthetic_size=64", "trainer.tensorboard=false",
                              "trainer.val_before_train=false", *overrides])
     env = init_distributed("cpu")
     cfg.validate(env.world_size)

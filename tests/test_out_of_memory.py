@@ -169,7 +169,7 @@ def test_a_rank_that_runs_out_of_memory_says_so_in_one_line(kind, tmp_path):
     and no raw allocator line; an error that is not an out-of-memory one keeps its traceback."""
     script = tmp_path / "wrapped_ppo.py"
     script.write_text(WRAPPER.format(root=ROOT, tests=os.path.join(ROOT, "tests")))
-    cmd = tiny_cmd(tmp_path / "run", tmp_path / "data", "trainer.total_steps=1")
+    cmd = tiny_cmd(tmp_path / "run", "trainer.total_steps=1")
     at = cmd.index("-m", 3)  # torchrun's own options end here; the module it runs follows
     cmd = [*cmd[:at], "--log-dir", str(tmp_path / "logs"), "--redirects", "3", str(script), *cmd[at + 2:]]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, FAKE_WAKE_ERROR=kind)

@@ -233,7 +233,7 @@ def test_token_budget_config_needs_remove_padding_and_room_for_the_longest_seque
     from spmd_rl.errors import ConfigError
 
     base = {"model": {"init": "random", "arch": "tiny", "tokenizer": "char"},
-            "data": {"train_files": ["x.parquet"], "synthetic_task": "successor", "max_prompt_length": 100,
+            "data": {"synthetic_task": "successor", "max_prompt_length": 100,
                      "max_response_length": 200}}
     cfg = config_from_dict({**base, "actor": {"max_token_len_per_gpu": 4096}})
     with pytest.raises(ConfigError, match="model.remove_padding = true"):

@@ -155,7 +155,7 @@ def test_torchrun_refuses_a_causal_lm_as_reward_model_in_one_line_before_loading
     from test_user_errors import assert_one_line_error
 
     path = save_rm(tmp_path / "lm", head=False)
-    p = run_cmd(tiny_cmd(tmp_path / "run", tmp_path / "data", f"reward_model.path={path}"))
+    p = run_cmd(tiny_cmd(tmp_path / "run", f"reward_model.path={path}"))
     assert_one_line_error(p, f"reward_model.path = {path!r} is not a reward model")
     assert not (tmp_path / "run").exists()  # refused by the config check, before anything was written
 
@@ -172,7 +172,7 @@ def test_torchrun_with_a_reward_model_logs_its_share(tmp_path, turns):
     path = save_rm(tmp_path / "rm")
     run_dir = tmp_path / "run"
     more = MULTI_TURN if turns == "multi" else ["trainer.val_every=1"]
-    p = run_cmd(tiny_cmd(run_dir, tmp_path / "data", f"reward_model.path={path}", "reward_model.weight=2.0",
+    p = run_cmd(tiny_cmd(run_dir, f"reward_model.path={path}", "reward_model.weight=2.0",
                          "reward.rule_weight=0.5", "reward_model.max_token_len_per_gpu=64", *more))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     steps = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]

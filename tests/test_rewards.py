@@ -1,5 +1,6 @@
 """Reward extraction, scoring, dispatch by data_source and custom reward functions."""
 
+import logging
 import sys
 
 import pytest
@@ -67,6 +68,20 @@ def test_unknown_data_source_names_the_fix():
         fn(["lighteval/MATH"], ["1"], ["1"], [{}])
     with pytest.raises(RewardError, match="custom_function"):
         fn.check_data_sources(["synthetic/successor", "lighteval/MATH"])
+
+
+def test_with_an_environment_a_source_without_scorer_is_the_environments_alone(caplog):
+    """No refusal: such a trajectory's reward is the environment's (spmd_rl/trainer.py's score takes
+    it where given); one it gave none scores 0. Sources with a scorer are scored as without one."""
+    fn = RewardFunction(RewardConfig())
+    with caplog.at_level(logging.INFO, logger="spmd_rl"):
+        fn.check_data_sources(["my/task", "synthetic/successor", "my/task"], environment="env.py:Env")
+    assert "data_source 'my/task' has no scorer: rollout.environment's reward is the reward" in caplog.text
+    out = fn(["my/task", "synthetic/successor", "synthetic/successor"], ["7", "9", "8"], ["7", "9", "9"], [{}] * 3)
+    assert out == [{"score": 0.0, "acc": 0.0}, {"score": 1.0, "acc": 1.0}, {"score": 0.0, "acc": 0.0}]
+    assert fn.sync_failures() == 0
+    with pytest.raises(RewardError, match="or let rollout.environment give the reward"):
+        RewardFunction(RewardConfig()).check_data_sources(["my/task"], environment="")
 
 
 def test_mismatched_lengths_rejected():

@@ -14,7 +14,7 @@ from spmd_rl.runtime.preemption import EXIT_PREEMPTED
 
 def test_save_every_minus_one_writes_no_checkpoint_at_the_end(tmp_path):
     run_dir = tmp_path / "run"
-    p = run_cmd(tiny_cmd(run_dir, tmp_path / "data", "trainer.save_every=-1", "trainer.tensorboard=false", nproc=1))
+    p = run_cmd(tiny_cmd(run_dir, "trainer.save_every=-1", "trainer.tensorboard=false", nproc=1))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "step 2/2" in p.stdout + p.stderr
     ckpts = run_dir / "checkpoints"
@@ -23,7 +23,7 @@ def test_save_every_minus_one_writes_no_checkpoint_at_the_end(tmp_path):
 
 def test_save_every_minus_one_still_checkpoints_on_a_stop_signal(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = tiny_cmd(run_dir, tmp_path / "data", "trainer.save_every=-1", "trainer.tensorboard=false",
+    cmd = tiny_cmd(run_dir, "trainer.save_every=-1", "trainer.tensorboard=false",
                    "trainer.total_steps=100000", nproc=1)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

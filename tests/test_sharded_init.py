@@ -171,7 +171,7 @@ def _trainer_reads_weights_on_rank_0_only(rank, world, run_dir, data_dir):
     from spmd_rl.trainer import Trainer
 
     calls = count_weight_loads()
-    overrides = [f"trainer.run_dir={run_dir}", f'data.train_files=["{data_dir}/train.parquet"]', "data.val_files=[]",
+    overrides = [f"trainer.run_dir={run_dir}", "data.val_files=[]",
                  "data.synthetic_size=64", "trainer.tensorboard=false", 'algorithm.adv_estimator="gae"',
                  "actor.use_kl_loss=true", "critic.ppo_mini_batch_size=4"]
     cfg = load_config(os.path.join(ROOT, "configs", "tiny-cpu.toml"), overrides)

@@ -82,3 +82,18 @@ def test_decode_response_drops_unknown_ids_and_specials(tok):
     ids = tok.encode("42") + [tok.eos_token_id, 63 + 1000, tok.pad_token_id, 64]
     assert decode_response(tok, ids) == "42"
     assert decode_response(tok, [500, 70000]) == ""
+
+
+def test_stop_token_ids_are_printed_as_the_override(tok, capsys):
+    """`python -m spmd_rl.model.tokenizer char ? 0 ... 9` gives the ids tests/test_multiturn_e2e.py's
+    hidden-digit task stops at, each decoding to its text; a text of two tokens is refused."""
+    from spmd_rl.model.tokenizer import main
+
+    texts = ["?", *"0123456789"]
+    assert main(["char", *texts]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line == "rollout.stop_token_ids=[48,3,4,5,6,7,8,9,10,11,12]"
+    ids = [int(i) for i in line.split("=[")[1].rstrip("]").split(",")]
+    assert [tok.decode([i]) for i in ids] == texts
+    assert main(["char", "?a"]) == 2
+    assert "error: '?a' is 2 tokens [48, 13] of this tokenizer, not one" in capsys.readouterr().err

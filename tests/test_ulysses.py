@@ -362,7 +362,7 @@ def test_trainer_with_ulysses_2_resumes_under_ulysses_1_and_continues_the_same(t
     (float32 on CPU: the sums' order differs, see the module doc; rel 1e-5)."""
     from test_e2e import read_metrics, run, torchrun_cmd
 
-    common = [f'data.train_files=["{tmp_path}/data/train.parquet"]', "data.val_files=[]", "data.synthetic_size=64",
+    common = ["data.val_files=[]", "data.synthetic_size=64",
               "trainer.val_every=0", "trainer.tensorboard=false", "trainer.total_steps=3", "model.remove_padding=true",
               'algorithm.adv_estimator="gae"', "actor.use_kl_loss=true", "actor.max_token_len_per_gpu=64"]
     straight, resumed = tmp_path / "ulysses2", tmp_path / "resumed"

@@ -67,6 +67,56 @@ def test_out_of_range_values_are_refused_with_the_reason(override, message):
         check([override])
 
 
+def test_a_presets_synthetic_task_never_writes_or_replaces_files_the_user_named(tmp_path):
+    """The preset's data.synthetic_task beside files of one's own (a typo in the training file's name, an
+    existing validation file): refused in one line before anything is written, the user's file byte for
+    byte as it was, nothing created beside it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    pq.write_table(pa.table({"prompt": ["12"] * 64, "data_source": ["synthetic/successor"] * 64,
+                             "ground_truth": ["3"] * 64}), mine / "val.parquet")
+    before = (mine / "val.parquet").read_bytes()
+    with pytest.raises(ConfigError, match=re.escape(
+            f"data.train_files names '{mine}/trian.parquet' but data.synthetic_task = 'successor' trains on synthetic "
+            f"data the run writes under its own directory ({tmp_path}/run/data/train.parquet): to train on your files "
+            'set data.synthetic_task=""')):
+        check([f"trainer.run_dir={tmp_path}/run", f'data.train_files=["{mine}/trian.parquet"]',
+               f'data.val_files=["{mine}/val.parquet"]'])
+    with pytest.raises(ConfigError, match=re.escape(f"data.val_files names '{mine}/val.parquet'")):
+        check([f"trainer.run_dir={tmp_path}/run", f'data.val_files=["{mine}/val.parquet"]'])
+    assert (mine / "val.parquet").read_bytes() == before and sorted(os.listdir(mine)) == ["val.parquet"]
+    assert not (tmp_path / "run").exists()
+    # the fix the message names: the user's own files, the typo then reported as such
+    with pytest.raises(ConfigError, match=re.escape(f"data file '{mine}/trian.parquet' does not exist")):
+        check([f"trainer.run_dir={tmp_path}/run", 'data.synthetic_task=""', f'data.train_files=["{mine}/trian.parquet"]',
+               f'data.val_files=["{mine}/val.parquet"]'])
+
+
+def test_synthetic_data_is_the_runs_own_and_a_changed_recipe_is_refused(tmp_path):
+    """Empty or naming the run's own files: both become <run_dir>/data/{train,val}.parquet (as the saved
+    config.toml then records); a run directory whose synthetic data was written with another size is refused."""
+    from spmd_rl.data.synthetic import write_run_data
+
+    run = tmp_path / "run"
+    cfg = check([f"trainer.run_dir={run}"])
+    own = [str(run / "data" / "train.parquet")], [str(run / "data" / "val.parquet")]
+    assert (cfg.data.train_files, cfg.data.val_files) == own
+    named = check([f"trainer.run_dir={run}", f'data.train_files=["{own[0][0]}"]', f'data.val_files=["{own[1][0]}"]'])
+    assert (named.data.train_files, named.data.val_files) == own
+    write_run_data(str(run), cfg.data.synthetic_recipe(cfg.trainer.seed))
+    check([f"trainer.run_dir={run}"])  # a restart with the same recipe reuses them
+    with pytest.raises(ConfigError, match=re.escape(f"{run}/data/synthetic.json says this run's synthetic data was "
+                                                    "written as {'task': 'successor', 'train_size': 2048")):
+        check([f"trainer.run_dir={run}", "data.synthetic_size=512"])
+    file = tmp_path / "a_file"
+    file.write_text("")
+    with pytest.raises(ConfigError, match="cannot be used"):  # the run directory's own check names it
+        check([f"trainer.run_dir={file}/run"])
+
+
 def test_export_dir_that_exists_is_refused_before_training(tmp_path):
     (tmp_path / "x").write_text("")
     with pytest.raises(ConfigError, match="trainer.export_hf_dir .* exists and is not empty"):
@@ -83,10 +133,8 @@ def test_paths_the_run_cannot_write_are_refused_before_it_starts(tmp_path, monke
                                       "directory"),
         ([f"trainer.run_dir={file}/run"], f"trainer.run_dir = '{file}/run' cannot be used ('{file}' is a file)"),
         ([f"trainer.export_hf_dir={file}"], f"trainer.export_hf_dir = '{file}' cannot be used (it is a file)"),
-        ([f'data.train_files=["{tmp_path}/dir"]'], f"data file '{tmp_path}/dir' is a directory: list the Parquet "
+        (['data.synthetic_task=""', f'data.train_files=["{tmp_path}/dir"]'], f"data file '{tmp_path}/dir' is a directory: list the Parquet "
                                                    "files in it"),
-        ([f'data.train_files=["{file}/x/train.parquet"]'], f"data file '{file}/x/train.parquet' cannot be written "
-                                                           f"for data.synthetic_task ('{file}' is a file)"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             check([f"trainer.run_dir={tmp_path}/run", *overrides])
@@ -139,18 +187,28 @@ def test_reward_failure_on_one_rank_stops_every_rank(reward_file):
     run_distributed(_sync_worker, 2, reward_file)
 
 
+def _suggested_command_shows(message: str, error: str, cwd) -> None:
+    """The message's "run <command> to see the traceback" is a shell command that shows it."""
+    command = re.search(r"; run (.*) to see the traceback$", message).group(1)
+    p = subprocess.run(["bash", "-c", command.replace("python ", f"{sys.executable} ", 1)], cwd=cwd,
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(cwd)))
+    assert p.returncode == 1 and "Traceback" in p.stderr and error in p.stderr, (command, p.stderr)
+
+
 def test_unimportable_reward_module_is_one_line(tmp_path):
     bad = tmp_path / "broken.py"
     bad.write_text("def score(:\n")
-    with pytest.raises(RewardError, match=r"importing .*broken.py' failed with SyntaxError"):
+    with pytest.raises(RewardError, match=r"importing .*broken.py' failed with SyntaxError") as e:
         RewardFunction(RewardConfig(custom_function=f"{bad}:score"))
+    _suggested_command_shows(str(e.value), "SyntaxError", tmp_path)
     (tmp_path / "needs_dep.py").write_text("import surely_not_installed_dep\n")
     sys.path.insert(0, str(tmp_path))
     try:
-        with pytest.raises(RewardError, match="importing 'needs_dep' failed with ModuleNotFoundError"):
+        with pytest.raises(RewardError, match="importing 'needs_dep' failed with ModuleNotFoundError") as e:
             RewardFunction(RewardConfig(custom_function="needs_dep:score"))
     finally:
         sys.path.remove(str(tmp_path))
+    _suggested_command_shows(str(e.value), "No module named 'surely_not_installed_dep'", tmp_path)
 
 
 # --------------------------------------------------------------------------- run directory
@@ -178,9 +236,8 @@ def test_run_dir_lock_refuses_a_second_holder_and_dies_with_its_process(tmp_path
 def test_changed_config_at_resume_is_listed_or_refused(tiny_run):
     from spmd_rl.config.resume_check import check_resume_config
 
-    run_dir, data_dir, _ = tiny_run
-    base = [f"trainer.run_dir={run_dir}", f'data.train_files=["{data_dir}/train.parquet"]',
-            f'data.val_files=["{data_dir}/val.parquet"]', "data.synthetic_size=256", "data.val_batch_size=64",
+    run_dir, _, _ = tiny_run
+    base = [f"trainer.run_dir={run_dir}", "data.synthetic_size=256", "data.val_batch_size=64",
             "trainer.val_every=0", "trainer.total_steps=2"]
     exported = {"trainer.export_hf_dir": (str(tiny_run[2]), "")}  # the export exists now: not asked again
     assert check_resume_config(check(base)) == exported
@@ -219,14 +276,14 @@ def assert_one_line_error(p, message):
 
 
 def test_torchrun_config_error(tmp_path):
-    p = run_cmd(tiny_cmd(tmp_path / "run", tmp_path / "data", "actor.lr=-1"))
+    p = run_cmd(tiny_cmd(tmp_path / "run", "actor.lr=-1"))
     assert_one_line_error(p, "actor.lr = -1.0 must be > 0")
     assert not (tmp_path / "run").exists()
 
 
 def test_torchrun_refused_engine_kwarg_is_found_before_vllm_or_cuda_is_needed(tmp_path):
     """On this CPU machine, with or without vLLM installed: the config check refuses it first."""
-    p = run_cmd(tiny_cmd(tmp_path / "run", tmp_path / "data", 'rollout.engine="vllm"',
+    p = run_cmd(tiny_cmd(tmp_path / "run", 'rollout.engine="vllm"',
                          "rollout.engine_kwargs.max_num_seqs=64"))
     assert_one_line_error(p, "rollout.engine_kwargs.max_num_seqs duplicates rollout.max_num_seqs: set "
                              "rollout.max_num_seqs instead, and remove it from rollout.engine_kwargs")
@@ -234,28 +291,27 @@ def test_torchrun_refused_engine_kwarg_is_found_before_vllm_or_cuda_is_needed(tm
 
 
 def test_torchrun_bad_data_leaves_an_existing_run_untouched(tiny_run, tmp_path):
-    run_dir, data_dir, export_dir = tiny_run
+    run_dir, _, _ = tiny_run
     before = run_files(run_dir)
     csv = tmp_path / "train.parquet"
     csv.write_text("prompt,data_source,ground_truth\n384,synthetic/successor,5\n")
-    p = run_cmd(tiny_cmd(run_dir, data_dir, f'data.train_files=["{csv}"]'))
+    p = run_cmd(tiny_cmd(run_dir, 'data.synthetic_task=""', f'data.train_files=["{csv}"]'))
     assert_one_line_error(p, f"data file '{csv}' is not a readable Parquet file")
     assert run_files(run_dir) == before
 
 
 def test_torchrun_second_run_on_a_locked_run_dir_is_refused(tiny_run):
-    run_dir, data_dir, _ = tiny_run
+    run_dir, _, _ = tiny_run
     before = run_files(run_dir)
     with open(os.path.join(run_dir, ".lock"), "a+") as f:  # as a live run holds it
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        p = run_cmd(tiny_cmd(run_dir, data_dir, "trainer.total_steps=4"))
+        p = run_cmd(tiny_cmd(run_dir, "trainer.total_steps=4"))
     assert_one_line_error(p, f"trainer.run_dir '{run_dir}' is in use by a running job")
     assert run_files(run_dir) == before
 
 
 def test_torchrun_reward_function_failure_names_the_sample(tmp_path, reward_file):
-    p = run_cmd(tiny_cmd(tmp_path / "run", tmp_path / "data", f'reward.custom_function="{reward_file}"',
-                         'data.val_files=[]', "trainer.total_steps=1"))
+    p = run_cmd(tiny_cmd(tmp_path / "run", f'reward.custom_function="{reward_file}"', "trainer.total_steps=1"))
     assert_one_line_error(p, "failed on data_source 'synthetic/successor', row ")
     assert re.search(r"row \d+ \((KeyError: 'boom'|RewardError: .*non-finite score nan)\) for the response ", p.stderr)
 
@@ -270,7 +326,7 @@ def test_torchrun_tokenizer_larger_than_the_model_vocabulary_stops_before_models
 
     model_dir, run_dir = tmp_path / "config_only", tmp_path / "run"
     Qwen2Config(**{**ARCH_PRESETS["tiny"], "vocab_size": 40}).save_pretrained(model_dir)
-    p = run_cmd(tiny_cmd(run_dir, tmp_path / "data", f"model.path={model_dir}", 'model.arch=""'))
+    p = run_cmd(tiny_cmd(run_dir, f"model.path={model_dir}", 'model.arch=""'))
     n = len(build_char_tokenizer())
     assert_one_line_error(p, f"the tokenizer (model.tokenizer = 'char') has {n} tokens but the model (model.path = "
                              f"'{model_dir}') has vocab_size 40: token ids 40..{n - 1} would index past its embedding")
@@ -280,11 +336,10 @@ def test_torchrun_tokenizer_larger_than_the_model_vocabulary_stops_before_models
 def test_torchrun_resume_on_another_number_of_ranks_keeps_the_data_order(tiny_run, tmp_path):
     """A checkpoint of 1 rank resumed on 2: models and optimizers reshard, every rank takes rank 0's
     trainer state, and each step trains on the prompts it had in the uninterrupted 2-rank run."""
-    _, data_dir, _ = tiny_run
     run_dir = tmp_path / "run"
-    one = run_cmd(tiny_cmd(run_dir, data_dir, "trainer.total_steps=1", nproc=1))
+    one = run_cmd(tiny_cmd(run_dir, "trainer.total_steps=1", nproc=1))
     assert one.returncode == 0, one.stderr[-3000:]
-    two = run_cmd(tiny_cmd(run_dir, data_dir, "trainer.total_steps=2"))
+    two = run_cmd(tiny_cmd(run_dir, "trainer.total_steps=2"))
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert "resuming a checkpoint of 1 ranks on 2: the models and optimizers are resharded" in two.stdout
     assert "at step 1 (epoch 0, batch 1)" in two.stdout

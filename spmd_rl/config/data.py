@@ -6,7 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from spmd_rl.config.checks import Rule, need, cannot_write
+from spmd_rl.config.checks import Rule, need
+from spmd_rl.errors import ConfigError
 
 if TYPE_CHECKING:
     from spmd_rl.config.run_config import Config
@@ -20,14 +21,19 @@ CHOICES: dict[str, tuple[str, ...]] = {
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)
-    """Training Parquet files (schema: docs/data.md)."""
+    """Training Parquet files (schema: docs/data.md). Empty with `synthetic_task`: the run's own."""
     val_files: list[str] = field(default_factory=list)
-    """Held-out Parquet files for validation; empty = no validation."""
+    """Held-out Parquet files for validation; empty = no validation (with `synthetic_task`: the run's
+    own validation file)."""
     synthetic_task: str = ""
-    """If set and `train_files` do not exist yet, rank 0 writes them (and `val_files`) with this
-    offline synthetic task before anything else runs: "successor" (learnable by a tiny random model)
-    or "arithmetic" (word problems with exact answers), or "hidden" (a random digit only an environment
-    reveals: spmd_rl/envs/hidden_digit.py). See scripts/make_synthetic.py."""
+    """Train on an offline synthetic task instead of files of yours: "successor" (learnable by a tiny
+    random model), "arithmetic" (word problems with exact answers) or "hidden" (a random digit only an
+    environment reveals: spmd_rl/envs/hidden_digit.py). Rank 0 writes the data under the run
+    directory, `<run_dir>/data/train.parquet` and `val.parquet`, before anything else runs, and a
+    restart reuses them; nothing outside the run directory is ever written. `train_files` and
+    `val_files` must then be empty (or name exactly those files): to train on your own files, set
+    this to "" (a preset such as tiny-cpu sets it). scripts/make_synthetic.py writes the same data
+    anywhere you choose."""
     synthetic_size: int = 2048
     """Number of training rows written for `synthetic_task` (validation gets a quarter)."""
     train_batch_size: int = 8
@@ -44,21 +50,48 @@ class DataConfig:
     val_batch_size: int = 64
     """Prompts per validation generation call, global."""
 
+    def synthetic_recipe(self, seed: int) -> dict:
+        """What `synthetic_task` writes (spmd_rl/data/synthetic.py records it beside the files)."""
+        from spmd_rl.data.synthetic import recipe
+
+        return recipe(self.synthetic_task, self.synthetic_size, max(1, self.synthetic_size // 4), seed)
+
+    def place_synthetic(self, run_dir: str, seed: int) -> None:
+        """With `synthetic_task`: the data files become the run's own (<run_dir>/data/train.parquet and
+        val.parquet). A file named in `train_files` / `val_files` that is not the run's own is refused,
+        so no user file is ever written or trained on in its place; so is a run directory whose
+        synthetic files were written with another task, size or seed."""
+        if not self.synthetic_task:
+            return
+        from spmd_rl.data.synthetic import RECIPE_FILE, recorded_recipe, run_data_files
+
+        own = run_data_files(run_dir)
+        for key, files, path in (("data.train_files", self.train_files, own[0]),
+                                 ("data.val_files", self.val_files, own[1])):
+            foreign = [f for f in files if os.path.abspath(f) != os.path.abspath(path)]
+            if foreign:
+                raise ConfigError(f"{key} names {foreign[0]!r} but data.synthetic_task = {self.synthetic_task!r} trains "
+                                  f"on synthetic data the run writes under its own directory ({path}): to train on your "
+                                  f'files set data.synthetic_task="" (the preset sets it); for synthetic data leave '
+                                  f"{key} empty")
+        self.train_files, self.val_files = [own[0]], [own[1]]
+        recorded, want = recorded_recipe(run_dir), self.synthetic_recipe(seed)
+        need(recorded is None or recorded == want,
+             f"{os.path.join(os.path.dirname(own[0]), RECIPE_FILE)} says this run's synthetic data was written as "
+             f"{recorded}, but the config asks for {want} (data.synthetic_task, data.synthetic_size, trainer.seed): "
+             "set them back, or start a new trainer.run_dir")
+
     def check(self) -> None:
-        """The data files exist (or data.synthetic_task can write them) and the sizes are positive."""
-        need(bool(self.train_files), "data.train_files is empty: list at least one Parquet file")
+        """The data files exist (with `synthetic_task`: the run's own, written at start) and the sizes
+        are positive."""
+        need(bool(self.train_files), "data.train_files is empty: list at least one Parquet file, or set "
+             "data.synthetic_task for a synthetic task")
         for f in self.train_files + self.val_files:
             need(not os.path.isdir(f), f"data file {f!r} is a directory: list the Parquet files in it in "
                   "data.train_files / data.val_files")
         if not self.synthetic_task:
             for f in self.train_files + self.val_files:
-                need(os.path.isfile(f), f"data file {f!r} does not exist: fix data.train_files / data.val_files, "
-                      "or set data.synthetic_task to generate it")
-        elif not all(os.path.isfile(f) for f in self.train_files):  # rank 0 writes the first train and val file
-            for f in self.train_files[:1] + self.val_files[:1]:
-                problem = cannot_write(os.path.dirname(f) or ".")
-                need(problem is None, f"data file {f!r} cannot be written for data.synthetic_task ({problem}): "
-                      "choose another directory in data.train_files / data.val_files")
+                need(os.path.isfile(f), f"data file {f!r} does not exist: fix data.train_files / data.val_files")
         need(self.train_batch_size > 0, "data.train_batch_size must be > 0")
         need(self.max_prompt_length > 0 and self.max_response_length > 0,
               "data.max_prompt_length and data.max_response_length must be > 0")

@@ -20,9 +20,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
 @dataclass
 class RewardConfig:
     custom_function: str = ""
-    """A user scorer "package.module:function" called as fn(data_source, response_text,
-    ground_truth, extra_info) -> float or dict with key "score"; empty = the built-in rule scorers
-    chosen by each row's data_source."""
+    """A user scorer, "package.module:function" (importable) or "path/to/file.py:function" (a file,
+    relative to the working directory), called as fn(data_source, response_text, ground_truth,
+    extra_info) -> float or dict with key "score" (and "acc"); empty = the built-in rule scorers
+    chosen by each row's data_source (GSM8K's, the synthetic tasks'). docs/own-task.md,
+    examples/my_task/reward.py."""
     gsm8k_method: str = "strict"
     """GSM8K answer extraction: "strict" (the "#### N" line) or "flexible" (last number)."""
     format_bonus: float = 0.0

@@ -33,7 +33,10 @@ class RolloutConfig:
     top_k: int = -1
     """Top-k sampling (-1 = off)."""
     stop_token_ids: list[int] = field(default_factory=list)
-    """Extra token ids that end a response (the tokenizer's EOS always does)."""
+    """Extra token ids that end a response (the tokenizer's EOS always does), e.g. to end a
+    multi-turn model's turn at a character. `python -m spmd_rl.model.tokenizer TOKENIZER TEXT...`
+    (TOKENIZER: "char" or a tokenizer directory) prints this override for the tokens TEXT...:
+    `python -m spmd_rl.model.tokenizer char "?" 7` -> `rollout.stop_token_ids=[48,10]`."""
     val_temperature: float = 0.0
     """Temperature for validation (0 = greedy)."""
     val_n: int = 1
@@ -145,10 +148,13 @@ class RolloutConfig:
     raises, passes rollout.tool_timeout or returns a non-string answers with an error message
     (counted in multiturn/tool_errors_mean). Not together with rollout.environment."""
     environment: str = ""
-    """Multi-turn rollouts with an environment: "package.module:Class" with `reset(row)` and
-    `step(message) -> StepResult(messages, done, reward=None)` (spmd_rl/rollout/multiturn/
-    environment.py; one instance per trajectory, keeping its state across turns). Its reward, where
-    it gives one, replaces the reward function's score. Empty = single-turn (or tools)."""
+    """Multi-turn rollouts with an environment: "package.module:Class" or "path/to/file.py:Class"
+    with `reset(row)` and `step(message) -> StepResult(messages, done, reward=None)`
+    (spmd_rl/rollout/multiturn/environment.py; one instance per trajectory, keeping its state across
+    turns). Its reward, where it gives one, replaces the reward function's score; a data_source
+    without a scorer (reward.custom_function, the built-in ones) needs none: its trajectories'
+    reward is the environment's, 0 where it gives none (one cut short by max_turns or the length
+    limit). Empty = single-turn (or tools). docs/own-task.md, examples/my_task/env.py."""
     max_turns: int = 5
     """Multi-turn: most model turns per trajectory (1 = the model answers once; tools never run)."""
     chat_template: str = ""

@@ -9,6 +9,7 @@ can use it without an import circle.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import sys
@@ -37,7 +38,7 @@ def load(root: type[T], path: str | None = None, overrides: list[str] | None = N
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
     for item in overrides or []:
-        key, value = _split_override(item)
+        key, value = _split_override(item, root)
         section, name, *path = key.split(".")
         raw.setdefault(section, {})
         if not isinstance(raw[section], dict):
@@ -67,7 +68,8 @@ def from_dict(root: type[T], raw: dict[str, Any]) -> T:
     sections = typing.get_type_hints(root)
     for section, values in raw.items():
         if section not in sections:
-            raise ConfigError(f"unknown config section [{section}]: valid sections are {', '.join(sections)}")
+            raise ConfigError(f"unknown config section [{section}]{_did_you_mean(section, list(sections))}: "
+                              f"valid sections are {', '.join(sections)}")
         if not isinstance(values, dict):
             raise ConfigError(f"[{section}] must be a table of keys, got {values!r}")
         target = getattr(cfg, section)
@@ -75,20 +77,39 @@ def from_dict(root: type[T], raw: dict[str, Any]) -> T:
         for name, value in values.items():
             key = f"{section}.{name}"
             if name not in hints:
-                close = [k for k in hints if k.startswith(name[:3])]
-                hint = f" (did you mean {', '.join(section + '.' + c for c in close)}?)" if close else ""
-                raise ConfigError(f"unknown config key {key!r}{hint}; see docs/config.md for all keys")
+                raise ConfigError(f"unknown config key {key!r}{_did_you_mean(key, all_keys(root))}; see "
+                                  "docs/config.md for all keys")
             setattr(target, name, _coerce(key, value, hints[name]))
     return cfg
 
 
-def _split_override(item: str) -> tuple[str, str]:
+def all_keys(root: type) -> list[str]:
+    """Every "section.key" of `root`."""
+    return [f"{section}.{name}" for section, cls in typing.get_type_hints(root).items()
+            for name in typing.get_type_hints(cls)]
+
+
+def _did_you_mean(wrong: str, known: list[str]) -> str:
+    """" (did you mean a, b?)" naming at most three entries of `known` ("section.key"s, or section
+    names) close to `wrong`: a close spelling in its section, the same key in another section, the
+    same first letters; "" when none is."""
+    section, _, name = wrong.rpartition(".")
+    mine = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == section}
+    close = [mine[n] for n in difflib.get_close_matches(name, list(mine), n=3, cutoff=0.75)]
+    close += [k for k in known if k.rpartition(".")[2] == name]
+    close += [k for n, k in mine.items() if n.startswith(name[:3])]
+    close = list(dict.fromkeys(close))[:3]
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def _split_override(item: str, root: type) -> tuple[str, str]:
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like section.key=value (e.g. actor.lr=1e-6)")
     key, value = item.split("=", 1)
     key = key.strip().lstrip("-")
     if key.count(".") < 1 or not all(key.split(".")):
-        raise ConfigError(f"override key {key!r} must be section.key (e.g. actor.lr)")
+        hint = _did_you_mean(key, all_keys(root)) or " (e.g. actor.lr)"
+        raise ConfigError(f"override key {key!r} must be section.key{hint}")
     return key, value.strip()
 
 
@@ -107,12 +128,14 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"{key} must be a table, got {value!r}: write {key}={{name=value}} or "
                               f"{key}.name=value on the command line, a [{key}] table in the config file")
         return {k: _table_value(f"{key}.{k}", v) for k, v in value.items()}
-    if origin is list:
+    if origin is list:  # the rule is stated in docs/config.md's header (spmd_rl/config/reference.py)
         (item_type,) = typing.get_args(hint)
-        if isinstance(value, str):  # "a,b" on the command line
-            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, str) and (value.lstrip().startswith("[") or "," in value):
+            raise ConfigError(f"{key} = {value!r} is not a list: {list_syntax(key, item_type)}")
+        if not isinstance(value, (list, dict)):  # one value: a list of one ("" none)
+            value = [value] if value != "" else []
         if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list of {item_type.__name__}, got {value!r}")
+            raise ConfigError(f"{key} must be a list, got {value!r}: {list_syntax(key, item_type)}")
         return [_coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
     if hint is bool:
         if isinstance(value, bool):
@@ -131,6 +154,12 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return value
         raise ConfigError(f"{key} must be a string, got {value!r} (quote it)")
     raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover
+
+
+def list_syntax(key: str, item_type: type) -> str:
+    """How a list is written on the command line, for `key`'s messages."""
+    example = '["a.parquet", "b.parquet"]' if item_type is str else "[1, 2]"
+    return f"write a TOML list, quoted for the shell: {key}='{example}' (one value alone needs no brackets)"
 
 
 def _table_value(key: str, value: Any) -> Any:

@@ -6,12 +6,15 @@ training optimises (acc plus the optional format bonus). Built-in scorers:
   "openai/gsm8k" or any name containing "gsm8k"   answer after "#### " (strict) or last number (flexible)
   names starting with "synthetic/"                 first integer in the response, exact match
 
-With `reward.custom_function` set, that function scores every row instead.
+With `reward.custom_function` set, that function scores every row instead. With
+`rollout.environment` set, a data source neither scores is the environment's alone: a trajectory it
+gives no reward scores 0.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import re
 from fractions import Fraction
@@ -21,6 +24,7 @@ from spmd_rl.config.reward import RewardConfig
 from spmd_rl.user_import import import_object
 from spmd_rl.errors import UserError
 
+log = logging.getLogger("spmd_rl")
 
 class RewardError(UserError, ValueError):
     """A reward cannot be computed: unknown data source, bad custom function or bad return value."""
@@ -125,7 +129,8 @@ def builtin_scorer(data_source: str, cfg: RewardConfig) -> Callable[[str, str], 
         return lambda response, gt: score_gsm8k(response, gt, cfg.gsm8k_method, cfg.format_bonus)
     raise RewardError(f"no built-in reward for data_source {data_source!r} (built in: 'openai/gsm8k' or any "
                       "name containing 'gsm8k', and 'synthetic/...'): set reward.custom_function = "
-                      "'package.module:function' to score it")
+                      "'package.module:function' or 'path/to/file.py:function' to score it, or let "
+                      "rollout.environment give the reward")
 
 
 def load_custom_reward(spec: str) -> Callable:
@@ -160,6 +165,8 @@ class RewardFunction:
         self.errors = 0
         self.first_error: str | None = None  # on_error = "zero": the first failure since sync_failures
         self.responses = 0
+        self.environment_only: set[str] = set()
+        """Data sources without a scorer whose reward is the environment's (check_data_sources)."""
         if cfg.gsm8k_method not in ("strict", "flexible"):
             raise RewardError(f"reward.gsm8k_method = {cfg.gsm8k_method!r} is not 'strict' or 'flexible'")
         self.custom = load_custom_reward(cfg.custom_function) if cfg.custom_function else None
@@ -172,14 +179,28 @@ class RewardFunction:
             except ValueError:  # builtins without a signature: trust them
                 pass
 
-    def check_data_sources(self, data_sources) -> None:
-        """Fail now, not at the first step, if some data source has no scorer."""
-        if self.custom is None:
-            for source in sorted(set(data_sources)):
+    def check_data_sources(self, data_sources, environment: str = "") -> None:
+        """Fail now, not at the first step, if some data source has no scorer; with an
+        `environment` (rollout.environment) such a source is scored by the environment's reward
+        alone, 0 for a trajectory it gives none (one line says so)."""
+        if self.custom is not None:
+            return
+        for source in sorted(set(data_sources)):
+            try:
                 builtin_scorer(source, self.cfg)
+            except RewardError:
+                if not environment:
+                    raise
+                self.environment_only.add(source)
+        if self.environment_only:
+            log.info("reward: data_source %s has no scorer: rollout.environment's reward is the reward, 0 for a "
+                     "trajectory it gives none (multiturn/stop_* shows how trajectories ended)",
+                     ", ".join(map(repr, sorted(self.environment_only))))
 
     def score_one(self, data_source: str, response: str, ground_truth: str, extra_info: dict | None) -> dict:
         if self.custom is None:
+            if data_source in self.environment_only:  # the environment gave this trajectory no reward
+                return {"score": 0.0, "acc": 0.0}
             return builtin_scorer(data_source, self.cfg)(response, ground_truth)
         return self._custom_result(self.custom(data_source, response, ground_truth, extra_info or {}))
 

@@ -13,6 +13,7 @@ Both are deterministic in the seed; train and validation rows come from separate
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from typing import Callable
@@ -115,15 +116,69 @@ def _write_parquet(columns: dict[str, list], path: str) -> None:
     os.replace(tmp, path)
 
 
-def write_synthetic(task: str, out_dir: str, train_size: int, val_size: int, seed: int) -> tuple[str, str]:
-    """Write <out_dir>/train.parquet and <out_dir>/val.parquet; returns their paths."""
+def write_synthetic(task: str, out_dir: str, train_size: int, val_size: int, seed: int,
+                    replace: bool = False) -> tuple[str, str]:
+    """Write <out_dir>/train.parquet and <out_dir>/val.parquet; returns their paths. An existing file
+    is never replaced unless `replace` (FileExistsError names it)."""
     if train_size < 1 or val_size < 1:
         raise ValueError(f"synthetic data needs at least one row per split, got train_size={train_size}, "
                          f"val_size={val_size}")
+    paths = tuple(os.path.join(out_dir, f"{split}.parquet") for split in ("train", "val"))
+    existing = [p for p in paths if os.path.exists(p)]
+    if existing and not replace:
+        raise FileExistsError(f"{existing[0]} exists; synthetic data never replaces a file")
     os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    for split, size in (("train", train_size), ("val", val_size)):
-        path = os.path.join(out_dir, f"{split}.parquet")
+    for split, size, path in (("train", train_size, paths[0]), ("val", val_size, paths[1])):
         _write_parquet(synthetic_rows(task, size, seed, split), path)
-        paths.append(path)
     return paths[0], paths[1]
+
+
+# ----------------------------------------------------------------- a run's own synthetic data
+# With data.synthetic_task a run writes its data under its own directory and nowhere else: the
+# files of RUN_DATA_FILES in <run_dir>/data, and RECIPE_FILE saying what they hold, so a restart
+# reuses them and a restart with another task, size or seed is refused instead of training on
+# data the config does not describe.
+
+RUN_DATA_DIR = "data"
+RUN_DATA_FILES = ("train.parquet", "val.parquet")
+RECIPE_FILE = "synthetic.json"
+
+
+def run_data_files(run_dir: str) -> tuple[str, str]:
+    """The run's own synthetic (train, val) files: <run_dir>/data/train.parquet and val.parquet."""
+    return tuple(os.path.join(run_dir, RUN_DATA_DIR, name) for name in RUN_DATA_FILES)  # type: ignore[return-value]
+
+
+def recipe(task: str, train_size: int, val_size: int, seed: int) -> dict:
+    """What a run's synthetic files hold, as RECIPE_FILE records it."""
+    return {"task": task, "train_size": train_size, "val_size": val_size, "seed": seed}
+
+
+def recorded_recipe(run_dir: str) -> dict | None:
+    """The recipe the run's synthetic files were written with; None where none was recorded (no files
+    yet, or files from a version that did not record it)."""
+    path = os.path.join(run_dir, RUN_DATA_DIR, RECIPE_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_run_data(run_dir: str, want: dict) -> list[str]:
+    """Write the run's own synthetic files that are missing, and the recipe; returns the files written.
+    Files already there are the run's own from an earlier start (the config check compared their
+    recipe with `want`) and are kept."""
+    train, val = run_data_files(run_dir)
+    written = []
+    for split, size, path in (("train", want["train_size"], train), ("val", want["val_size"], val)):
+        if not os.path.isfile(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            _write_parquet(synthetic_rows(want["task"], size, want["seed"], split), path)
+            written.append(path)
+    recipe_path = os.path.join(run_dir, RUN_DATA_DIR, RECIPE_FILE)
+    if written:
+        tmp = f"{recipe_path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(want, f)
+        os.replace(tmp, recipe_path)
+    return written

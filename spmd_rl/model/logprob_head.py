@@ -331,10 +331,19 @@ def _logprob_forward(self, *args, logprob_targets: torch.Tensor | None = None, t
     if self.spmd_chunked_logprobs:
         base = getattr(self, self.base_model_prefix)
         hidden = base(*args, **kwargs).last_hidden_state
-        return token_logprobs(hidden, self.get_output_embeddings().weight, logprob_targets, temperature,
-                              with_entropy, entropy_grad, fused=getattr(self, "spmd_logprob_head", "none"))
-    logits = type(self).forward(self, *args, **kwargs).logits
-    return full_logits_logprobs(logits, logprob_targets, temperature, with_entropy, entropy_grad)
+        out = token_logprobs(hidden, self.get_output_embeddings().weight, logprob_targets, temperature,
+                             with_entropy, entropy_grad, fused=getattr(self, "spmd_logprob_head", "none"))
+    else:
+        logits = type(self).forward(self, *args, **kwargs).logits
+        out = full_logits_logprobs(logits, logprob_targets, temperature, with_entropy, entropy_grad)
+    return tuple(_not_a_view(t) for t in out)
+
+
+def _not_a_view(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t`, copied where it is a view (a reshape or index of the per-token vector): FSDP2 hooks its
+    root's outputs for backward and warns at a view, since an in-place op on one would drop that
+    hook. One float per token: nothing next to the forward."""
+    return t.clone() if t is not None and t._base is not None else t
 
 
 def install(model: torch.nn.Module, chunked: bool = True, fused: str = "none") -> torch.nn.Module:

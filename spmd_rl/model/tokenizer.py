@@ -131,3 +131,40 @@ def decode_response(tokenizer, ids: Iterable[int]) -> str:
     size = len(tokenizer)
     known = [int(i) for i in ids if 0 <= int(i) < size]
     return tokenizer.decode(known, skip_special_tokens=True)
+
+
+def stop_token_ids(tokenizer, texts: Iterable[str]) -> list[int]:
+    """The id of each text that is one token of `tokenizer` (for rollout.stop_token_ids); a text
+    that is not one token is refused with what it is."""
+    ids = []
+    for text in texts:
+        got = tokenizer.encode(text, add_special_tokens=False)
+        if len(got) != 1:
+            raise ConfigError(f"{text!r} is {len(got)} tokens {got} of this tokenizer, not one: a stop token is "
+                              "one token (or stop on each of its tokens)")
+        ids.append(got[0])
+    return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m spmd_rl.model.tokenizer TOKENIZER TEXT...`: the rollout.stop_token_ids override that
+    stops at each TEXT (TOKENIZER: "char" or a tokenizer directory)."""
+    import sys
+
+    from spmd_rl.errors import UserError, report
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 2:
+        print("usage: python -m spmd_rl.model.tokenizer TOKENIZER TEXT... (TOKENIZER: char or a directory)",
+              file=sys.stderr)
+        return 2
+    try:
+        ids = stop_token_ids(_load_tokenizer(args[0], ""), args[1:])
+    except UserError as e:
+        return report(e)
+    print(f"rollout.stop_token_ids=[{','.join(map(str, ids))}]")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

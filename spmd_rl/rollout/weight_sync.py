@@ -4,7 +4,7 @@ The actor's parameters are DTensors sharded on dim 0 (FSDP2 `fully_shard`) along
 dimension: the whole mesh, or under hybrid sharding the shard group, each replica holding
 a full copy. We walk them in order and gather them a *bucket* at a time: each rank casts its
 local shards to the engine's dtype (halving the bytes moved for fp32 masters), packs them into
-one flat buffer, and a single `all_gather_into_tensor` per bucket over the shard group brings
+one flat buffer, and a single all-gather into one tensor per bucket over the shard group brings
 every rank the full tensors (under HSDP with a node per shard group, nothing crosses nodes). The bucket's
 tensors are handed to the engine, and the next bucket reuses nothing from it, so the extra
 memory peaks at about two buckets -- never a whole state dict, never a CPU copy.
@@ -28,10 +28,10 @@ from collections import defaultdict
 from typing import Callable, Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from spmd_rl.model import lora
+from spmd_rl.runtime.distributed import all_gather_flat
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -94,7 +94,7 @@ def _gather_bucket(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -
             local = p.to_local()
             send[off : off + local.numel()].copy_(local.reshape(-1))
         recv = torch.empty(world * total, dtype=dtype, device=device)
-        dist.all_gather_into_tensor(recv, send, group=group)
+        all_gather_flat(recv, send, group=group)
         recv = recv.view(world, total)
         for name, p, rows, row_numel, off in layout:
             full = recv[:, off : off + rows * row_numel].reshape(world * rows, *p.shape[1:])

@@ -164,6 +164,14 @@ def all_reduce_metrics(values: dict[str, float], device: torch.device,
     return out
 
 
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """Every rank's `input` into `output` ([world * input.numel()], rank order): torch's
+    `all_gather_single`, or on a torch without it (before 2.13) the same collective under its
+    older name `all_gather_into_tensor`, which 2.13 deprecates with a warning at every call site."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
+
+
 def all_reduce_sum(t: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Sum (or `op`) over the group's ranks, wherever `t` lives: NCCL only reduces CUDA tensors,
     so CPU tensors make the round trip through the current GPU."""
