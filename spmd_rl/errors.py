@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-EXIT_USER_ERROR = 2
+from spmd_rl.exit_codes import EXIT_USER_ERROR
 
 RANK0_GRACE_S = 20.0
 """How long a rank other than 0 that hit a user error waits for rank 0 to report it (see

@@ -29,9 +29,8 @@ import tempfile
 from argparse import Action, ArgumentParser
 
 from spmd_rl.errors import LAUNCHER_REPORTS_ENV
-from spmd_rl.runtime.lifecycle import EXIT_CRASHED
-from spmd_rl.runtime.preemption import (EXIT_PREEMPTED, EXIT_STATUS_DIR_ENV, recorded_exit_statuses,
-                                        recorded_messages)
+from spmd_rl.exit_codes import EXIT_CRASHED, EXIT_NOT_SAVED, EXIT_PREEMPTED
+from spmd_rl.runtime.preemption import EXIT_STATUS_DIR_ENV, recorded_exit_statuses, recorded_messages
 from spmd_rl.runtime.resume_hint import LAUNCH_COMMAND_ENV, TRAINER_MODULE
 
 # torchrun passes these signals on to its workers and then waits this long for them to exit before
@@ -94,8 +93,6 @@ def node_exit_status(torchrun_rc: int, ranks: dict[int, int], stopped: bool) -> 
     A rank's own failure wins (EXIT_NOT_SAVED above all: a stop whose checkpoint was not written
     must not be requeued, the requeue would only repeat it); then EXIT_PREEMPTED when a rank
     recorded it or the launcher was stopped (torchrun exits on the signal too); else torchrun's."""
-    from spmd_rl.checkpoint.checkpointer import EXIT_NOT_SAVED  # imports torch: only when the trainer failed or stopped
-
     if torchrun_rc == 0:
         return 0
     failed = [code for code in ranks.values() if code not in (0, EXIT_PREEMPTED)]

@@ -9,13 +9,9 @@ checkpoints) ends the run with one line on rank 0 and exit code 2, not a traceba
 `--check` runs the start-up checks (config, reward function, memory, data) and exits without
 training: `check: OK` and status 0, or the `error:` line and status 2.
 
-Exit status: 0 finished, 1 crashed, 2 user error, 3 stopped on a signal (SIGTERM, SIGUSR1/2,
-Ctrl-C) after writing a checkpoint (EXIT_PREEMPTED: requeue), 4 ended (finished, or stopped on a
-signal) without its last checkpoint: no disk space for it, or its write failed
-(checkpoint.EXIT_NOT_SAVED; the log says why and names the latest complete checkpoint), 130
-interrupted (a second Ctrl-C: no checkpoint; lifecycle.EXIT_INTERRUPTED). A run that stops with 1,
-3, 4 or 130 names its latest checkpoint and the command that resumes it
-(spmd_rl/runtime/resume_hint.py). Whatever the outcome, everything the run started is stopped in
+Exit status: 0 finished, 1 crashed, 2 user error, 3 stopped on a signal after writing a checkpoint
+(requeue), 4 ended without its last checkpoint, 130 interrupted; each status's name and meaning:
+spmd_rl/exit_codes.py. Whatever the outcome, everything the run started is stopped in
 the order spmd_rl/runtime/lifecycle.py describes before the process exits.
 """
 
@@ -28,7 +24,9 @@ import sys
 import time
 
 from spmd_rl.config.run_config import load_config
-from spmd_rl.errors import EXIT_USER_ERROR, UserError, closing_message, let_rank0_report_first, report, say_last
+from spmd_rl.errors import UserError, closing_message, let_rank0_report_first, report, say_last
+from spmd_rl.exit_codes import (EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_NOT_SAVED, EXIT_OK, EXIT_PREEMPTED,
+                                EXIT_USER_ERROR)
 from spmd_rl.config.presets import describe_presets, resolve_config
 
 log = logging.getLogger("spmd_rl")
@@ -97,7 +95,7 @@ def _main(argv: list[str] | None) -> int:
         if lifecycle.python_threads():
             log.warning("threads still running at exit: %s", ", ".join(lifecycle.python_threads()))
         lifecycle.ignore_stop_signals()
-    if not args.check and code not in (lifecycle.EXIT_OK, EXIT_USER_ERROR):  # stopped before its end
+    if not args.check and code not in (EXIT_OK, EXIT_USER_ERROR):  # stopped before its end
         # (crashed, stopped on a signal, interrupted); a user error's own line stays the last
         for line in _resume_lines(cfg, sys.argv[1:] if argv is None else argv):
             say_last(line)
@@ -119,7 +117,6 @@ def _check(cfg) -> int:
     from spmd_rl.build import build_data, check_memory
     from spmd_rl.data.rewards import RewardFunction
     from spmd_rl.runtime.distributed import init_distributed
-    from spmd_rl.runtime.lifecycle import EXIT_OK
 
     env = init_distributed(cfg.trainer.device, cfg.trainer.fsdp_size, cfg.trainer.ulysses_size)
     say = print if env.is_main else (lambda line: None)
@@ -143,12 +140,10 @@ def _check(cfg) -> int:
 def _train(cfg) -> int:
     """Lock the run directory, check a resumed config, set up, train, export (trainer.export_hf_dir)
     and close the trainer (steps 1-2 of the teardown); the exit status."""
-    from spmd_rl.checkpoint.checkpointer import EXIT_NOT_SAVED, CheckpointError
+    from spmd_rl.checkpoint.checkpointer import CheckpointError
     from spmd_rl.config.memory_check import OutOfMemory
     from spmd_rl.runtime import lifecycle
     from spmd_rl.runtime.distributed import init_distributed, raise_together, seed_everything, setup_logging
-    from spmd_rl.runtime.lifecycle import EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_OK
-    from spmd_rl.runtime.preemption import EXIT_PREEMPTED
     from spmd_rl.config.resume_check import check_resume_config
     from spmd_rl.runtime.run_lock import RunDirLock
     from spmd_rl.telemetry.startup import startup_clock

@@ -36,9 +36,10 @@ from spmd_rl.batching import sequence_parallel
 from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
 from spmd_rl.batching.batch import Batch, build_rollout_batch, response_token_ids
 from spmd_rl.build import build_data, build_engine, build_models, check_memory, resume_target
-from spmd_rl.checkpoint.checkpointer import EXIT_NOT_SAVED, Checkpointer, ModelAndOptimizer, saved_world_size
+from spmd_rl.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer, saved_world_size
 from spmd_rl.config.memory_check import OutOfMemory, out_of_memory_message
 from spmd_rl.config.run_config import Config
+from spmd_rl.exit_codes import EXIT_NOT_SAVED
 from spmd_rl.config.toml_io import to_toml
 from spmd_rl.train.critic import compute_values, critic_loss_fn
 from spmd_rl.data.prompts import iter_eval_batches
@@ -548,7 +549,7 @@ class Trainer:
         Returns "finished", "preempted" after a stop signal (its
         checkpoint is complete), or "not saved" when the last checkpoint -- at the end of training
         (unless trainer.save_every = -1) or on a stop signal -- was not written (no room, or its
-        write failed; checkpoint.EXIT_NOT_SAVED). A periodic save that is not written only logs
+        write failed; exit_codes.EXIT_NOT_SAVED). A periodic save that is not written only logs
         why: training goes on, and the next save tries again."""
         t = self.cfg.trainer
         if self.step >= t.total_steps and self.env.is_main:

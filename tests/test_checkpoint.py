@@ -17,7 +17,7 @@ import torch
 
 from dist_utils import run_distributed
 
-from spmd_rl.runtime.preemption import EXIT_PREEMPTED
+from spmd_rl.exit_codes import EXIT_PREEMPTED
 from spmd_rl.checkpoint.checkpointer import MANIFEST, CheckpointError, Checkpointer, ModelAndOptimizer, verify
 
 

@@ -518,7 +518,7 @@ def test_the_last_save_not_written_ends_the_run_as_not_saved(monkeypatch, caplog
     checkpoint, never "finished" or "preempted" (the requeue status). Periodic saves that are not
     written (steps 2 and 4 here) change nothing: training goes on."""
     import spmd_rl.trainer as trainer_module
-    from spmd_rl.checkpoint.checkpointer import EXIT_NOT_SAVED
+    from spmd_rl.exit_codes import EXIT_NOT_SAVED
     from spmd_rl.config.run_config import Config
 
     cfg = Config()
@@ -576,7 +576,7 @@ def test_a_run_whose_checkpoints_do_not_fit_warns_goes_on_exits_4_and_resumes(tm
 
     from launch.task import node_exit_status
 
-    from spmd_rl.checkpoint.checkpointer import EXIT_NOT_SAVED
+    from spmd_rl.exit_codes import EXIT_NOT_SAVED
     from spmd_rl.runtime.preemption import EXIT_STATUS_DIR_ENV, recorded_exit_statuses
 
     size = tiny_checkpoint_bytes()

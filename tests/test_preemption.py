@@ -13,7 +13,8 @@ import time
 import pytest
 
 from spmd_rl.runtime.distributed import free_port
-from spmd_rl.runtime.preemption import EXIT_PREEMPTED, REQUEUE_SIGNALS, StopFlag
+from spmd_rl.exit_codes import EXIT_PREEMPTED
+from spmd_rl.runtime.preemption import REQUEUE_SIGNALS, StopFlag
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,7 +9,7 @@ import time
 
 from conftest import ROOT, run_cmd, tiny_cmd
 
-from spmd_rl.runtime.preemption import EXIT_PREEMPTED
+from spmd_rl.exit_codes import EXIT_PREEMPTED
 
 
 def test_save_every_minus_one_writes_no_checkpoint_at_the_end(tmp_path):

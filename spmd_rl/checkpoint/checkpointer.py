@@ -83,10 +83,6 @@ FAULT_ENV = "SPMD_RL_CHECKPOINT_FAULT"
 """Test hook, read after a save's files are written: "fail@N" makes the save of step N fail as on
 a full disk (an ENOSPC write failure on every rank), "fail@N+" every save from step N on;
 "delay@N:S" holds the commit of step N back S seconds (a save in flight)."""
-EXIT_NOT_SAVED = 4
-"""Exit status of a run whose last checkpoint (at the end of training, or on a stop signal) was not
-written: skipped for lack of disk space, or its write failed. The log names why and the latest
-complete checkpoint; a requeue would only repeat it, so this is not EXIT_PREEMPTED."""
 
 
 _OK, _WRITE_FAILED, _OTHER_FAILURE = 0, 1, 2  # how a save ended (Checkpointer._agree), worst last

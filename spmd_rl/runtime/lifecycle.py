@@ -27,7 +27,7 @@ path): the run is over, a second Ctrl-C must not cut the teardown short, and a S
 sends to the remaining ranks once one rank has exited must not turn their exit status into a
 signal death.
 
-The exit statuses are listed in spmd_rl/ppo.py's docstring.
+The exit statuses are listed in spmd_rl/exit_codes.py.
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ import sys
 import threading
 
 log = logging.getLogger("spmd_rl")
-
-EXIT_OK, EXIT_CRASHED, EXIT_INTERRUPTED = 0, 1, 130
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 

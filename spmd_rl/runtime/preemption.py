@@ -31,9 +31,6 @@ import signal
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-EXIT_PREEMPTED = 3
-"""Exit status of a trainer that stopped early on a signal after writing a checkpoint."""
-
 EXIT_STATUS_DIR_ENV = "SPMD_RL_EXIT_STATUS_DIR"
 """A folder the launcher names when it cannot see its ranks' exit statuses: torchrun reports a
 worker's status 3 and 4 alike as its own failure (1), and only 3 means "requeue". Each rank then
