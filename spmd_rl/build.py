@@ -27,7 +27,7 @@ from spmd_rl.data.prompts import PromptDataset, ShardedSampler
 from spmd_rl.config import memory_check
 from spmd_rl.runtime.distributed import DistEnv, raise_together
 from spmd_rl.runtime.memory_plan import MemoryPlan
-from spmd_rl.data.reward_model import RewardModel
+from spmd_rl.model.reward_model import RewardModel
 from spmd_rl.model.files import check_vocab, loading, model_vocab_size
 from spmd_rl.model.loading import (ARCH_PRESETS, DTYPES, allocate_meta_model, build_sharded, count_parameters, load_causal_lm,
                             load_reward_model, load_value_model, materialize_random_model, random_model_config,

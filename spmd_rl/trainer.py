@@ -4,7 +4,7 @@ One step:
   1. sync    stream the actor's FSDP shards into the rollout engine (wake weights -> load -> wake KV)
   2. rollout generate n responses per prompt for this rank's prompts, then put the engine to sleep
   3. reward  score the responses (rule scorers by data source, or the user's function; a reward
-             model's score added, data/reward_model.py);
+             model's score added, model/reward_model.py);
      balance  move rows between ranks so each holds about as many tokens (rank_balance.py)
   4. score   old log-probs (actor; on-policy steps take them from the update's forward instead,
              old_logprobs.py), reference log-probs, values (critic)
@@ -56,7 +56,7 @@ from spmd_rl.train.offload import TrainStateOffload
 from spmd_rl.train.old_logprobs import UpdateLogprobs
 from spmd_rl.runtime.preemption import StopFlag
 from spmd_rl.batching.rank_balance import balance_ranks, mini_batch_block_rows
-from spmd_rl.data.reward_model import conversation
+from spmd_rl.model.reward_model import conversation
 from spmd_rl.data.rewards import RewardFunction, extract_answer
 from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.rollout.multiturn import MultiTurnRollout, merge_trajectory_metrics
@@ -124,7 +124,7 @@ class Trainer:
         models = build_models(cfg, env, self.tokenizer, self.resume_path is not None, self.startup)
         self.actor, self.actor_opt, self.actor_sched = models.actor, models.actor_opt, models.actor_sched
         self.ref, self.n_params = models.ref, models.n_params
-        self.reward_model = models.reward_model  # reward_model.path: data.reward_model.RewardModel
+        self.reward_model = models.reward_model  # reward_model.path: model.reward_model.RewardModel
         self.critic, self.critic_opt, self.critic_sched = models.critic, models.critic_opt, models.critic_sched
         self.train_offload = TrainStateOffload(self.device)  # rollout.offload_train_states' host buffers
         # after every input check (data, tokenizer, model files): a run refused for one of them must

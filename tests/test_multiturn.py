@@ -127,7 +127,7 @@ def test_two_tool_calls_give_the_exact_row_and_mask():
                            {"role": "assistant", "content": texts[2]}]
     rendered = tok.apply_chat_template(conversation, tools=mt.schemas, tokenize=False)
     assert tok.decode(prompt + c.token_ids) + "\n" == rendered  # the template's glue after the last turn: none
-    # the conversation after the prompt, as a reward model scores it (data/reward_model.py)
+    # the conversation after the prompt, as a reward model scores it (model/reward_model.py)
     assert [{k: m[k] for k in ("role", "content")} for m in c.messages] == conversation[1:]
     assert metrics["multiturn/turns_mean"] == 3 and metrics["multiturn/tool_calls_mean"] == 2
     assert metrics["multiturn/stop_answer"] == 1 and metrics["multiturn/tool_errors_mean"] == 0

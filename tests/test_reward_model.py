@@ -15,7 +15,7 @@ from dist_utils import run_distributed
 
 from spmd_rl.config.run_config import load_config
 from spmd_rl.config import external_checks
-from spmd_rl.data.reward_model import RewardModelError, conversation, plan_forwards, render
+from spmd_rl.model.reward_model import RewardModelError, conversation, plan_forwards, render
 from spmd_rl.model.files import ModelFilesError
 from spmd_rl.model.tokenizer import build_char_tokenizer
 
@@ -79,7 +79,7 @@ def test_a_chat_template_that_refuses_the_conversation_is_one_line():
 
 
 def _refusal_worker(rank, world, path):
-    from spmd_rl.data.reward_model import RewardModel
+    from spmd_rl.model.reward_model import RewardModel
 
     tok = AutoTokenizer.from_pretrained(path)
     tok.chat_template = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{% endfor %}"
@@ -105,7 +105,7 @@ def test_plan_forwards_sorts_by_length_and_keeps_the_budget():
 def _score_worker(rank, world, path, per_rank, max_tokens, template):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from spmd_rl.data.reward_model import RewardModel
+    from spmd_rl.model.reward_model import RewardModel
     from spmd_rl.model.loading import build_sharded, load_reward_model, reward_pad_id
 
     tok = AutoTokenizer.from_pretrained(path)

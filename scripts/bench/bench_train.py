@@ -56,7 +56,7 @@ from spmd_rl.batching.batch import Batch  # noqa: E402
 from spmd_rl.config.actor import ActorConfig  # noqa: E402
 from spmd_rl.runtime.distributed import all_reduce_sum, init_distributed  # noqa: E402
 from spmd_rl.runtime.gpu_memory import GiB  # noqa: E402
-from spmd_rl.train.actor import reshard  # noqa: E402
+from spmd_rl.model.loading import reshard  # noqa: E402
 from spmd_rl.model.fused_kernels import compiled_graphs  # noqa: E402
 from spmd_rl.model.loading import (apply_fsdp, count_parameters, load_causal_lm, materialize_random_model,  # noqa: E402
                             random_model_config, set_fused_kernels, set_gradient_checkpointing, set_layout)

@@ -21,17 +21,7 @@ import torch
 
 from spmd_rl.runtime.distributed import all_reduce_max_int
 from spmd_rl.rollout.base import Completion
-
-
-def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """`tensor` on `device`. A CPU tensor goes to a CUDA device through pinned memory and
-    non-blocking: the copy is queued behind the GPU's work and the host goes on, where a copy from
-    pageable memory waits until the GPU has finished everything queued before it (the pinned block
-    is not reused before the copy is done: PyTorch's host allocator records it)."""
-    device = torch.device(device)
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
+from spmd_rl.runtime.transfer import to_device
 
 
 class HostColumns:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from spmd_rl.batching.batch import to_device
+from spmd_rl.runtime.transfer import to_device
 
 
 class PaddedLayout:

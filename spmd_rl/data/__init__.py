@@ -1,3 +1,3 @@
 """What a run reads and scores: Parquet prompts, their tokenization and the sampler (prompts), the
-reward functions by data source (rewards), a reward model's scores of conversations (reward_model),
-and the offline synthetic tasks (synthetic)."""
+reward functions by data source (rewards), and the offline synthetic tasks (synthetic). A reward
+model, a GPU model, lives beside the other models (spmd_rl/model/reward_model.py)."""

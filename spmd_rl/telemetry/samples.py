@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 from spmd_rl.batching.batch import Batch
-from spmd_rl.data.reward_model import conversation
+from spmd_rl.model.reward_model import conversation
 
 log = logging.getLogger("spmd_rl")
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from spmd_rl.algo import algorithms as algos
 from spmd_rl.batching import sequence_parallel
 from spmd_rl.batching.batch import Batch, HostColumns, iter_micro_batches
 from spmd_rl.config.actor import ActorConfig
+from spmd_rl.model.loading import reshard
 
 if TYPE_CHECKING:
     from spmd_rl.train.old_logprobs import UpdateLogprobs
@@ -56,15 +56,6 @@ def per_token_outputs(model: torch.nn.Module, batch: Batch, forward, micro_batch
         out.put(rows, forward(mb.to(device)))
     reshard(model)
     return out.result() * batch["response_mask"]
-
-
-def reshard(model: torch.nn.Module) -> None:
-    """After a no-grad forward FSDP2 keeps the root's parameters (embeddings, lm_head, norm)
-    unsharded -- 2.2 GB per rank for a 7B model, held through the rollout. Free them, and those of
-    any other unit left unsharded (a no-op for units that already are)."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def actor_loss_fn(model: torch.nn.Module, cfg: ActorConfig, temperature: float,

@@ -9,8 +9,8 @@ The host never waits for the GPU inside a mini-batch: it queues every micro-batc
 forward and backward and goes on, so the GPU always has work queued while the host prepares the
 next. Each wait (reading a GPU value: `.item()`, `float()`, `.cpu()`, `nonzero`, a copy from
 pageable memory) drains the GPU's queue and leaves it idle while the host launches the next work.
-So micro-batches go in through pinned memory (batch.to_device), layouts are counted on the host's
-copy of the batch (Batch.host), metrics stay on the device until `MetricSums.read`, and outputs
+So micro-batches go in through pinned memory (runtime.transfer.to_device), layouts are counted on
+the host's copy of the batch (Batch.host), metrics stay on the device until `MetricSums.read`, and outputs
 come back through `batch.HostColumns`. The waits left are once per mini-batch (its loss
 denominator, the gradient norm before the optimizer step) and once per update (the metrics).
 tests/test_update.py checks it on the CPU, tests/gpu/test_update_sync_gpu.py on a GPU.

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from spmd_rl.train.actor import reshard  # noqa: E402  (the trainer's own: checked by root_sharded below)
+from spmd_rl.model.loading import reshard  # noqa: E402  (the trainer's own: checked by root_sharded below)
 from spmd_rl.config.run_config import Config  # noqa: E402
 from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
 from spmd_rl.runtime.gpu_memory import GiB  # noqa: E402

@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from spmd_rl.batching.batch import to_device
 from spmd_rl.errors import UserError
+from spmd_rl.model.loading import reshard
 from spmd_rl.runtime.distributed import all_reduce_max_int
-from spmd_rl.train.actor import reshard
+from spmd_rl.runtime.transfer import to_device
 
 
 class RewardModelError(UserError, ValueError):
