@@ -79,6 +79,7 @@ class LaunchSpec:
 
 def check(spec: LaunchSpec) -> None:
     """Refuse layouts and configs that cannot work, before anything is queued."""
+    from spmd_rl import preflight
     from spmd_rl.config.run_config import load_config
 
     if spec.mode not in MODES:
@@ -96,7 +97,7 @@ def check(spec: LaunchSpec) -> None:
     # Same check the trainer makes at start-up, with the same numbers: a tensor-parallel group
     # must not span nodes, batches must divide by the ranks, files must exist...
     cfg = load_config(spec.config, spec.overrides)
-    cfg.validate(world_size=spec.world_size, gpus_per_node=spec.ranks_per_node)
+    preflight.validate(cfg, world_size=spec.world_size, gpus_per_node=spec.ranks_per_node)
     if spec.gpus_per_node == 0 and cfg.trainer.device == "cuda":
         raise LaunchError("trainer.device = 'cuda' but the job requests no GPUs: pass --gpus-per-node N "
                           "or set trainer.device=cpu")

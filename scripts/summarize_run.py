@@ -116,7 +116,7 @@ def measured_phases(rows: list[dict], plan_phases=()) -> dict[str, dict]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's spmd_rl
     if root not in sys.path:
         sys.path.insert(0, root)
-    from spmd_rl.config.memory_check import PLAN_PHASE, plan_phase
+    from spmd_rl.preflight.memory import PLAN_PHASE, plan_phase
 
     out: dict[str, dict] = {}
     for row in rows:

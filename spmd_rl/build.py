@@ -24,7 +24,8 @@ from spmd_rl.batching import sequence_parallel
 from spmd_rl.checkpoint.checkpointer import CheckpointError, Checkpointer
 from spmd_rl.config.run_config import Config
 from spmd_rl.data.prompts import PromptDataset, ShardedSampler
-from spmd_rl.config import memory_check
+from spmd_rl.preflight import memory as preflight_memory
+from spmd_rl.preflight.synthetic_data import synthetic_recipe
 from spmd_rl.runtime.distributed import DistEnv, raise_together
 from spmd_rl.runtime.memory_plan import MemoryPlan
 from spmd_rl.model.reward_model import RewardModel
@@ -85,14 +86,14 @@ def check_memory(cfg: Config, env: DistEnv) -> MemoryPlan | None:
     on_gpu = env.device.type == "cuda"
     total = torch.cuda.mem_get_info(env.device)[1] if on_gpu else None
     plans: list[MemoryPlan | None] = []
-    raise_together(lambda: plans.append(memory_check.check_memory(cfg, env.world_size, total)))
+    raise_together(lambda: plans.append(preflight_memory.check_memory(cfg, env.world_size, total)))
     if plans[0] is not None:
         if on_gpu:
             log.info(plans[0].line())
         # one line per node, where pinned host memory is held (a GPU run's)
         if (env.device.type == "cuda" or cfg.rollout.engine == "vllm") and env.local_rank == 0:
-            host = memory_check.host_memory_line(cfg, env.world_size, env.local_world_size,
-                                                 memory_check.available_host_memory())
+            host = preflight_memory.host_memory_line(cfg, env.world_size, env.local_world_size,
+                                                     preflight_memory.available_host_memory())
             if host is not None:
                 (log.info if host[1] else log.warning)(host[0])
     return plans[0]
@@ -109,7 +110,7 @@ def build_data(cfg: Config, env: DistEnv, reward_fn: RewardFunction) -> Data:
         if env.is_main:
             from spmd_rl.data.synthetic import write_run_data
 
-            written = write_run_data(cfg.run_dir, d.synthetic_recipe(cfg.trainer.seed))
+            written = write_run_data(cfg.run_dir, synthetic_recipe(cfg))
             log.info("%s synthetic %r data: %s", "wrote" if written else "reusing the run's", d.synthetic_task,
                      ", ".join(d.train_files + d.val_files))
         dist.barrier()

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 
+from spmd_rl import preflight
 from spmd_rl.config.run_config import load_config
 from spmd_rl.errors import UserError, closing_message, let_rank0_report_first, report, say_last
 from spmd_rl.exit_codes import (EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_NOT_SAVED, EXIT_OK, EXIT_PREEMPTED,
@@ -75,7 +76,7 @@ def _main(argv: list[str] | None) -> int:
         if cfg.rollout.engine == "vllm" and not any(v in os.environ for v in ("PYTORCH_CUDA_ALLOC_CONF",
                                                                               "PYTORCH_ALLOC_CONF")):
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-        cfg.validate(world_size=world, gpus_per_node=local_world)
+        preflight.validate(cfg, world_size=world, gpus_per_node=local_world)
     except UserError as e:
         code = report(e)
         let_rank0_report_first()
@@ -141,10 +142,10 @@ def _train(cfg) -> int:
     """Lock the run directory, check a resumed config, set up, train, export (trainer.export_hf_dir)
     and close the trainer (steps 1-2 of the teardown); the exit status."""
     from spmd_rl.checkpoint.checkpointer import CheckpointError
-    from spmd_rl.config.memory_check import OutOfMemory
+    from spmd_rl.preflight.memory import OutOfMemory
     from spmd_rl.runtime import lifecycle
     from spmd_rl.runtime.distributed import init_distributed, raise_together, seed_everything, setup_logging
-    from spmd_rl.config.resume_check import check_resume_config
+    from spmd_rl.preflight.resume import check_resume_config
     from spmd_rl.runtime.run_lock import RunDirLock
     from spmd_rl.telemetry.startup import startup_clock
     from spmd_rl.trainer import Trainer

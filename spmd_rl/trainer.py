@@ -37,7 +37,7 @@ from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
 from spmd_rl.batching.batch import Batch, build_rollout_batch, response_token_ids
 from spmd_rl.build import build_data, build_engine, build_models, check_memory, resume_target
 from spmd_rl.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer, saved_world_size
-from spmd_rl.config.memory_check import OutOfMemory, out_of_memory_message
+from spmd_rl.preflight.memory import OutOfMemory, out_of_memory_message
 from spmd_rl.config.run_config import Config
 from spmd_rl.exit_codes import EXIT_NOT_SAVED
 from spmd_rl.config.toml_io import to_toml
@@ -74,7 +74,7 @@ log = logging.getLogger("spmd_rl")
 class PhaseTimer:
     """Seconds and GPU memory per named phase of a step (memory figures: gpu_memory.PhaseMemory).
     An out-of-memory error inside a phase, PyTorch's or vLLM's (gpu_memory.is_out_of_memory), becomes
-    one line naming it (memory_check.OutOfMemory), printed by every rank that has it (spmd_rl/ppo.py)."""
+    one line naming it (preflight.memory.OutOfMemory), printed by every rank that has it (spmd_rl/ppo.py)."""
 
     def __init__(self, device: torch.device, plan: MemoryPlan | None = None):
         self.device = device

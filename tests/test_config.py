@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from spmd_rl import preflight
 from spmd_rl.config.reference import field_docs, markdown_reference
 from spmd_rl.config.run_config import Config, load_config
 from spmd_rl.errors import ConfigError
@@ -122,8 +123,44 @@ def test_missing_config_file():
 def test_validation_errors(tmp_path, overrides, world, needle):
     cfg = valid_cfg(tmp_path, overrides)
     with pytest.raises(ConfigError) as e:
-        cfg.validate(world_size=world)
+        preflight.validate(cfg, world_size=world)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, first", [
+    # the preset is looked up (preflight) between the config's own model checks, as one check
+    (['model.arch="gpt5"', 'model.tokenizer=""'], "model.arch = 'gpt5' is not a preset"),
+    (['model.arch=""', 'model.tokenizer=""'], 'model.init = "random" needs model.arch'),
+    # PEFT and vLLM's largest rank (preflight) after the config's LoRA names, before the files
+    (["model.lora_rank=600", 'model.lora_target_modules=["lm_head"]'], "model.lora_target_modules names lm_head"),
+    (["model.lora_rank=600", "model.gradient_checkpointing_layers=0.5"], "model.gradient_checkpointing_layers"),
+    (["model.lora_rank=600", 'model.path="/nonexistent"'], "model.lora_rank = 600 is above the largest rank"),
+])
+def test_the_first_failing_check_speaks(tmp_path, overrides, first):
+    """With two mistakes, the refusal is the one of the check that runs first (preflight.validate's order)."""
+    with pytest.raises(ConfigError) as e:
+        preflight.validate(valid_cfg(tmp_path, overrides), world_size=1)
+    assert str(e.value).startswith(first), str(e.value)
+
+
+def test_config_imports_nothing_of_the_package_below_it():
+    """spmd_rl/config/ is the root: its modules import only each other and spmd_rl.errors, also
+    inside functions (the checks that need more are spmd_rl/preflight/'s)."""
+    import ast
+
+    found = {}
+    folder = os.path.join(ROOT, "spmd_rl", "config")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name)) as f:
+                tree = ast.parse(f.read())
+            modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+            modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+            below = [m for m in modules if m.startswith("spmd_rl") and m != "spmd_rl.errors"
+                     and not m.startswith("spmd_rl.config")]
+            if below:
+                found[name] = below
+    assert found == {}
 
 
 def test_tp_group_may_not_span_nodes(tmp_path, monkeypatch):
@@ -132,34 +169,34 @@ def test_tp_group_may_not_span_nodes(tmp_path, monkeypatch):
     monkeypatch.setattr(vllm_kwargs, "vllm_import_problem", lambda: None)  # engine = "vllm" without vLLM here
     cfg = valid_cfg(tmp_path, ['rollout.engine="vllm"', "rollout.tensor_parallel_size=4",
                                "data.train_batch_size=24", "actor.ppo_mini_batch_size=24"])
-    cfg.validate(world_size=8, gpus_per_node=8)
-    cfg.validate(world_size=12, gpus_per_node=4)
+    preflight.validate(cfg, world_size=8, gpus_per_node=8)
+    preflight.validate(cfg, world_size=12, gpus_per_node=4)
     with pytest.raises(ConfigError, match="would span two nodes"):
-        cfg.validate(world_size=12, gpus_per_node=6)
+        preflight.validate(cfg, world_size=12, gpus_per_node=6)
 
 
 def test_fsdp_size_must_divide_the_world(tmp_path):
     cfg = valid_cfg(tmp_path, ["trainer.fsdp_size=4", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"])
-    cfg.validate(world_size=8, gpus_per_node=4)
+    preflight.validate(cfg, world_size=8, gpus_per_node=4)
     assert "world=8 (HSDP: 2 replicas x shard groups of 4)" in cfg.describe_layout(8)
     assert "HSDP" not in valid_cfg(tmp_path, ["trainer.fsdp_size=4"]).describe_layout(4)  # one group = plain FSDP
     with pytest.raises(ConfigError) as e:
-        valid_cfg(tmp_path, ["trainer.fsdp_size=8"]).validate(world_size=12, gpus_per_node=6)
+        preflight.validate(valid_cfg(tmp_path, ["trainer.fsdp_size=8"]), world_size=12, gpus_per_node=6)
     assert str(e.value) == ("trainer.fsdp_size = 8 does not divide the world size 12 (it is the ranks per shard "
                             "group; the model is replicated across the groups): use a divisor of 12, e.g. the 6 GPUs "
                             "per node on several nodes, or 0 to shard over all ranks")
     with pytest.raises(ConfigError, match=r"trainer.fsdp_size = -1 must be >= 0 \(0 = shard over all ranks\)"):
-        valid_cfg(tmp_path, ["trainer.fsdp_size=-1"]).validate(world_size=1)
+        preflight.validate(valid_cfg(tmp_path, ["trainer.fsdp_size=-1"]), world_size=1)
 
 
 def test_missing_model_and_data(tmp_path):
     cfg = load_config(None, ["model.path=/no/model", f'data.train_files=["{tmp_path}/x.parquet"]'])
     with pytest.raises(ModelFilesError, match="model.path = '/no/model' does not exist"):
-        cfg.validate()
+        preflight.validate(cfg)
     cfg = load_config(None, ['model.init="random"', 'model.arch="tiny"', 'model.tokenizer="char"',
                              f'data.train_files=["{tmp_path}/x.parquet"]'])
     with pytest.raises(ConfigError, match="does not exist"):
-        cfg.validate()
+        preflight.validate(cfg)
 
 
 def test_shipped_configs_parse():
@@ -186,7 +223,7 @@ def test_shipped_configs_parse():
 ])
 def test_recipe_switch_validation_errors(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as e:
-        valid_cfg(tmp_path, overrides).validate(world_size=1)
+        preflight.validate(valid_cfg(tmp_path, overrides), world_size=1)
     assert needle in str(e.value)
 
 
@@ -194,14 +231,14 @@ def test_the_critic_takes_the_actors_micro_batching_unless_set(tmp_path):
     packed = ["model.remove_padding=true", "actor.max_token_len_per_gpu=4096", "actor.micro_batch_size_per_gpu=8",
               'algorithm.adv_estimator="gae"']
     cfg = valid_cfg(tmp_path, packed)
-    cfg.validate()
+    preflight.validate(cfg)
     assert cfg.micro_batching("critic") == cfg.micro_batching("actor") == (8, 4096, 8192)
     cfg = valid_cfg(tmp_path, [*packed, "actor.logprob_max_token_len_per_gpu=6000"])
     assert cfg.micro_batching("actor").forward_tokens == 6000 and cfg.micro_batching("critic").forward_tokens == 8192
     cfg = valid_cfg(tmp_path, [*packed, "critic.max_token_len_per_gpu=2048", "critic.forward_max_token_len_per_gpu=3000"])
     assert cfg.micro_batching("critic") == (8, 2048, 3000)
     cfg = valid_cfg(tmp_path, [*packed, "critic.max_token_len_per_gpu=0", "critic.micro_batch_size_per_gpu=2"])
-    cfg.validate()
+    preflight.validate(cfg)
     assert cfg.micro_batching("critic") == (2, 0, 0)  # 0: micro-batches of sequences, as the user asked
     layout = cfg.describe_layout(1)
     assert "actor: 1 optimizer steps x 1 epochs, 32 sequences per rank per mini-batch packed into micro-batches of " \
@@ -209,11 +246,11 @@ def test_the_critic_takes_the_actors_micro_batching_unless_set(tmp_path):
     assert "critic: 1 optimizer steps x 1 epochs, 32 sequences per rank per mini-batch = 16 micro-batches of 2 " \
            "sequences" in layout, layout
     with pytest.raises(ConfigError, match=r"critic.max_token_len_per_gpu must be >= 0 \(0 = off\), or -1 = the actor's"):
-        valid_cfg(tmp_path, [*packed, "critic.max_token_len_per_gpu=-2"]).validate()
+        preflight.validate(valid_cfg(tmp_path, [*packed, "critic.max_token_len_per_gpu=-2"]))
     with pytest.raises(ConfigError, match=r"critic.micro_batch_size_per_gpu = 16 \(actor.micro_batch_size_per_gpu, "
                                           r"taken as critic.micro_batch_size_per_gpu = 0\) must divide the 8 sequences"):
-        valid_cfg(tmp_path, ['algorithm.adv_estimator="gae"', "actor.micro_batch_size_per_gpu=16",
-                             "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=2"]).validate()
+        preflight.validate(valid_cfg(tmp_path, ['algorithm.adv_estimator="gae"', "actor.micro_batch_size_per_gpu=16",
+                                     "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=2"]))
 
 
 LORA = ["model.lora_rank=8"]
@@ -237,14 +274,14 @@ LORA = ["model.lora_rank=8"]
 ])
 def test_lora_refusals(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as e:
-        valid_cfg(tmp_path, overrides).validate(world_size=1)
+        preflight.validate(valid_cfg(tmp_path, overrides), world_size=1)
     assert needle in str(e.value)
     assert "\n" not in str(e.value)
 
 
 def test_lora_targets_accepted(tmp_path):
     for targets in ('[]', '["all-linear"]', '["q_proj", "self_attn.v_proj", "down_proj"]'):
-        valid_cfg(tmp_path, [*LORA, f"model.lora_target_modules={targets}"]).validate(world_size=1)
+        preflight.validate(valid_cfg(tmp_path, [*LORA, f"model.lora_target_modules={targets}"]), world_size=1)
 
 
 @pytest.mark.parametrize("overrides, level", [
@@ -255,7 +292,7 @@ def test_lora_targets_accepted(tmp_path):
 def test_engine_sleep_level_follows_the_lora_sync(tmp_path, overrides, level):
     """rollout.sleep_level = 0 picks 1 for the adapter sync (the base is kept), 2 for full weights every step."""
     cfg = valid_cfg(tmp_path, overrides)
-    cfg.validate(world_size=1)  # (the hf engine: validating rollout.engine = "vllm" imports vLLM)
+    preflight.validate(cfg, world_size=1)  # (the hf engine: validating rollout.engine = "vllm" imports vLLM)
     assert cfg.engine_sleep_level() == level
 
 
@@ -271,7 +308,7 @@ def test_lora_without_peft_is_one_user_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_peft)
     with pytest.raises(ConfigError) as e:
-        valid_cfg(tmp_path, LORA).validate(world_size=1)
+        preflight.validate(valid_cfg(tmp_path, LORA), world_size=1)
     assert str(e.value) == ("model.lora_rank = 8 needs PEFT: peft is not installed (No module named 'peft'); "
                             "pip install -e '.[lora]' (peft==0.21.*), or set model.lora_rank = 0")
 
@@ -286,7 +323,7 @@ def test_lora_without_peft_is_one_user_error(tmp_path, monkeypatch):
     (["model.lora_rank=8"], ["model.lora_rank=8", "model.lora_alpha=64"], "model.lora_alpha changed (32.0 -> 64.0)"),
 ])
 def test_a_resume_with_another_lora_adapter_is_refused(tmp_path, old, new, needle):
-    from spmd_rl.config.resume_check import check_resume_config
+    from spmd_rl.preflight.resume import check_resume_config
     from spmd_rl.config.toml_io import to_toml
 
     (tmp_path / "config.toml").write_text(to_toml(load_config(None, [f"trainer.run_dir={tmp_path}", *old])))

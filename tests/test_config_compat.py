@@ -6,9 +6,10 @@ import os
 
 import pytest
 
+from spmd_rl import preflight
 from spmd_rl.config.older_configs import OLD_BEHAVIOUR
 from spmd_rl.config.presets import resolve_config
-from spmd_rl.config.resume_check import check_resume_config, config_changes, flatten
+from spmd_rl.preflight.resume import check_resume_config, config_changes, flatten
 from spmd_rl.config.run_config import Config, load_config
 from spmd_rl.config.toml_io import to_dict, to_toml, tomllib
 from spmd_rl.errors import ConfigError
@@ -56,7 +57,7 @@ def test_the_old_behaviour_table_names_keys_of_today_with_values_they_take():
     defaults = flatten(to_dict(Config()))
     for key, value in OLD_BEHAVIOUR.items():
         assert key in defaults and value != defaults[key], key  # a key whose default is the old value needs no entry
-        load_config(resolve_config("tiny-cpu"), [f"{key}={json.dumps(value)}"]).validate(world_size=2)
+        preflight.validate(load_config(resolve_config("tiny-cpu"), [f"{key}={json.dumps(value)}"]), world_size=2)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_CHANGES))

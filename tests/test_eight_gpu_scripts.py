@@ -18,6 +18,8 @@ from conftest import ROOT
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
 from runs import expected_saves  # noqa: E402
+from spmd_rl import preflight
+
 
 SHIPPED = os.path.join(ROOT, "scripts", "bench", "shipped_7b.sh")
 WEAK = os.path.join(ROOT, "scripts", "bench", "weak_scaling.sh")
@@ -56,21 +58,21 @@ def parse(argv: list[str]) -> tuple[int, str, list[str]]:
 
 def loaded(argv: list[str], monkeypatch):
     """The command's config, validated for its ranks on one node, and its start-up memory plan on 80 GB cards."""
-    from spmd_rl.config.memory_check import check_memory
+    from spmd_rl.preflight.memory import check_memory
     from spmd_rl.config.run_config import load_config
     from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
 
     monkeypatch.setattr(vllm_kwargs, "vllm_import_problem", lambda: None)  # no vLLM on the CI machine
     nproc, config, overrides = parse(argv)
     cfg = load_config(os.path.join(ROOT, config), overrides)
-    cfg.validate(world_size=nproc, gpus_per_node=nproc)
+    preflight.validate(cfg, world_size=nproc, gpus_per_node=nproc)
     plan = check_memory(cfg, nproc, H100_GIB * 2**30)
     assert plan is not None and plan.fits, plan.line()
     return nproc, config, cfg
 
 
 def flat(cfg) -> dict:
-    from spmd_rl.config.resume_check import flatten
+    from spmd_rl.preflight.resume import flatten
     from spmd_rl.config.toml_io import to_dict
 
     return flatten(to_dict(cfg))

@@ -12,11 +12,12 @@ import tomllib
 
 import pytest
 
+from spmd_rl import preflight
 from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
 from spmd_rl.config.run_config import Config, config_from_dict, load_config
 from spmd_rl.config.toml_io import to_dict, to_toml
 from spmd_rl.errors import ConfigError
-from spmd_rl.config.resume_check import check_resume_config, config_changes
+from spmd_rl.preflight.resume import check_resume_config, config_changes
 from spmd_rl.rollout.vllm.engine import engine_kwargs, step_capture_sizes
 from spmd_rl.rollout.vllm.kwargs import FIXED, ROLLOUT_KEYS, check_engine_kwargs
 
@@ -230,15 +231,15 @@ def test_without_vllm_the_vllm_engine_is_one_line(monkeypatch):
 
 
 def test_config_validation_runs_the_check(tmp_path, fake_vllm):
-    valid_cfg(tmp_path, "rollout.engine_kwargs={async_scheduling=true, compilation_config={custom_ops=[\"none\"]}}").validate()
+    preflight.validate(valid_cfg(tmp_path, "rollout.engine_kwargs={async_scheduling=true, compilation_config={custom_ops=[\"none\"]}}"))
     with pytest.raises(ConfigError, match="rollout.engine_kwargs.seed duplicates rollout.seed"):
-        valid_cfg(tmp_path, "rollout.engine_kwargs.seed=3").validate()
+        preflight.validate(valid_cfg(tmp_path, "rollout.engine_kwargs.seed=3"))
     with pytest.raises(ConfigError, match="rollout.engine_kwargs.async_schedulin is not an argument"):
-        valid_cfg(tmp_path, "rollout.engine_kwargs.async_schedulin=true").validate()
+        preflight.validate(valid_cfg(tmp_path, "rollout.engine_kwargs.async_schedulin=true"))
     with pytest.raises(ConfigError, match="are arguments of vllm.LLM but rollout.engine = 'hf'"):
-        valid_cfg(tmp_path, 'rollout.engine="hf"', "rollout.engine_kwargs.async_scheduling=true").validate()
+        preflight.validate(valid_cfg(tmp_path, 'rollout.engine="hf"', "rollout.engine_kwargs.async_scheduling=true"))
     with pytest.raises(ConfigError, match="actor.lr = 0.0 must be > 0"):  # the other checks come first
-        valid_cfg(tmp_path, "actor.lr=0", "rollout.engine_kwargs.seed=3").validate()
+        preflight.validate(valid_cfg(tmp_path, "actor.lr=0", "rollout.engine_kwargs.seed=3"))
 
 
 # --------------------------------------------------------------------------- pass-through, resume

@@ -13,6 +13,7 @@ import torch
 from dist_utils import run_distributed
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from spmd_rl import preflight
 from spmd_rl.model import fused_kernels
 from spmd_rl.train.actor import forward_logprobs
 from spmd_rl.batching.batch import Batch
@@ -55,7 +56,7 @@ def test_config_keys(tmp_path):
     assert valid_cfg(tmp_path, ['model.fused_kernels="compile"']).model.fused_kernels == "compile"
     base = valid_cfg(tmp_path)
     assert (base.model.fused_kernels, base.model.fused_logprob_head) == ("none", "none")  # off by default
-    cfg.validate(world_size=1)
+    preflight.validate(cfg, world_size=1)
     for overrides, needle in ((['model.fused_kernels="triton"'], "model.fused_kernels = 'triton' is not one of 'none', "
                                "'liger', 'compile'"),
                               (['model.fused_logprob_head="liger"'], "model.fused_logprob_head = 'liger' is not one of "
@@ -63,7 +64,7 @@ def test_config_keys(tmp_path):
                               (['model.fused_logprob_head="compile"', "model.chunked_logprobs=false"],
                                "set model.chunked_logprobs = true")):
         with pytest.raises(ConfigError) as e:
-            valid_cfg(tmp_path, overrides).validate(world_size=1)
+            preflight.validate(valid_cfg(tmp_path, overrides), world_size=1)
         assert needle in str(e.value)
 
 

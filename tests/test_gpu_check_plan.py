@@ -17,6 +17,8 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import gpu_check  # noqa: E402
 from test_presets_gpu import CPU_PRESETS, PRESETS, preset_overrides  # noqa: E402
+from spmd_rl import preflight
+
 
 CONFIGS = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".toml"))
 
@@ -77,11 +79,11 @@ def test_preset_check_overrides_validate_and_fit_on_its_gpus(name, gpu_gib, monk
     """The check's overrides are a valid config for the GPU count it runs on with cards of this
     memory (Preset.gpus_on), and the start-up memory check predicts that it fits those GPUs: qwen7b
     on 4 80 GB cards or 2 141 GB ones."""
-    from spmd_rl.config.memory_check import check_memory
+    from spmd_rl.preflight.memory import check_memory
 
     gpus = PRESETS[name].gpus_on(gpu_gib)
     cfg = preset_config(name, tmp_path, monkeypatch)
-    cfg.validate(world_size=gpus, gpus_per_node=gpus)
+    preflight.validate(cfg, world_size=gpus, gpus_per_node=gpus)
     assert cfg.data.max_response_length == 128 and cfg.rollout.engine == "vllm"
     assert check_memory(cfg, gpus, gpu_gib * 2**30).fits
     if name == "qwen7b":
@@ -93,7 +95,7 @@ def test_qwen7b_needs_4_gpus_of_80_gb_and_2_of_the_smallest_memory_it_picks_2_fo
     refuses it, naming 4 GPUs and LoRA (on two H100s it ran out of memory in its update,
     2026-11-26); every (GiB, GPUs) pair of Preset.gpus_by_memory fits at that GiB, the least memory
     that picks it."""
-    from spmd_rl.config.memory_check import MemoryPlanError, check_memory
+    from spmd_rl.preflight.memory import MemoryPlanError, check_memory
 
     p = PRESETS["qwen7b"]
     cfg = preset_config("qwen7b", tmp_path, monkeypatch)
@@ -104,7 +106,7 @@ def test_qwen7b_needs_4_gpus_of_80_gb_and_2_of_the_smallest_memory_it_picks_2_fo
         for gib, n in preset.gpus_by_memory:
             assert preset.gpus_on(gib) == n and preset.gpus_on(gib - 1) != n, (name, gib, n)
             cfg = preset_config(name, tmp_path / name, monkeypatch)
-            cfg.validate(world_size=n, gpus_per_node=n)
+            preflight.validate(cfg, world_size=n, gpus_per_node=n)
             assert check_memory(cfg, n, gib * 2**30).fits, (name, f"{n} GPUs of {gib} GiB")
 
 
@@ -156,7 +158,7 @@ def test_family_runs_validate_and_fit_one_80_gb_gpu(family, monkeypatch, tmp_pat
     import torch
     from transformers import AutoModelForCausalLM
 
-    from spmd_rl.config.memory_check import check_memory, model_shape
+    from spmd_rl.preflight.memory import check_memory, model_shape
     from spmd_rl.config.run_config import load_config
     from spmd_rl.model.loading import preset_config
     from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
@@ -167,7 +169,7 @@ def test_family_runs_validate_and_fit_one_80_gb_gpu(family, monkeypatch, tmp_pat
     assert len(overrides) == len(RUN) - 1
     cfg = load_config(None, [*overrides, 'model.init="random"', f'model.arch="{FAMILIES[family]}"',
                              f"trainer.run_dir={tmp_path}", f'data.train_files=["{tmp_path}/data/train.parquet"]'])
-    cfg.validate(world_size=1, gpus_per_node=1)
+    preflight.validate(cfg, world_size=1, gpus_per_node=1)
     assert cfg.rollout.engine == "vllm" and not cfg.rollout.enforce_eager and cfg.model.remove_padding
     plan = check_memory(cfg, 1, H100_GIB * 2**30)
     assert plan is not None and plan.fits, plan

@@ -103,22 +103,22 @@ def test_gemma3_packed_hidden_states_equal_transformers_padded_forward_per_layer
 def test_packed_attention_refuses_what_it_cannot_run_in_one_line(monkeypatch):
     """Sliding windows where the CUDA kernel takes none (torch 2.10/2.11's varlen_attn), soft-capped
     attention (Gemma 2): refused at validation, model.remove_padding named."""
-    from spmd_rl.config import external_checks
+    from spmd_rl.preflight import models as model_checks
     from spmd_rl.config.run_config import config_from_dict
     from spmd_rl.errors import ConfigError
     from spmd_rl.model import varlen_attention
     from spmd_rl.model.loading import check_packable
 
     cfg = config_from_dict({"model": {"init": "random", "arch": "gemma3-1b", "remove_padding": True}})
-    external_checks.check_packed_attention(cfg)  # on CPU the per-sequence path applies the window
+    model_checks.check_packed_attention(cfg)  # on CPU the per-sequence path applies the window
     monkeypatch.setattr(varlen_attention, "kernel_takes_windows", lambda: False)
     with pytest.raises(ConfigError, match="model.remove_padding = true cannot run model.arch = 'gemma3-1b': it has "
                                           "sliding-window layers .*set model.remove_padding = false") as e:
-        external_checks.check_packed_attention(cfg)
+        model_checks.check_packed_attention(cfg)
     assert "\n" not in str(e.value)
     cfg.model.remove_padding = False
-    external_checks.check_packed_attention(cfg)
-    external_checks.check_packed_attention(config_from_dict({"model": {"init": "random", "arch": "qwen3-0.6b",
+    model_checks.check_packed_attention(cfg)
+    model_checks.check_packed_attention(config_from_dict({"model": {"init": "random", "arch": "qwen3-0.6b",
                                                                        "remove_padding": True}}))
     monkeypatch.undo()
     with pytest.raises(ConfigError, match="soft-capped"):
@@ -277,15 +277,15 @@ def test_qwen3_keep_thinking_template_renders_single_turn_prompts_as_qwen3s_own(
 
 
 def test_chat_template_key_refuses_a_file_it_cannot_read_in_one_line():
-    from spmd_rl.config import external_checks
+    from spmd_rl.preflight import models as model_checks
     from spmd_rl.config.run_config import config_from_dict
     from spmd_rl.errors import ConfigError
 
     for value in ("no_such_template", "/nowhere/t.jinja"):
         with pytest.raises(ConfigError, match="rollout.chat_template = .*cannot read") as e:
-            external_checks.check_chat_template(config_from_dict({"rollout": {"chat_template": value}}))
+            model_checks.check_chat_template(config_from_dict({"rollout": {"chat_template": value}}))
         assert "\n" not in str(e.value)
-    external_checks.check_chat_template(config_from_dict({"rollout": {"chat_template": "qwen3_keep_thinking"}}))
+    model_checks.check_chat_template(config_from_dict({"rollout": {"chat_template": "qwen3_keep_thinking"}}))
 
 
 def test_qwen3s_own_template_is_refused_in_multi_turn_naming_the_fix():

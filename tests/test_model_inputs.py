@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from conftest import ROOT
 
+from spmd_rl import preflight
 from spmd_rl.build import check_tokenizer_vocab
 from spmd_rl.config.run_config import load_config
 from spmd_rl.model.files import ModelFilesError, check_vocab, loading, safetensors_problem
@@ -40,7 +41,7 @@ def model(good_model, tmp_path):
 
 def validate(*overrides):
     cfg = load_config(TINY, list(overrides))
-    cfg.validate(world_size=2, gpus_per_node=2)
+    preflight.validate(cfg, world_size=2, gpus_per_node=2)
 
 
 def pretrained(path, *extra):

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from dist_utils import run_distributed
 
 from spmd_rl.batching.batch import build_rollout_batch, response_token_ids
-from spmd_rl.config import external_checks
+from spmd_rl.preflight import user_code
 from spmd_rl.config.run_config import config_from_dict
 from spmd_rl.errors import ConfigError
 from spmd_rl.data.prompts import PromptRecord
@@ -349,7 +349,7 @@ def test_config_refuses_bad_multi_turn_settings_in_one_line(rollout, message):
     cfg = config_from_dict({"rollout": rollout})
     with pytest.raises(ConfigError, match=message) as e:
         cfg.rollout.check_multi_turn()  # the keys together
-        external_checks.check_multi_turn_code(cfg)  # what they name imports and fits
+        user_code.check_multi_turn_code(cfg)  # what they name imports and fits
     assert "\n" not in str(e.value)
 
 

@@ -17,6 +17,7 @@ import torch
 
 from dist_utils import run_distributed
 
+from spmd_rl import preflight
 from spmd_rl.batching.batch import Batch
 from spmd_rl.config.run_config import Config
 from spmd_rl.train.old_logprobs import UpdateLogprobs
@@ -229,7 +230,7 @@ def _trainer(run_dir, data_dir, overrides, rank):
     cfg = load_config(TINY, [f"trainer.run_dir={run_dir}", "data.val_files=[]", "data.synthetic_size=64", "trainer.tensorboard=false",
                              "trainer.val_before_train=false", *overrides])
     env = init_distributed("cpu")
-    cfg.validate(env.world_size)
+    preflight.validate(cfg, env.world_size)
     StopFlag._instance = StopFlag()  # no signal handlers (see test_sharded_init)
     seed_everything(cfg.trainer.seed + rank)
     return Trainer(cfg, env)

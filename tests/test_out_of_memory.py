@@ -3,7 +3,7 @@
 Two kinds reach the trainer: PyTorch's torch.OutOfMemoryError, and vLLM's: its sleep-mode allocator,
 when wake_up cannot map its pool, prints `CUDA Error: out of memory at .../cumem_allocator.cpp:163` on
 std::cerr (native code: fd 2) and then raises the same text as a RuntimeError. Both become the
-trainer's one line naming the phase (trainer.PhaseTimer -> memory_check.OutOfMemory), printed by
+trainer's one line naming the phase (trainer.PhaseTimer -> preflight.memory.OutOfMemory), printed by
 every rank that ran out (its own GPU's memory: not the input error every rank meets alike, which
 rank 0 alone reports), with vLLM's raw line held back; an error that is not an out-of-memory one
 keeps its traceback and whatever it printed. The engine's errors are simulated: a fake engine here,
@@ -50,7 +50,7 @@ class FailingEngine:
 
 @pytest.mark.parametrize("kind", list(ERRORS))
 def test_an_error_waking_the_engine_is_the_trainers_line_or_passes_with_what_it_printed(kind, capfd):
-    from spmd_rl.config.memory_check import OutOfMemory
+    from spmd_rl.preflight.memory import OutOfMemory
     from spmd_rl.trainer import PhaseTimer, Trainer
 
     trainer = Trainer.__new__(Trainer)

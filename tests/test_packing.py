@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dist_utils import run_distributed
 
+from spmd_rl import preflight
 from spmd_rl.batching.batch import Batch, balanced_partition, plan_micro_batches
 
 
@@ -237,13 +238,13 @@ def test_token_budget_config_needs_remove_padding_and_room_for_the_longest_seque
                      "max_response_length": 200}}
     cfg = config_from_dict({**base, "actor": {"max_token_len_per_gpu": 4096}})
     with pytest.raises(ConfigError, match="model.remove_padding = true"):
-        cfg.validate()
+        preflight.validate(cfg)
     cfg = config_from_dict({**base, "model": {**base["model"], "remove_padding": True},
                             "actor": {"max_token_len_per_gpu": 200}})
     with pytest.raises(ConfigError, match="at least 300"):
-        cfg.validate()
+        preflight.validate(cfg)
     cfg.actor.max_token_len_per_gpu = 300
-    cfg.validate()
+    preflight.validate(cfg)
 
 
 def saved_elements(forward):

@@ -14,7 +14,7 @@ from conftest import run_cmd, tiny_cmd
 from dist_utils import run_distributed
 
 from spmd_rl.config.run_config import load_config
-from spmd_rl.config import external_checks
+from spmd_rl.preflight import models as model_checks
 from spmd_rl.model.reward_model import RewardModelError, conversation, plan_forwards, render
 from spmd_rl.model.files import ModelFilesError
 from spmd_rl.model.tokenizer import build_char_tokenizer
@@ -146,7 +146,7 @@ def test_a_directory_that_is_no_reward_model_is_one_line(tmp_path, kind, message
         save_rm(path, head=kind != "no_head", num_labels=2 if kind == "two_labels" else 1,
                 tokenizer=kind != "no_tokenizer")
     with pytest.raises(ModelFilesError) as e:
-        external_checks.check_reward_model_files(rm_config(path=str(path)))
+        model_checks.check_reward_model_files(rm_config(path=str(path)))
     assert f"reward_model.path = {str(path)!r}" in str(e.value) and message in str(e.value), str(e.value)
     assert "\n" not in str(e.value)
 

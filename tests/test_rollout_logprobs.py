@@ -13,6 +13,7 @@ import torch
 
 from dist_utils import run_distributed
 
+from spmd_rl import preflight
 from spmd_rl.batching.batch import build_rollout_batch
 from spmd_rl.config.run_config import Config
 from spmd_rl.errors import ConfigError
@@ -59,18 +60,18 @@ def test_which_prompts_ask_per_setting(changes, every, words):
 def test_corrections_refuse_off_in_one_line(tmp_path, setting):
     cfg = valid_cfg(tmp_path, [setting, 'rollout.calculate_log_probs="off"'])
     with pytest.raises(ConfigError) as e:
-        cfg.validate()
+        preflight.validate(cfg)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("rollout.calculate_log_probs = 'off' but algorithm.rollout_") and (
         msg.endswith("set rollout.calculate_log_probs = 'auto' (or 'on')")), msg
-    valid_cfg(tmp_path, [setting]).validate()  # "auto" turns them on
+    preflight.validate(valid_cfg(tmp_path, [setting]))  # "auto" turns them on
 
 
 def test_calculate_log_probs_takes_its_choices_only(tmp_path):
     with pytest.raises(ConfigError, match="rollout.calculate_log_probs = 'yes' is not one of 'auto', 'on', 'off'"):
-        valid_cfg(tmp_path, ['rollout.calculate_log_probs="yes"']).validate()
+        preflight.validate(valid_cfg(tmp_path, ['rollout.calculate_log_probs="yes"']))
     with pytest.raises(ConfigError, match="rollout.logprob_sample_every = -1 must be >= 0"):
-        valid_cfg(tmp_path, ["rollout.logprob_sample_every=-1"]).validate()
+        preflight.validate(valid_cfg(tmp_path, ["rollout.logprob_sample_every=-1"]))
 
 
 def test_the_trainer_asks_per_the_plan_and_never_for_validation():

@@ -14,6 +14,7 @@ import torch
 
 from dist_utils import run_distributed
 
+from spmd_rl import preflight
 from spmd_rl.telemetry import step_profiler
 from spmd_rl.errors import ConfigError
 
@@ -84,8 +85,8 @@ def test_steps_outside_the_run_are_refused(tmp_path, steps):
     from test_config import valid_cfg
 
     with pytest.raises(ConfigError, match=r"trainer.profile_steps = \[\d\]: \[\d\] not between 1 and trainer.total_steps = 3"):
-        valid_cfg(tmp_path, [f"trainer.profile_steps={steps}", "trainer.total_steps=3",
-                             f'trainer.run_dir="{tmp_path}/run"']).validate(world_size=1)
+        preflight.validate(valid_cfg(tmp_path, [f"trainer.profile_steps={steps}", "trainer.total_steps=3",
+                                     f'trainer.run_dir="{tmp_path}/run"']), world_size=1)
 
 
 def _fit_body(rank, world, base):

@@ -37,6 +37,8 @@ import torch
 
 from dist_utils import run_distributed
 from test_update import tiny_config
+from spmd_rl import preflight
+
 
 ROWS = 4  # rows per rank: two mini-batches of MINI rows (two optimizer steps)
 MINI = 2
@@ -313,7 +315,7 @@ def test_config_refuses_in_one_line(tmp_path, overrides, world, message):
     from spmd_rl.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        valid_cfg(tmp_path, overrides).validate(world_size=world)
+        preflight.validate(valid_cfg(tmp_path, overrides), world_size=world)
     assert str(e.value) == message
 
 
@@ -326,18 +328,18 @@ def test_config_refuses_kv_heads_that_neither_divide_nor_split(tmp_path):
     config.save_pretrained(model)
     cfg = valid_cfg(tmp_path, [f'model.path="{model}"', 'model.arch=""'])
     with pytest.raises(ConfigError) as e:
-        cfg.validate(world_size=2)
+        preflight.validate(cfg, world_size=2)
     assert str(e.value) == (f"trainer.ulysses_size = 2 does not fit the model (model.path = '{model}'): its 3 KV "
                             "heads neither divide by 2 nor divide 2; use one of 1")
-    valid_cfg(tmp_path, [f'model.path="{model}"', 'model.arch=""', "trainer.ulysses_size=3",
-                         "data.train_batch_size=6", "actor.ppo_mini_batch_size=6"]).validate(world_size=3)
+    preflight.validate(valid_cfg(tmp_path, [f'model.path="{model}"', 'model.arch=""', "trainer.ulysses_size=3",
+                                 "data.train_batch_size=6", "actor.ppo_mini_batch_size=6"]), world_size=3)
 
 
 def test_config_batch_sizes_count_data_parallel_ranks(tmp_path):
     # 4 ranks, SP groups of 2: 2 data-parallel ranks, each with 8 * 4 / 2 = 16 sequences per mini-batch
     cfg = valid_cfg(tmp_path, ["actor.micro_batch_size_per_gpu=16", "actor.max_token_len_per_gpu=1000",
                                "actor.logprob_max_token_len_per_gpu=1500"])
-    cfg.validate(world_size=4)
+    preflight.validate(cfg, world_size=4)
     assert cfg.micro_batching("actor") == (16, 2000, 3000)  # a group's micro-batch: 2 GPUs' budgets
     layout = cfg.describe_layout(4)
     assert layout.startswith("world=4 (sequence parallel: 2 data-parallel x SP groups of 2 ranks sharing each "
@@ -349,7 +351,7 @@ def test_config_batch_sizes_count_data_parallel_ranks(tmp_path):
     with pytest.raises(ConfigError, match=r"actor.micro_batch_size_per_gpu = 32 must divide the 16 sequences per "
                                           r"rank of a mini-batch \(actor.ppo_mini_batch_size \* rollout.n / "
                                           r"data-parallel ranks\)"):
-        valid_cfg(tmp_path, ["actor.micro_batch_size_per_gpu=32"]).validate(world_size=4)
+        preflight.validate(valid_cfg(tmp_path, ["actor.micro_batch_size_per_gpu=32"]), world_size=4)
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -403,12 +405,12 @@ def test_long_response_preset_validates_on_2_4_and_8_gpus(tmp_path, monkeypatch)
              f'data.train_files=["{data}"]', "data.val_files=[]"]
     cfg = load_config(os.path.join(ROOT, "configs", "qwen1.5b-long.toml"), shape)
     for world in (2, 4, 8):
-        cfg.validate(world_size=world, gpus_per_node=world)
+        preflight.validate(cfg, world_size=world, gpus_per_node=world)
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     assert cfg.trainer.ulysses_size == 2 and cfg.data.max_response_length == 16384
     assert cfg.actor.max_token_len_per_gpu < longest <= cfg.micro_batching("actor").update_tokens
     assert cfg.reward.overlong_buffer and cfg.algorithm.dynamic_sampling and not cfg.use_reference
     assert "(sequence parallel: 4 data-parallel x SP groups of 2" in cfg.describe_layout(8)
     with pytest.raises(ConfigError, match="trainer.ulysses_size = 2 does not divide the world size 3"):
-        load_config(os.path.join(ROOT, "configs", "qwen1.5b-long.toml"),
-                    [*shape, "data.train_batch_size=3", "actor.ppo_mini_batch_size=3"]).validate(world_size=3)
+        preflight.validate(load_config(os.path.join(ROOT, "configs", "qwen1.5b-long.toml"),
+                                       [*shape, "data.train_batch_size=3", "actor.ppo_mini_batch_size=3"]), world_size=3)

@@ -18,6 +18,7 @@ import pytest
 from conftest import ROOT, run_cmd, tiny_cmd
 from dist_utils import run_distributed
 
+from spmd_rl import preflight
 from spmd_rl.config.reward import RewardConfig
 from spmd_rl.config.run_config import SECTIONS, load_config
 from spmd_rl.errors import ConfigError
@@ -28,7 +29,7 @@ TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
 
 def check(overrides, world=2):
     cfg = load_config(TINY, overrides)
-    cfg.validate(world_size=world, gpus_per_node=world)
+    preflight.validate(cfg, world_size=world, gpus_per_node=world)
     return cfg
 
 
@@ -99,6 +100,7 @@ def test_synthetic_data_is_the_runs_own_and_a_changed_recipe_is_refused(tmp_path
     """Empty or naming the run's own files: both become <run_dir>/data/{train,val}.parquet (as the saved
     config.toml then records); a run directory whose synthetic data was written with another size is refused."""
     from spmd_rl.data.synthetic import write_run_data
+    from spmd_rl.preflight.synthetic_data import synthetic_recipe
 
     run = tmp_path / "run"
     cfg = check([f"trainer.run_dir={run}"])
@@ -106,7 +108,7 @@ def test_synthetic_data_is_the_runs_own_and_a_changed_recipe_is_refused(tmp_path
     assert (cfg.data.train_files, cfg.data.val_files) == own
     named = check([f"trainer.run_dir={run}", f'data.train_files=["{own[0][0]}"]', f'data.val_files=["{own[1][0]}"]'])
     assert (named.data.train_files, named.data.val_files) == own
-    write_run_data(str(run), cfg.data.synthetic_recipe(cfg.trainer.seed))
+    write_run_data(str(run), synthetic_recipe(cfg))
     check([f"trainer.run_dir={run}"])  # a restart with the same recipe reuses them
     with pytest.raises(ConfigError, match=re.escape(f"{run}/data/synthetic.json says this run's synthetic data was "
                                                     "written as {'task': 'successor', 'train_size': 2048")):
@@ -234,7 +236,7 @@ def test_run_dir_lock_refuses_a_second_holder_and_dies_with_its_process(tmp_path
 
 
 def test_changed_config_at_resume_is_listed_or_refused(tiny_run):
-    from spmd_rl.config.resume_check import check_resume_config
+    from spmd_rl.preflight.resume import check_resume_config
 
     run_dir, _, _ = tiny_run
     base = [f"trainer.run_dir={run_dir}", "data.synthetic_size=256", "data.val_batch_size=64",

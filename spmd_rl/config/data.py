@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from spmd_rl.config.checks import Rule, need
-from spmd_rl.errors import ConfigError
 
 if TYPE_CHECKING:
     from spmd_rl.config.run_config import Config
@@ -50,40 +49,9 @@ class DataConfig:
     val_batch_size: int = 64
     """Prompts per validation generation call, global."""
 
-    def synthetic_recipe(self, seed: int) -> dict:
-        """What `synthetic_task` writes (spmd_rl/data/synthetic.py records it beside the files)."""
-        from spmd_rl.data.synthetic import recipe
-
-        return recipe(self.synthetic_task, self.synthetic_size, max(1, self.synthetic_size // 4), seed)
-
-    def place_synthetic(self, run_dir: str, seed: int) -> None:
-        """With `synthetic_task`: the data files become the run's own (<run_dir>/data/train.parquet and
-        val.parquet). A file named in `train_files` / `val_files` that is not the run's own is refused,
-        so no user file is ever written or trained on in its place; so is a run directory whose
-        synthetic files were written with another task, size or seed."""
-        if not self.synthetic_task:
-            return
-        from spmd_rl.data.synthetic import RECIPE_FILE, recorded_recipe, run_data_files
-
-        own = run_data_files(run_dir)
-        for key, files, path in (("data.train_files", self.train_files, own[0]),
-                                 ("data.val_files", self.val_files, own[1])):
-            foreign = [f for f in files if os.path.abspath(f) != os.path.abspath(path)]
-            if foreign:
-                raise ConfigError(f"{key} names {foreign[0]!r} but data.synthetic_task = {self.synthetic_task!r} trains "
-                                  f"on synthetic data the run writes under its own directory ({path}): to train on your "
-                                  f'files set data.synthetic_task="" (the preset sets it); for synthetic data leave '
-                                  f"{key} empty")
-        self.train_files, self.val_files = [own[0]], [own[1]]
-        recorded, want = recorded_recipe(run_dir), self.synthetic_recipe(seed)
-        need(recorded is None or recorded == want,
-             f"{os.path.join(os.path.dirname(own[0]), RECIPE_FILE)} says this run's synthetic data was written as "
-             f"{recorded}, but the config asks for {want} (data.synthetic_task, data.synthetic_size, trainer.seed): "
-             "set them back, or start a new trainer.run_dir")
-
     def check(self) -> None:
-        """The data files exist (with `synthetic_task`: the run's own, written at start) and the sizes
-        are positive."""
+        """The data files exist (with `synthetic_task`: the run's own, written at start and placed in
+        these keys by spmd_rl/preflight/synthetic_data.py) and the sizes are positive."""
         need(bool(self.train_files), "data.train_files is empty: list at least one Parquet file, or set "
              "data.synthetic_task for a synthetic task")
         for f in self.train_files + self.val_files:

@@ -1,5 +1,5 @@
 """[model]: the policy model, its precision, and how its training side runs (packing, checkpointing,
-fused kernels). The files it names are checked in spmd_rl/config/external_checks.py."""
+fused kernels). The preset and the files it names are checked in spmd_rl/preflight/models.py."""
 
 from __future__ import annotations
 
@@ -111,16 +111,17 @@ class ModelConfig:
     sampling the older policy (tests/test_lora_sync.py). The measurement behind the default:
     docs/performance.md, "LoRA: adapter or merged sync"."""
 
-    def check(self) -> None:
-        """The model keys together (the files they name: external_checks.check_model_files)."""
+    def check_source(self) -> None:
+        """Where the starting weights come from: model.path, or for random weights a preset or a
+        config.json (that the preset exists: preflight.models.check_arch)."""
         if self.init == "pretrained":
             need(bool(self.path), 'model.path is empty: set it to a local model directory, or use model.init = "random" with model.arch')
         else:
             need(bool(self.path) or bool(self.arch), 'model.init = "random" needs model.arch (a preset) or model.path (a config.json)')
-            if not self.path:
-                from spmd_rl.model.loading import ARCH_PRESETS
 
-                need(self.arch in ARCH_PRESETS, f"model.arch = {self.arch!r} is not a preset: use one of {', '.join(ARCH_PRESETS)}")
+    def check(self) -> None:
+        """The model keys together (the files they name: preflight.models.check_model_files)."""
+        if self.init != "pretrained":
             need(bool(self.tokenizer) or bool(self.path),
                   'model.init = "random" with a preset arch needs model.tokenizer (a directory, or "char")')
         need(self.gradient_checkpointing or self.gradient_checkpointing_layers == 1.0,
@@ -134,19 +135,11 @@ class ModelConfig:
             self.check_lora()
 
     def check_lora(self) -> None:
-        """The LoRA keys together (the target names against the model: external_checks.check_lora_targets)."""
+        """The LoRA keys together (PEFT, vLLM's largest rank and the target names against the model:
+        preflight.models.check_lora_support, check_lora_targets)."""
         adapted = {"embed_tokens", "lm_head"} & set(self.lora_target_modules)
         need(not adapted, f"model.lora_target_modules names {', '.join(sorted(adapted))}: the embeddings and the LM "
               "head are not adapted (vLLM cannot apply LoRA to them); list decoder linear layers, or [] for all")
-        from spmd_rl.model.lora import VLLM_MAX_LORA_RANK, peft_problem
-
-        problem = peft_problem()
-        need(problem is None, f"model.lora_rank = {self.lora_rank} needs PEFT: {problem}; pip install -e '.[lora]' "
-              "(peft==0.21.*), or set model.lora_rank = 0")
-        need(self.lora_sync != "adapter" or self.lora_rank <= VLLM_MAX_LORA_RANK,
-              f"model.lora_rank = {self.lora_rank} is above the largest rank vLLM's LoRA layers take "
-              f"({VLLM_MAX_LORA_RANK}) for model.lora_sync = \"adapter\": use a rank <= {VLLM_MAX_LORA_RANK}, "
-              "or model.lora_sync = \"merged\"")
 
     @property
     def use_lora(self) -> bool:

@@ -1,7 +1,7 @@
 """What a key missing from a config.toml written by an older version means.
 
 A run writes every key of its version into `<run_dir>/config.toml`; a key added since is missing
-there. The run that wrote it behaved as that version did, so the resume check (resume_check)
+there. The run that wrote it behaved as that version did, so the resume check (spmd_rl/preflight/resume.py)
 reads a missing key as the value that reproduces that behaviour, never as "no value". The rule,
 for every key added to the config:
 

@@ -187,7 +187,7 @@ class RolloutConfig:
 
     def check_multi_turn(self) -> None:
         """Tools or an environment, not both, and turns to take them (that they import and have what
-        the loop needs: external_checks.check_multi_turn_code)."""
+        the loop needs: preflight.user_code.check_multi_turn_code)."""
         if not self.multi_turn:
             return
         need(not (self.tools and self.environment), "rollout.tools and rollout.environment cannot be used "

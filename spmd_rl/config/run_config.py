@@ -11,10 +11,10 @@ Batch sizes follow verl: *algorithm* sizes are global and counted in prompts
 per GPU and counted in sequences (`*.micro_batch_size_per_gpu`). The derived
 per-rank numbers are printed at start (`Config.describe_layout`).
 
-`load_config` (reading: spmd_rl/config/toml_io.py) refuses unknown keys and wrong types;
-`validate` refuses impossible combinations, running the checks each section keeps beside
-its keys (`check...`, `ranges`), the checks across sections kept here, and those that need the
-world outside the config (external_checks.py). Each refusal is one message that names the key and the fix,
+`load_config` (reading: spmd_rl/config/toml_io.py) refuses unknown keys and wrong types. The checks
+of the settings themselves are kept beside their keys (each section's `check...` and `ranges`) and,
+across sections, here; spmd_rl/preflight/ runs them, in its order, among the checks that need the
+model, the engine or the machine. Each refusal is one message that names the key and the fix,
 before any model is loaded.
 """
 
@@ -27,8 +27,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from spmd_rl.config import (actor, algorithm, critic, data, external_checks, model, reward, reward_model, rollout, toml_io,
-                            trainer)
+from spmd_rl.config import actor, algorithm, critic, data, model, reward, reward_model, rollout, toml_io, trainer
 from spmd_rl.config.actor import ActorConfig
 from spmd_rl.config.algorithm import AlgorithmConfig
 from spmd_rl.config.checks import need, ordinal
@@ -101,10 +100,6 @@ class Config:
              'model.lora_sync = "adapter" sends the base weights to vLLM once and keeps them, but rollout.sleep_level '
              '= 2 drops them at every sleep (the base would be sent every step): set rollout.sleep_level = 0 (picks 1) '
              'or 1, or model.lora_sync = "merged"')
-
-    def validate(self, world_size: int = 1, gpus_per_node: int | None = None) -> None:
-        """Refuse impossible combinations, naming the key and the fix."""
-        validate(self, world_size, gpus_per_node)
 
     def check_choices(self) -> None:
         """Every key of CHOICES holds one of its choices."""
@@ -233,41 +228,3 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
     return toml_io.from_dict(Config, raw)
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None) -> None:
-    """Every check, the first that fails raising: the choices; each section's keys; the batch layout
-    over `world_size` ranks; sampling, losses and rewards; the engine's layout; the trainer's paths;
-    the ranges; last vLLM's keyword arguments."""
-    cfg.check_choices()
-    cfg.model.check()
-    external_checks.check_model_files(cfg)  # config.json, weights, tokenizer (no weights are read)
-    external_checks.check_reward_model_files(cfg)  # a one-label sequence classifier with a tokenizer
-    external_checks.check_chat_template(cfg)
-    external_checks.check_packed_attention(cfg)
-    external_checks.check_lora_targets(cfg)
-    cfg.data.place_synthetic(cfg.run_dir, cfg.trainer.seed)
-    cfg.data.check()
-    cfg.trainer.check_layout(world_size, gpus_per_node)
-    cfg.trainer.check_ulysses(cfg, world_size)
-    external_checks.check_attention_heads(cfg, world_size)
-    cfg.data.check_layout(world_size)
-    cfg.actor.check_batches(cfg, "actor", world_size)
-    if cfg.use_critic:
-        cfg.critic.check_batches(cfg, "critic", world_size)
-    cfg.rollout.check_sampling()
-    cfg.actor.check_loss()
-    cfg.algorithm.check(cfg.rollout.n)
-    cfg.reward.check(cfg.data.max_response_length)
-    cfg.rollout.check_engine(world_size, gpus_per_node)
-    cfg.check_lora_sync()
-    cfg.rollout.check_multi_turn()
-    external_checks.check_multi_turn_code(cfg)
-    cfg.rollout.check_logprobs(cfg.rollout_logprob_readers())
-    cfg.trainer.check(cfg.run_dir, cfg.checkpoint_dir)
-    cfg.check_ranges()
-    external_checks.check_engine_kwargs(cfg)  # last: with engine kwargs set, it imports vLLM to know its argument names
-

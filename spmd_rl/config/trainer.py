@@ -155,7 +155,7 @@ class TrainerConfig:
     def check_ulysses(self, cfg: Config, world_size: int) -> None:
         """trainer.ulysses_size (sequence parallelism, spmd_rl/batching/sequence_parallel.py): it divides the
         world and the shard group, and the rows are packed (the models' attention heads:
-        external_checks.check_attention_heads)."""
+        preflight.models.check_attention_heads)."""
         sp, m = self.ulysses_size, cfg.model
         if sp < 1:
             raise ConfigError(f"trainer.ulysses_size = {sp} must be >= 1 (1 = no sequence parallelism)")

@@ -81,7 +81,7 @@ def fsdp_mesh_shape(world: int, fsdp_size: int) -> tuple[int, ...]:
     """(world,): shard over all ranks (fsdp_size 0 or the world); else (world // fsdp_size,
     fsdp_size): replicas x ranks per shard group. A shard group is fsdp_size consecutive ranks
     (one node, when fsdp_size is the GPUs per node: torchrun numbers a node's ranks together)."""
-    if fsdp_size < 0 or (fsdp_size and world % fsdp_size):  # Config.validate names the fix for users
+    if fsdp_size < 0 or (fsdp_size and world % fsdp_size):  # preflight.validate names the fix for users
         raise ValueError(f"fsdp_size = {fsdp_size} does not divide the world size {world}")
     if fsdp_size in (0, world):
         return (world,)

@@ -27,7 +27,7 @@ full [vocab, h] logits x 3 in float32 without `model.chunked_logprobs`); FSDP ho
 layers and their unsharded gradients. A no-grad pass holds one layer's activations at a time.
 
 Parameter counts come from the model's shape (config.json or loading.ARCH_PRESETS), arithmetically:
-no weights are read. Nothing here imports torch; spmd_rl/config/external_checks.py reads the
+no weights are read. Nothing here imports torch; spmd_rl/preflight/memory.py reads the
 config and the device and calls `plan_memory`.
 """
 

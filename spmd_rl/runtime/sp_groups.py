@@ -39,7 +39,7 @@ class SPGroups:
 
 def sp_group_ranks(world: int, size: int) -> tuple[list[list[int]], list[list[int]]]:
     """(SP groups: `size` consecutive ranks each; data-parallel groups: one rank of each SP group)."""
-    if size < 1 or world % size:  # Config.validate names the fix for users
+    if size < 1 or world % size:  # preflight.validate names the fix for users
         raise ValueError(f"ulysses_size = {size} does not divide the world size {world}")
     return ([list(range(s, s + size)) for s in range(0, world, size)],
             [list(range(j, world, size)) for j in range(size)])

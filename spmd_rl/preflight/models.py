@@ -1,17 +1,42 @@
-"""The checks that need the world outside the config, called by validation (run_config.validate):
-the model and tokenizer directories on disk (no weights are read; the reward model's head too), the
-LoRA target names against the model's decoder, the models' attention heads against
-trainer.ulysses_size, the user's tools, tool parser and environment (imported), and the
-arguments vLLM takes (imported only when rollout.engine_kwargs are set)."""
+"""The models the config names, checked against what exists (called by preflight.validate): the
+preset architecture, PEFT and vLLM's largest LoRA rank, the model and tokenizer directories on disk
+(no weights are read; the reward model's head too), the chat template file, packed attention, the
+LoRA target names against the model's decoder, and the attention heads against trainer.ulysses_size."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from spmd_rl.config.checks import need
 from spmd_rl.errors import ConfigError
 
 if TYPE_CHECKING:
     from spmd_rl.config.run_config import Config
+
+
+def check_arch(cfg: Config) -> None:
+    """With model.init = "random" and no model.path, model.arch is a preset of model.loading."""
+    m = cfg.model
+    if m.init == "random" and not m.path:
+        from spmd_rl.model.loading import ARCH_PRESETS
+
+        need(m.arch in ARCH_PRESETS, f"model.arch = {m.arch!r} is not a preset: use one of {', '.join(ARCH_PRESETS)}")
+
+
+def check_lora_support(cfg: Config) -> None:
+    """With LoRA: PEFT is installed, and vLLM's LoRA layers take the rank (model.lora_sync = "adapter")."""
+    m = cfg.model
+    if not m.use_lora:
+        return
+    from spmd_rl.model.lora import VLLM_MAX_LORA_RANK, peft_problem
+
+    problem = peft_problem()
+    need(problem is None, f"model.lora_rank = {m.lora_rank} needs PEFT: {problem}; pip install -e '.[lora]' "
+          "(peft==0.21.*), or set model.lora_rank = 0")
+    need(m.lora_sync != "adapter" or m.lora_rank <= VLLM_MAX_LORA_RANK,
+          f"model.lora_rank = {m.lora_rank} is above the largest rank vLLM's LoRA layers take "
+          f"({VLLM_MAX_LORA_RANK}) for model.lora_sync = \"adapter\": use a rank <= {VLLM_MAX_LORA_RANK}, "
+          "or model.lora_sync = \"merged\"")
 
 
 def check_model_files(cfg: Config) -> None:
@@ -98,21 +123,6 @@ def check_attention_heads(cfg: Config, world_size: int) -> None:
             fits = [k for k in divisors if not head_problem(heads, kv_heads, k)]
             raise ConfigError(f"trainer.ulysses_size = {sp} does not fit the model ({model}): {problem}; use one of "
                               f"{', '.join(map(str, fits))}")
-
-
-def check_multi_turn_code(cfg: Config) -> None:
-    """The tools, tool parser and environment the rollout keys name import and have what the loop needs."""
-    if cfg.rollout.multi_turn:
-        from spmd_rl.rollout.multiturn import check_config
-
-        check_config(cfg.rollout)
-
-
-def check_engine_kwargs(cfg: Config) -> None:
-    """rollout.engine_kwargs are arguments vLLM takes (vLLM is imported only when some are set)."""
-    from spmd_rl.rollout.vllm.kwargs import check_engine_kwargs as check
-
-    check(cfg.rollout)
 
 
 def check_lora_targets(cfg: Config) -> None:
