@@ -23,6 +23,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
 class TrainedModel:
     """What the actor and critic sections share: the layout of a PPO update (Config.micro_batching)."""
 
+    def mini_batch_rows(self, n: int, ranks: int) -> int:
+        """Sequences of one of its mini-batches on each of `ranks` ranks: ppo_mini_batch_size
+        prompts x `n` samples (rollout.n), split evenly (check_batches: they divide). The update
+        splits them over the data-parallel ranks (world / trainer.ulysses_size: a sequence-parallel
+        group shares its rows); the rank balancing before that share, over all ranks."""
+        return self.ppo_mini_batch_size * n // ranks
+
     def check_batches(self, cfg: Config, role: str, world_size: int) -> None:
         """`role`'s mini-batches divide the step and the ranks, its micro-batches the mini-batch;
         its token budgets hold the longest sequence."""
@@ -35,7 +42,7 @@ class TrainedModel:
               f"{role}.ppo_mini_batch_size * rollout.n = {seqs} sequences do not divide by the {world_size} ranks: "
               f"make {role}.ppo_mini_batch_size a multiple of {world_size}")
         sp = max(cfg.trainer.ulysses_size, 1)  # the ranks of a sequence-parallel group share their rows
-        per_rank = seqs * sp // world_size
+        per_rank = self.mini_batch_rows(r.n, world_size // sp)  # check_ulysses: sp divides the world
         rows = cfg.micro_batching(role).rows
         inherited = " (actor.micro_batch_size_per_gpu, taken as critic.micro_batch_size_per_gpu = 0)" if (
             role == "critic" and not self.micro_batch_size_per_gpu) else ""
