@@ -14,17 +14,18 @@ the code's fingerprint (gpu_check_machine.py); this file reads the options and r
 Exit status: 0 all passed; 1 a check failed or was not run; 3 all that ran passed, but checks
 are left for the next call (the command is printed).
 
-Budget and calls. By default the budget follows the plan: twice its expected seconds plus 5
-minutes (the expected seconds are an H200's). Where one command may only run so long (a batch
-job's time limit, a lent machine's per-call limit), --max-call-s S splits the plan into calls that
-each fit S (gpu_check_plan.split_calls: the largest checks first, each in the first call it fits; the
-wrapper's set-up time already spent counted in): the call runs the first group and prints the next command (`--continue` adds its rows to the
-table of the calls before, kept in GPU_CHECK_WORK on the same machine). A plan longer than one
-machine's loan goes on on another machine of the same kind: every call writes OUT/results.json (its
-rows and those before, the code's fingerprint, the machine), and `--continue FILE` starts from such
-a file (a --continue whose file is not there is refused before any check runs: the table would lose
-the earlier rows). Rows of other code are refused (gpu_check_results.earlier_results: the fingerprint is a hash of the files
-that decide what the checks run), and the table names every machine its rows ran on.
+Budget and calls. By default the budget follows the plan: twice its expected seconds plus 5 minutes
+(the expected seconds are an H200's). Where one command may only run so long (a batch job's time
+limit, a lent machine's per-call limit), --max-call-s S splits the plan into calls that each fit S
+(gpu_check_plan.split_calls: the largest checks first, each in the first call it fits; the wrapper's
+set-up time already spent counted in): the call runs the first group and prints the next command
+(`--continue` adds its rows to the table of the calls before, kept in GPU_CHECK_WORK on the same
+machine). A plan longer than one machine's loan goes on on another machine of the same kind: every
+call writes OUT/results.json (its rows and those before, the code's fingerprint, the machine), and
+`--continue FILE` starts from such a file (a --continue whose file is not there is refused before
+any check runs: the table would lose the earlier rows). Rows of other code are refused
+(gpu_check_results.earlier_results: the fingerprint is a hash of the files that decide what the
+checks run), and the table names every machine its rows ran on.
 `--plan --max-call-s S --gpus N [--gpu-gib G]` prints the calls without running anything.
 """
 

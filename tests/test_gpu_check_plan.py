@@ -1,7 +1,7 @@
-"""scripts/gpu_check.py's plan (gpu_check_plan.py) and main, on CPU: every shipped preset has a
-GPU check (a file in configs/ without one fails here, naming it), each preset's check overrides pass config validation on its
-GPU count, and the scheduler (lanes, small checks beside big ones, the budget, the GPU column)
-does what its docstring says, with a fake runner and no GPU."""
+"""scripts/gpu_check.py's plan (gpu_check_plan.py) and main, on CPU: every shipped preset has a GPU
+check (a file in configs/ without one fails here, naming it), each preset's check overrides pass
+config validation on its GPU count, and the scheduler (lanes, small checks beside big ones, the
+budget, the GPU column) does what its docstring says, with a fake runner and no GPU."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""scripts/gpu_check.py's result handling (gpu_check_runner.py, gpu_check_results.py), on CPU, with
-a fake pytest in place of the real one (gpu_check_runner.PYTEST): a PASS row means a test ran and
-passed. A check whose pytest exits non-zero, runs no test (a wrong test id: exit 4; nothing collected: exit 5, an empty report) or skips every
-test is a FAIL row with its reason; a check cut at its time limit (exit 124) is a FAIL row that
-says how far it got, and its partial logs, with its runs' trainer.log and metrics.jsonl, end up in
-the logs tarball."""
+"""scripts/gpu_check.py's result handling (gpu_check_runner.py, gpu_check_results.py), on CPU, with a
+fake pytest in place of the real one (gpu_check_runner.PYTEST): a PASS row means a test ran and
+passed. A check whose pytest exits non-zero, runs no test (a wrong test id: exit 4; nothing
+collected: exit 5, an empty report) or skips every test is a FAIL row with its reason; a check cut
+at its time limit (exit 124) is a FAIL row that says how far it got, and its partial logs, with its
+runs' trainer.log and metrics.jsonl, end up in the logs tarball."""
 
 from __future__ import annotations
 
