@@ -27,7 +27,7 @@ background): the ranks agree that it failed, rank 0 removes the partial `step_N.
 stays on the previous complete checkpoint, and one error line names the errno
 (checkpoint_writes.describe; torch's zip writer's "unexpected pos N vs M", which hides it, is
 never shown) and the free space left; training goes on. A failure of any other kind (a bug, a
-verification that fails without a write error) raises CheckpointError on every rank, as before.
+verification that fails without a write error) raises CheckpointError on every rank.
 The trainer's last save (end of training, or a stop signal) follows the same rules; when it is not
 written the run exits with EXIT_NOT_SAVED (4), never 0 or the requeue status 3
 (spmd_rl/trainer.py Trainer.fit).
@@ -76,9 +76,9 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = manifest_format.MANIFEST
 WRITE_THREADS = min(8, os.cpu_count() or 1)
 """Threads (and files) per rank that write a checkpoint. DCP's default is one: a rank's shards then
-go through one thread's serialisation at about 1.1 GB/s (measured: a 7B actor's 86 GB took 75 s
-on 2 ranks into tmpfs), which bounds the save at the end of a run and, when a write outlasts the
-steps between saves, the next save's stall."""
+go through one thread's serialisation, which bounds the save at the end of a run and, when a write
+outlasts the steps between saves, the next save's stall (docs/performance.md, "Why the defaults
+are what they are")."""
 FAULT_ENV = "SPMD_RL_CHECKPOINT_FAULT"
 """Test hook, read after a save's files are written: "fail@N" makes the save of step N fail as on
 a full disk (an ENOSPC write failure on every rank), "fail@N+" every save from step N on;
