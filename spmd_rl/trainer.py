@@ -47,6 +47,10 @@ from spmd_rl.runtime.gpu_memory import PhaseMemory, allocator_lines_held, is_out
 from spmd_rl.runtime.memory_plan import MemoryPlan
 from spmd_rl.algo.dynamic_sampling import collect_informative_groups
 from spmd_rl.telemetry.metrics import MetricsLogger, rank_reduction, summary_line
+from spmd_rl.telemetry import run_summary
+from spmd_rl.telemetry.progress import StepClock
+from spmd_rl.telemetry.reward_errors import RewardErrorWarning
+from spmd_rl.telemetry.samples import SampleLog
 from spmd_rl.train.offload import TrainStateOffload
 from spmd_rl.train.old_logprobs import UpdateLogprobs
 from spmd_rl.runtime.preemption import StopFlag
@@ -111,6 +115,7 @@ class Trainer:
         # each GPU's predicted peak, one line; a run that cannot fit stops before any model loads
         self.memory_plan = check_memory(cfg, env)
         self.reward_fn = RewardFunction(cfg.reward, defer_errors=True)  # raised by sync_failures, on every rank
+        self.reward_warning = RewardErrorWarning(cfg.reward.warn_error_share)
         with self.startup("data"):
             self.tokenizer, self.train_data, self.val_data, self.sampler = build_data(cfg, env, self.reward_fn)
             # rollout.tools / rollout.environment: trajectories of several turns (spmd_rl/rollout/multiturn/)
@@ -124,6 +129,8 @@ class Trainer:
         # after every input check (data, tokenizer, model files): a run refused for one of them must
         # not add files (TensorBoard events) to an existing run_dir
         self.metrics = MetricsLogger(self.run_dir, env.is_main, cfg.trainer.tensorboard)
+        self.samples = SampleLog(self.run_dir, env.is_main, cfg.trainer.log_samples, cfg.trainer.log_samples_every,
+                                 self.tokenizer, self.metrics)
         with self.startup("engine"):
             self.engine, self.engine_dtype, self.engine_replica = build_engine(cfg, env, models.model_dir,
                                                                               models.model_key, self.tokenizer)
@@ -266,7 +273,7 @@ class Trainer:
             return None
         meta = {"data_source": [r.data_source for r in records], "ground_truth": [r.ground_truth for r in records],
                 "extra_info": [r.extra_info for r in records], "index": [r.index for r in records]}
-        if self.reward_model is not None:  # the conversation it scores starts with the data's prompt
+        if self.reward_model is not None or self.multi_turn is not None:  # a conversation starts with the data's prompt
             meta["prompt"] = [r.prompt for r in records]
         return build_rollout_batch(prompts, completions, self.tokenizer.pad_token_id, meta)
 
@@ -302,6 +309,7 @@ class Trainer:
             batch["overlong_penalty"] = algos.overlong_penalty(batch["response_lens"], self.cfg.data.max_response_length,
                                                                rc.overlong_buffer, rc.overlong_penalty_factor)
             batch["scores"] = batch["scores"] + batch["overlong_penalty"]
+        self.samples.offer(batch, texts, prompts, messages)  # trainer.log_samples: the rows it shows
         return texts
 
     def score_nothing(self) -> None:
@@ -329,7 +337,9 @@ class Trainer:
         cfg, env = self.cfg, self.env
         timer = PhaseTimer(self.device, self.memory_plan)
         t_step = time.perf_counter()
+        self.samples.begin_step(self.step + 1)
         batch, sample_metrics = self.sample_batch(timer)
+        self.samples.flush()  # collective
         reward_errors = self.reward_fn.sync_failures()  # collective: a failed scorer stops every rank
         with timer("balance"):  # rows move between ranks to even out their tokens (trainer.balance_ranks)
             batch, balance_metrics = balance_ranks(batch, cfg, self.tokenizer.pad_token_id)
@@ -387,7 +397,10 @@ class Trainer:
         metrics.update(self.global_metrics(batch, timer.metrics))
         metrics.update(mismatch_metrics(batch, self.device))  # over the rows that carry the engine's log-probs
         metrics.update({**sample_metrics, **balance_metrics, **corr_metrics})  # already reduced over ranks
-        metrics["reward/errors"] = float(reward_errors)
+        metrics["reward/errors"] = float(reward_errors.count)
+        warning = self.reward_warning.check(self.step, reward_errors)  # reward.warn_error_share
+        if warning and env.is_main:
+            log.warning(warning)
         return metrics
 
     def compute_advantages(self, batch: Batch) -> dict[str, float]:
@@ -460,6 +473,7 @@ class Trainer:
             "perf/tokens_per_sec": s[3].item() / step_time,
             "perf/tokens_per_sec_per_gpu": s[3].item() / step_time / env.world_size,
             "data/epoch": float(self.sampler.epoch), "actor/lr_sched": self.actor_sched.get_last_lr()[0],
+            "response/tokens": s[4].item(),
         }
         m = self.cfg.model
         if "compile" in (m.fused_kernels, m.fused_logprob_head):  # flat after the first steps; growth = recompiles
@@ -487,6 +501,7 @@ class Trainer:
             return {}
         timer = PhaseTimer(self.device, self.memory_plan)
         sums: dict[str, float] = defaultdict(float)
+        self.samples.begin_validation(self.step, self.val_data)
         for idx in iter_eval_batches(len(self.val_data), self.cfg.data.val_batch_size, self.env.rank, self.env.world_size):
             records = [self.val_data[i] for i in idx]
             batch = self.generate(records, train=False, timer=timer)
@@ -504,6 +519,7 @@ class Trainer:
                     sums[f"val{key}/reward_sum"] += float(batch["scores"][i])
                     sums[f"val{key}/acc_sum"] += float(batch["acc"][i])
                     sums[f"val{key}/count"] += 1
+        self.samples.flush()  # collective
         # every rank must reduce the same keys: gather the key set first
         keys: list[list[str]] = [None] * self.env.world_size  # type: ignore[list-item]
         dist.all_gather_object(keys, sorted(sums))
@@ -528,13 +544,29 @@ class Trainer:
         return profiled_step(step, os.path.join(self.cfg.run_dir, "profile"), self.env.rank, self.device)
 
     def fit(self) -> str:
-        """Train to trainer.total_steps. Returns "finished", "preempted" after a stop signal (its
+        """Train to trainer.total_steps, then log how the run ended (rank 0: telemetry/run_summary.py).
+        Returns "finished", "preempted" after a stop signal (its
         checkpoint is complete), or "not saved" when the last checkpoint -- at the end of training
         (unless trainer.save_every = -1) or on a stop signal -- was not written (no room, or its
         write failed; checkpoint.EXIT_NOT_SAVED). A periodic save that is not written only logs
         why: training goes on, and the next save tries again."""
         t = self.cfg.trainer
+        if self.step >= t.total_steps and self.env.is_main:
+            log.info(run_summary.already_finished(self.step, t.total_steps))
+        status = self._fit()
+        if self.env.is_main:
+            tensorboard = os.path.join(self.run_dir, "tensorboard") if t.tensorboard else None
+            samples = self.samples.path if os.path.isfile(self.samples.path) else None
+            log.info(run_summary.summary(status, self.step, t.total_steps,
+                                         run_summary.read_steps(self.metrics.jsonl), self.checkpointer.latest(),
+                                         tensorboard, samples))
+        return status
+
+    def _fit(self) -> str:
+        t = self.cfg.trainer
         log.info(self.cfg.describe_layout(self.env.world_size))
+        clock = StepClock()  # the time left on the step line
+        clock.start()
         if t.val_before_train and self.step == 0:
             self._log_val(self.validate())
         while self.step < t.total_steps:
@@ -545,8 +577,9 @@ class Trainer:
                 metrics.update(self.validate())
             metrics.update(self.startup.take_metrics())
             self.metrics.log(self.step, metrics)
+            clock.tick()
             if self.step % t.log_every == 0 or last:
-                log.info(summary_line(self.step, t.total_steps, metrics))
+                log.info(summary_line(self.step, t.total_steps, metrics, clock.pace(self.step, t.total_steps)))
                 if "val/acc" in metrics:
                     log.info("validation: acc %.3f reward %.3f", metrics["val/acc"], metrics["val/reward_mean"])
             if "time/startup_total" in metrics and "perf/compiled_graphs" in metrics:  # this process's first step

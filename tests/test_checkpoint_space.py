@@ -512,7 +512,7 @@ class FakeCheckpointer:
 
 @pytest.mark.parametrize("stop_at, written, status", [
     (None, True, "finished"), (None, False, "not saved"), (3, True, "preempted"), (3, False, "not saved")])
-def test_the_last_save_not_written_ends_the_run_as_not_saved(monkeypatch, caplog, stop_at, written, status):
+def test_the_last_save_not_written_ends_the_run_as_not_saved(monkeypatch, caplog, tmp_path, stop_at, written, status):
     """Trainer.fit's last save, at the end of training or on a stop signal, that is not written (no
     room, or a failed write): "not saved" (exit status 4) with a line naming the latest complete
     checkpoint, never "finished" or "preempted" (the requeue status). Periodic saves that are not
@@ -524,8 +524,9 @@ def test_the_last_save_not_written_ends_the_run_as_not_saved(monkeypatch, caplog
     cfg = Config()
     cfg.trainer.total_steps, cfg.trainer.save_every = 5, 2
     t = trainer_module.Trainer.__new__(trainer_module.Trainer)
-    t.cfg, t.step, t.val_data = cfg, 0, None
-    t.env = type("Env", (), {"world_size": 1})()
+    t.cfg, t.step, t.val_data, t.run_dir = cfg, 0, None, str(tmp_path)
+    t.env = type("Env", (), {"world_size": 1, "is_main": True})()
+    t.samples = type("Samples", (), {"path": str(tmp_path / "samples.jsonl")})()
     t.checkpointer = FakeCheckpointer()
     saves = []
 
@@ -536,12 +537,15 @@ def test_the_last_save_not_written_ends_the_run_as_not_saved(monkeypatch, caplog
     t.train_step = train_step
     t.save_checkpoint = lambda wait=False: saves.append(t.step) or (t.step not in (2, 4) and written)
     t.startup = type("Clock", (), {"take_metrics": lambda self: {}})()
-    t.metrics = type("Metrics", (), {"log": lambda self, step, m: None})()
+    t.metrics = type("Metrics", (), {"log": lambda self, step, m: None, "jsonl": str(tmp_path / "metrics.jsonl")})()
     t.stop = type("Stop", (), {"requested": lambda self: stop_at is not None and t.step >= stop_at})()
     monkeypatch.setattr(trainer_module, "summary_line", lambda *a: "")
     with caplog.at_level(logging.INFO, logger="spmd_rl"):
         assert t.fit() == status
     assert saves == ([2, 4, 5] if stop_at is None else [2, 3])
+    from spmd_rl.telemetry.run_summary import STATUS  # the end-of-run summary says how it ended
+
+    assert f"run {STATUS[status]} at step {t.step}/5\n  validation: none" in caplog.text, caplog.text
     if status == "not saved":
         when = "at the end of training at step 5" if stop_at is None else "on a stop signal at step 3"
         assert (f"stopped {when} without its checkpoint (see the line above): the latest complete checkpoint is "

@@ -71,6 +71,57 @@ def test_tiny_grpo_learns_on_two_ranks(tmp_path):
         assert f.read().strip() == "step_80"
 
 
+FIRST_CHAR_DIGIT = """
+from spmd_rl.data.rewards import score_synthetic
+
+def score(data_source, response, ground_truth, extra_info):
+    if not response[:1].isdigit():
+        raise ValueError("the response does not start with a digit")
+    return score_synthetic(response, ground_truth)
+"""
+
+
+def test_a_run_shows_samples_time_left_scoring_errors_and_a_summary(tmp_path):
+    """The console and samples.jsonl of a short run: the samples at validations and every
+    trainer.log_samples_every steps (what the engine sampled, scored as the reward function does),
+    the time left on the step lines, one warning for a reward function failing on most responses,
+    and the end summary, which a second run of the finished run prints again."""
+    from spmd_rl.data.rewards import score_synthetic
+
+    reward = tmp_path / "first_digit.py"
+    reward.write_text(FIRST_CHAR_DIGIT)
+    run_dir = tmp_path / "run"
+    cmd = torchrun_cmd(2, f"trainer.run_dir={run_dir}", "trainer.total_steps=4", "trainer.val_every=2",
+                       "trainer.log_samples_every=2", "data.synthetic_size=256", f'reward.custom_function="{reward}:score"',
+                       'reward.on_error="zero"')
+    out = run(cmd)
+    samples = [json.loads(line) for line in open(run_dir / "samples.jsonl")]
+    assert [(r["step"], r["split"]) for r in samples] == [(s, split) for s in (2, 4) for split in ("train", "val")
+                                                          for _ in range(3)]
+    val = [r for r in samples if r["split"] == "val"]
+    assert [r["index"] for r in val[:3]] == [r["index"] for r in val[3:]]  # the same prompts every validation
+    for r in samples:
+        assert r["ground_truth"] == str((int(r["prompt"][-1]) + 1) % 10)  # the row's own prompt (successor task)
+        expected = score_synthetic(r["response"], r["ground_truth"])["score"] if r["response"][:1].isdigit() else 0.0
+        assert r["reward"] == expected, r
+    assert "samples at step 2 (train" in out and "samples at step 4 (val" in out
+    steps = [line for line in out.splitlines() if "step 1/4 |" in line or "step 4/4 |" in line]
+    assert "s/step, ~" in steps[0] and " left" in steps[0] and steps[1].endswith("s/step"), steps
+    warnings = [line for line in out.splitlines() if "the reward function failed on" in line]
+    assert len(warnings) == 1 and "step 1: " in warnings[0] and "does not start with a digit" in warnings[0], warnings
+    summary = out[out.index("run finished at step 4/4"):].splitlines()[:6]
+    assert summary[1].strip().startswith("validation: final reward") and "at step 4; best" in summary[1]
+    m = read_metrics(run_dir)
+    for s in range(1, 5):  # the step's model tokens: 16 prompts x 16 responses of the mean length
+        assert m[s]["response/tokens"] == pytest.approx(16 * 16 * m[s]["response/length_mean"]), s
+    assert summary[2].strip() == f"trained: {sum(m[s]['response/tokens'] for s in range(1, 5)):,.0f} response tokens over 4 steps"
+    assert summary[3:5] == [f"  checkpoint: {run_dir / 'checkpoints' / 'step_4'}",
+                            f"  curves: tensorboard --logdir {run_dir / 'tensorboard'}"]
+    again = run(cmd)
+    assert "this run already finished" in again and "raise trainer.total_steps" in again
+    assert again[again.index("run finished at step 4/4"):].splitlines()[:6] == summary
+
+
 NOISE = ("is deprecated", "returned a view tensor", "no GPU: not compared", "memory: predicted peak")
 """What a CPU run once printed that says nothing to its user: torch's deprecation of a collective
 we called, FSDP2's warning at a view among the actor's outputs, a GPU memory line without a GPU."""

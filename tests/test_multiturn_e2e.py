@@ -2,6 +2,8 @@
 hidden-digit environment (spmd_rl/envs/hidden_digit.py) through the whole step, and a resume in the
 middle of a run continues exactly as the uninterrupted run."""
 
+import json
+
 import pytest
 
 from test_e2e import read_metrics, run, torchrun_cmd
@@ -18,7 +20,7 @@ def hidden_overrides(tmp_path, *more):
 
 
 def test_multi_turn_run_resumes_in_the_middle_exactly(tmp_path):
-    common = hidden_overrides(tmp_path, "trainer.save_every=2")
+    common = hidden_overrides(tmp_path, "trainer.save_every=2", "trainer.log_samples_every=2")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(torchrun_cmd(2, f"trainer.run_dir={straight}", "trainer.total_steps=4", *common))
     run(torchrun_cmd(2, f"trainer.run_dir={resumed}", "trainer.total_steps=2", *common))
@@ -31,5 +33,15 @@ def test_multi_turn_run_resumes_in_the_middle_exactly(tmp_path):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-9), (step, key)
     m = a[4]
     assert 0 < m["response/model_token_share"] <= 1 and m["rollout/logprob_diff_max"] < 1e-4
+    # the conversations shown every 2 steps: the prompt's messages, then the model's turns and the
+    # environment's answers with their roles; the first turn opens the decoded response region
+    samples = [json.loads(line) for line in open(straight / "samples.jsonl")]
+    assert [r["step"] for r in samples if r["split"] == "train"] == [2] * 3 + [4] * 3
+    for r in samples:
+        turns = r["messages"][r["prompt_messages"]:]
+        assert r["prompt_messages"] >= 1 and turns[0]["role"] == "assistant", r
+        assert {t["role"] for t in turns} <= {"assistant", "user", "tool"} and len(turns) <= 2 * 2 - 1, r
+        assert r["response"].startswith(turns[0]["content"]), r
+    assert any(len(r["messages"]) > r["prompt_messages"] + 1 for r in samples)  # some went on to a second turn
     assert sum(m[f"multiturn/stop_{r}"] for r in ("answer", "max_turns", "length", "bridge_overflow",
                                                    "env_error", "env_timeout")) == pytest.approx(1.0)

@@ -59,6 +59,7 @@ def test_every_numeric_key_rejects_a_negative_value_naming_the_key(section):
     ("data.synthetic_size=3", "data.synthetic_size"),
     ("algorithm.target_kl=0", "algorithm.target_kl"),
     ('reward.on_error="ignore"', "reward.on_error = 'ignore' is not one of 'fail', 'zero'"),
+    ("reward.warn_error_share=1.5", "reward.warn_error_share"),
     ('trainer.experiment_name=" "', "trainer.experiment_name"),
 ])
 def test_out_of_range_values_are_refused_with_the_reason(override, message):
@@ -172,7 +173,7 @@ def test_reward_failure_names_source_row_and_response(reward_file):
     zero = RewardFunction(RewardConfig(custom_function=reward_file, on_error="zero"), defer_errors=True)
     out = zero(["s"] * 4, ["a", "b", "c", "d"], ["1", "7", "8", "2"], [{}] * 4, [0, 1, 2, 3])
     assert [r["score"] for r in out] == [1.0, 0.0, 0.0, 1.0]
-    assert zero.sync_failures() == 2 and zero.sync_failures() == 0  # counted once, then reset
+    assert zero.sync_failures().count == 2 and zero.sync_failures().count == 0  # counted once, then reset
 
 
 def _sync_worker(rank, world, spec):

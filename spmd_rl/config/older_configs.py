@@ -20,6 +20,8 @@ from typing import Any
 
 OLD_BEHAVIOUR: dict[str, Any] = {
     "trainer.memory_check": "off",  # added with "error" as its default; versions before it checked no memory
+    "trainer.log_samples": 0,  # added with 3 as its default; versions before it showed no samples
+    "reward.warn_error_share": 1.0,  # added with 0.05; versions before it never warned of scoring errors
 }
 
 

@@ -43,6 +43,11 @@ class RewardConfig:
     """What a scorer that raises or returns a non-number does: "fail" stops the run with one line
     naming the data source, row and response; "zero" scores that response 0 and counts it in the
     metric reward/errors."""
+    warn_error_share: float = 0.05
+    """With on_error = "zero": one warning line when the scorer fails on more than this share of a
+    training step's responses, naming the count, the share, the first failure and the fix; said again
+    only when the share doubles or after 50 steps (the rule: spmd_rl/telemetry/reward_errors.py).
+    0 = warn at any failure; 1 = never."""
 
     def check(self, max_response_length: int) -> None:
         """DAPO's overlong shaping within `max_response_length` = data.max_response_length."""
@@ -53,4 +58,5 @@ class RewardConfig:
 
     def ranges(self, cfg: Config) -> list[Rule]:
         return [("format_bonus", self.format_bonus >= 0, ">= 0 (0 = off)"),
-                ("rule_weight", self.rule_weight >= 0, ">= 0 (0 = the reward model alone)")]
+                ("rule_weight", self.rule_weight >= 0, ">= 0 (0 = the reward model alone)"),
+                ("warn_error_share", 0 <= self.warn_error_share <= 1, "in [0, 1] (1 = never warn)")]

@@ -90,6 +90,17 @@ class TrainerConfig:
     exactly (the per-rank random states start afresh)."""
     log_every: int = 1
     """Console summary every this many steps (TensorBoard gets every step)."""
+    log_samples: int = 3
+    """Prompts shown with the responses the engine sampled for them, their rewards, ground truths and
+    (multi-turn) the whole conversation with roles, at each validation and every
+    log_samples_every training steps: to <run_dir>/samples.jsonl, TensorBoard text `samples/val`,
+    `samples/train` and the console (short). At a validation: the first log_samples prompts of the
+    validation data, the same ones every time so one sees them improve (the first of their
+    rollout.val_n responses); at a training step: the step's first log_samples prompts (the first of
+    their rollout.n responses). 0 = none (spmd_rl/telemetry/samples.py)."""
+    log_samples_every: int = 0
+    """Show log_samples prompts of the training batch every this many steps (as log_samples says);
+    0 = only at validations. Set it (e.g. 10) to watch a run without validation data."""
     tensorboard: bool = True
     """Write TensorBoard events under <run_dir>/tensorboard."""
     peak_tflops: float = 0.0
@@ -190,7 +201,8 @@ class TrainerConfig:
     def ranges(self, cfg: Config) -> list[Rule]:
         return [
             ("val_every", self.val_every >= 0, ">= 0"), ("save_every", self.save_every >= -1, ">= -1 (0 = only at the end, -1 = never)"),
-            ("log_every", self.log_every >= 1, ">= 1"), ("peak_tflops", self.peak_tflops >= 0, ">= 0"),
+            ("log_every", self.log_every >= 1, ">= 1"), ("log_samples", self.log_samples >= 0, ">= 0 (0 = none)"),
+            ("log_samples_every", self.log_samples_every >= 0, ">= 0 (0 = only at validations)"), ("peak_tflops", self.peak_tflops >= 0, ">= 0"),
             ("experiment_name", bool(self.experiment_name.strip()), "a non-empty name"),
             ("seed", self.seed >= 0, ">= 0"),
         ]

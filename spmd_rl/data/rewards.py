@@ -18,7 +18,7 @@ import logging
 import math
 import re
 from fractions import Fraction
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from spmd_rl.config.reward import RewardConfig
 from spmd_rl.user_import import import_object
@@ -138,6 +138,17 @@ def load_custom_reward(spec: str) -> Callable:
     return import_object(spec, "reward.custom_function", RewardError, "function")
 
 
+class ScoringErrors(NamedTuple):
+    """What `RewardFunction.sync_failures` counted over all ranks since its last call."""
+
+    count: int
+    """Responses scored 0 because their scorer failed (reward.on_error = "zero")."""
+    responses: int
+    """Responses the reward function was asked to score."""
+    first: str | None
+    """The first failure of the lowest rank that had one: the data source, row, error and response."""
+
+
 class RewardFunction:
     """Scores batches of decoded responses.
 
@@ -152,6 +163,8 @@ class RewardFunction:
         self.defer_errors = defer_errors
         self.failure: str | None = None
         self.errors = 0
+        self.first_error: str | None = None  # on_error = "zero": the first failure since sync_failures
+        self.responses = 0
         self.environment_only: set[str] = set()
         """Data sources without a scorer whose reward is the environment's (check_data_sources)."""
         if cfg.gsm8k_method not in ("strict", "flexible"):
@@ -200,31 +213,34 @@ class RewardFunction:
         except Exception as e:  # the user's function can raise anything; we name the sample and move on
             name = self.cfg.custom_function or "the built-in scorer"
             shown = response if len(response) <= 200 else response[:200] + "..."
-            msg = (f"reward function {name} failed on data_source {data_source!r}, row {index} ({type(e).__name__}: "
-                   f"{' '.join(str(e).split())}) for the response {shown!r}: fix the function, or set "
-                   'reward.on_error = "zero" to score such responses 0 (counted in reward/errors)')
+            what = (f"reward function {name} failed on data_source {data_source!r}, row {index} ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())}) for the response {shown!r}")
             if self.cfg.on_error == "zero":
                 self.errors += 1
+                self.first_error = self.first_error or what
             elif self.failure is None:
-                self.failure = msg
+                self.failure = (what + ': fix the function, or set reward.on_error = "zero" to score such responses 0 '
+                                "(counted in reward/errors)")
             return {"score": 0.0, "acc": 0.0}
 
-    def sync_failures(self) -> int:
+    def sync_failures(self) -> ScoringErrors:
         """Collective over the process group (if any): raise the first failure of any rank on every
-        rank, so all stop with the same message; else return how many responses were scored 0 for
-        an error (reward.on_error = "zero") on all ranks since the last call."""
-        failure, errors = self.failure, self.errors
-        self.failure, self.errors = None, 0
+        rank, so all stop with the same message; else return, summed over all ranks since the last
+        call, the responses scored 0 for an error (reward.on_error = "zero"), the responses scored
+        and the first such error."""
+        mine = (self.failure, self.errors, self.responses, self.first_error)
+        self.failure, self.errors, self.responses, self.first_error = None, 0, 0, None
         import torch.distributed as dist
 
+        gathered = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (failure, errors))
-            failure = next((f for f, _ in gathered if f is not None), None)
-            errors = sum(n for _, n in gathered)
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+        failure = next((g[0] for g in gathered if g[0] is not None), None)
         if failure is not None:
             raise RewardError(failure)
-        return errors
+        return ScoringErrors(sum(g[1] for g in gathered), sum(g[2] for g in gathered),
+                             next((g[3] for g in gathered if g[3] is not None), None))
 
     def _custom_result(self, value: Any) -> dict:
         if isinstance(value, dict):
@@ -259,6 +275,7 @@ class RewardFunction:
                               f"{len(extra_infos)} extra_infos")
         if indices is None:
             indices = ["?"] * len(responses)
+        self.responses += len(responses)
         results = [self._score_guarded(*row) for row in zip(indices, data_sources, responses, ground_truths, extra_infos)]
         if not self.defer_errors and self.failure is not None:
             failure, self.failure = self.failure, None

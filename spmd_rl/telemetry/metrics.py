@@ -47,8 +47,12 @@ class MetricsLogger:
             f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
 
     def log_text(self, tag: str, text: str) -> None:
+        """`text` as a code block, TensorBoard text `tag` at step 0."""
+        self.log_markdown(tag, "```\n" + text + "\n```", 0)
+
+    def log_markdown(self, tag: str, markdown: str, step: int) -> None:
         if self.enabled and self.tb is not None:
-            self.tb.add_text(tag, "```\n" + text + "\n```", 0)
+            self.tb.add_text(tag, markdown, step)
             self.tb.flush()
 
     def close(self) -> None:
@@ -56,8 +60,9 @@ class MetricsLogger:
             self.tb.close()
 
 
-def summary_line(step: int, total: int, m: dict[str, float]) -> str:
-    """The console line: the numbers one looks at while a run is going."""
+def summary_line(step: int, total: int, m: dict[str, float], pace: str = "") -> str:
+    """The console line: the numbers one looks at while a run is going; `pace`, the seconds a step
+    and the time left (telemetry.progress.StepClock), ends it."""
 
     def g(key: str, fmt: str = "{:.3f}") -> str:
         return fmt.format(m[key]) if key in m else "-"
@@ -76,4 +81,6 @@ def summary_line(step: int, total: int, m: dict[str, float]) -> str:
     parts.append(f"{g('time/step', '{:.2f}')}s (gen {g('time/generate', '{:.2f}')} "
                  f"sync {g('time/weight_sync', '{:.2f}')} upd {g('time/update_actor', '{:.2f}')})")
     parts.append(f"{g('perf/tokens_per_sec', '{:.0f}')} tok/s")
+    if pace:
+        parts.append(pace)
     return " | ".join(parts)
