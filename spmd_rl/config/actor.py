@@ -118,10 +118,9 @@ class ActorConfig(TrainedModel):
     sequences balanced across them, the same count on every rank. Needs model.remove_padding.
     0 = micro-batches of `micro_batch_size_per_gpu` sequences. Must be >= data.max_prompt_length
     + data.max_response_length. Take the largest that fits: each micro-batch costs launches and
-    idle GPU time, so fewer, larger ones are faster (0.5B on an H100: 16384 -> 32768 took the update
-    from 3.52 to 2.62 s, its peak from 23.7 to 37.1 GiB; 2026-11-25, docs/performance.md, "Why the
-    defaults are what they are"). The presets' values
-    are measured for 80 GB GPUs."""
+    idle GPU time, so fewer, larger ones are faster (docs/performance.md, "Why the defaults are
+    what they are"). The presets' values are measured for 80 GB GPUs; the start-up memory line
+    predicts the peak of a budget before anything loads."""
     logprob_max_token_len_per_gpu: int = 0
     """Token budget of the no-grad log-prob passes (old log-probs, reference) per micro-batch;
     0 = twice `max_token_len_per_gpu` (no activations are kept for a backward)."""
