@@ -89,7 +89,7 @@ def resumed_run_dir(cfg: Config) -> str | None:
     if t.resume == "none":
         return None
     if t.resume != "auto":
-        from spmd_rl.checkpoint.checkpointer import run_dir_of
+        from spmd_rl.checkpoint.reading import run_dir_of
 
         return run_dir_of(t.resume)
     ckpt = cfg.checkpoint_dir
