@@ -45,7 +45,7 @@ compute dtype (scaled by compute bytes / 2): Qwen2 shapes (intermediate ~5.5 x h
 transformers' modules or the compiled layer. Fitted to three update peaks of docs/performance.md
 (1xH100, bench_step's work, no checkpointing: 0.5B at 16384 and 32768 tokens, 1.5B at 16384;
 predicted +5%, +1%, -3%); the checkpointed 1.5B runs (every layer, half) then come out +6% and
-+4% (tests/test_memory_plan.py keeps all five within 10%)."""
++4% (tests/runtime/test_memory_plan.py keeps all five within 10%)."""
 HEAD_CHUNK_ELEMENTS = 1 << 28
 """logprob_head.CHUNK_ELEMENTS (not imported: that module imports torch)."""
 HEAD_CHUNK_TEMPORARIES = {"none": 3 * 4, "compile": 2 * 2}

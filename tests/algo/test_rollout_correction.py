@@ -11,7 +11,7 @@ import torch
 
 from spmd_rl.algo import algorithms as alg
 from spmd_rl.algo import rollout_correction as rc
-from test_algorithms import MODES, SEEDS, close, make_mask, randn, ref_agg, rows_cols
+from tests.algo.test_algorithms import MODES, SEEDS, close, make_mask, randn, ref_agg, rows_cols
 
 LEVELS = ["", "token", "sequence", "geometric"]
 # bounds per mask level that the noise of perturbed_logprobs crosses in both directions
@@ -247,7 +247,7 @@ def _masked_update_body(rank, world):
     from spmd_rl.config.actor import ActorConfig
     from spmd_rl.model.loading import apply_fsdp, prepare_policy
     from spmd_rl.train.update import ppo_update
-    from test_update import make_batch, tiny_config
+    from tests.train.test_update import make_batch, tiny_config
 
     mesh = init_device_mesh("cpu", (world,))
     batch = make_batch(rows=8)
@@ -292,6 +292,6 @@ def _masked_update_body(rank, world):
 
 
 def test_masked_tokens_and_rejected_sequences_leave_the_global_denominator():
-    from dist_utils import run_distributed
+    from tests.helpers.dist_utils import run_distributed
 
     run_distributed(_masked_update_body, 2)

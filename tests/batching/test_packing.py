@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 from spmd_rl.batching.batch import Batch, balanced_partition, plan_micro_batches
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 from spmd_rl.batching.rank_balance import (block_bounds, identity_placement, karmarkar_karp, max_over_mean,
                                   plan_placement)

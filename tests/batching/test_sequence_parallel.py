@@ -2,7 +2,7 @@
 
 The reference is the same update without sequence parallelism (ulysses_size = 1) on the same
 ranks and rows: that path is itself checked against float64 single-process references written
-with plain torch (tests/test_update.py, tests/test_hsdp.py). Compared: the no-grad passes (old
+with plain torch (tests/train/test_update.py, tests/train/test_hsdp.py). Compared: the no-grad passes (old
 and reference log-probs, values) row by row, the loss and gradient norm of the update, and every
 parameter after two optimizer steps (two mini-batches; SGD with momentum, clipping that binds).
 
@@ -35,8 +35,8 @@ import functools
 import pytest
 import torch
 
-from dist_utils import run_distributed
-from test_update import tiny_config
+from tests.helpers.dist_utils import run_distributed
+from tests.train.test_update import tiny_config
 
 ROWS = 4  # rows per rank: two mini-batches of MINI rows (two optimizer steps)
 MINI = 2
@@ -288,7 +288,7 @@ def test_sp_groups_are_consecutive_ranks_inside_shard_groups():
 
 
 def valid_cfg(tmp_path, extra=()):
-    from test_config import valid_cfg as base
+    from tests.config.test_config import valid_cfg as base
 
     return base(tmp_path, ["model.remove_padding=true", "trainer.ulysses_size=2", *extra])
 
@@ -360,7 +360,7 @@ def test_trainer_with_ulysses_2_resumes_under_ulysses_1_and_continues_the_same(t
     SP group of 2: 3 steps, a checkpoint at step 2. That checkpoint resumed with ulysses_size = 1
     (2 data-parallel ranks) trains step 3 on the same rollouts to the same losses and gradient norms
     (float32 on CPU: the sums' order differs, see the module doc; rel 1e-5)."""
-    from test_e2e import read_metrics, run, torchrun_cmd
+    from tests.helpers.cpu_runs import read_metrics, run, torchrun_cmd
 
     common = ["data.val_files=[]", "data.synthetic_size=64",
               "trainer.val_every=0", "trainer.tensorboard=false", "trainer.total_steps=3", "model.remove_padding=true",
@@ -394,7 +394,7 @@ def test_long_response_preset_validates_on_2_4_and_8_gpus(tmp_path, monkeypatch)
     from spmd_rl.config.run_config import load_config
     from spmd_rl.errors import ConfigError
 
-    from conftest import ROOT
+    from tests.helpers import ROOT
 
     monkeypatch.setattr(vllm_kwargs, "vllm_import_problem", lambda: None)  # engine = "vllm" without vLLM here
     data = tmp_path / "train.parquet"

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import ROOT
-from dist_utils import run_distributed
+from tests.helpers import ROOT
+from tests.helpers.dist_utils import run_distributed
 
 from spmd_rl.checkpoint import space as space
 from spmd_rl.checkpoint.checkpointer import WRITE_THREADS, Checkpointer, ModelAndOptimizer
@@ -572,7 +572,7 @@ def test_a_run_whose_checkpoints_do_not_fit_warns_goes_on_exits_4_and_resumes(tm
     again, the same command resumes from step 1, the latest complete checkpoint, and finishes (0).
     Under torchrun, which exits 1 for any failing rank, the rank records its own 4 where a SLURM task
     reads it (preemption.EXIT_STATUS_DIR_ENV): that task does not requeue, even after a stop signal."""
-    from conftest import run_cmd, tiny_cmd
+    from tests.helpers.cpu_runs import run_cmd, tiny_cmd
 
     from launch.task import node_exit_status
 
@@ -615,7 +615,7 @@ def test_a_run_whose_save_fails_writing_names_the_errno_and_goes_on(tmp_path):
     and the run goes on: step 3 is written, exit 0."""
     import subprocess
 
-    from conftest import tiny_cmd
+    from tests.helpers.cpu_runs import tiny_cmd
 
     run_dir = tmp_path / "run"
     cmd = tiny_cmd(run_dir, "trainer.total_steps=3", "trainer.save_every=1",

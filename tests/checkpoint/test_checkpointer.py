@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 from spmd_rl.runtime.preemption import EXIT_PREEMPTED
 from spmd_rl.checkpoint.checkpointer import MANIFEST, CheckpointError, Checkpointer, ModelAndOptimizer, verify
@@ -86,7 +86,7 @@ def test_async_save_holds_the_state_of_its_step_while_training_goes_on(tmp_path,
 def test_a_save_failing_in_the_background_is_one_errno_line_and_the_next_save_works(tmp_path, monkeypatch, caplog):
     """A write error of the background save (here DCP's writer raising ENOSPC itself): one error
     line naming the errno, the partial directory removed, step 1 stays the latest, the run goes on
-    and the next save is written. (The disk filling up for real: tests/test_checkpoint_space.py.)"""
+    and the next save is written. (The disk filling up for real: tests/checkpoint/test_checkpoint_space.py.)"""
     model, opt = make_model()
     ck = Checkpointer(str(tmp_path), keep_last=5, async_save=True)
     models = {"actor": ModelAndOptimizer(model, opt)}
@@ -268,7 +268,8 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
 def launch_ranks(run_dir, logs, overrides, fault=""):
     """The trainer's 2 ranks with torchrun's environment, each with its own exit status."""
     from spmd_rl.runtime.distributed import free_port
-    from test_e2e import ROOT, TINY
+    from tests.helpers import ROOT
+    from tests.helpers.cpu_runs import TINY
 
     port = free_port()
     procs = []
@@ -299,9 +300,9 @@ def test_preemption_waits_for_the_save_in_flight_and_broken_checkpoints_are_a_on
     """SIGTERM (both ranks, as SLURM sends it) while the async save of step 4 is held back 4 s:
     the ranks finish their step, wait for step 4, checkpoint their step and exit 3. Then every
     checkpoint broken: a one-line error on rank 0 and exit 2, nothing in the run directory touched.
-    (A SIGKILL with a save in flight and the fallback past a truncated checkpoint: test_e2e.py's
+    (A SIGKILL with a save in flight and the fallback past a truncated checkpoint: tests/e2e/test_e2e.py's
     kill-and-resume test.)"""
-    from test_e2e import read_metrics
+    from tests.helpers.cpu_runs import read_metrics
 
     run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     common = ["trainer.save_every=2", "trainer.val_every=0", "data.val_files=[]", "trainer.tensorboard=false"]

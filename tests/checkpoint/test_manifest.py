@@ -13,8 +13,8 @@ from spmd_rl import __version__
 from spmd_rl.checkpoint import manifest as manifest_format
 from spmd_rl.checkpoint.checkpointer import CheckpointError, Checkpointer, run_dir_of, saved_world_size
 from spmd_rl.export import main as export
-from tests.test_checkpoint import save_steps
-from tests.test_old_checkpoint import OLD_RUNS
+from tests.checkpoint.test_checkpointer import save_steps
+from tests.checkpoint.test_old_checkpoint import OLD_RUNS
 
 STEP_2 = os.path.join(OLD_RUNS, "0.1.0-9d108d1", "checkpoints", "step_2")
 

@@ -16,7 +16,8 @@ import shutil
 
 import pytest
 
-from tests.test_e2e import ROOT, read_metrics, run, torchrun_cmd
+from tests.helpers import ROOT
+from tests.helpers.cpu_runs import read_metrics, run, torchrun_cmd
 
 OLD_RUNS = os.path.join(ROOT, "tests", "fixtures", "old_runs")
 FIXTURES = sorted(os.listdir(OLD_RUNS))

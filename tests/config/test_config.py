@@ -9,7 +9,7 @@ from spmd_rl.config.run_config import Config, load_config
 from spmd_rl.errors import ConfigError
 from spmd_rl.model.files import ModelFilesError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
 
 
 def write(tmp_path, text):

@@ -12,7 +12,7 @@ from spmd_rl.config.resume_check import check_resume_config, config_changes, fla
 from spmd_rl.config.run_config import Config, load_config
 from spmd_rl.config.toml_io import to_dict, to_toml, tomllib
 from spmd_rl.errors import ConfigError
-from tests.test_old_checkpoint import OLD_RUNS, written_by
+from tests.checkpoint.test_old_checkpoint import OLD_RUNS, written_by
 
 # What differs between each fixture's config.toml and today's config for the command that wrote it,
 # read off the two configs: the run directory and data files (the fixture's were elsewhere), the

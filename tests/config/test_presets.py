@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from tests.helpers import ROOT
 
 from spmd_rl.errors import ConfigError
 

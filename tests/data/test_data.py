@@ -15,10 +15,9 @@ from spmd_rl.data.rewards import RewardFunction
 from spmd_rl.config.reward import RewardConfig
 from spmd_rl.data.synthetic import write_synthetic
 from spmd_rl.model.tokenizer import build_char_tokenizer
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(ROOT)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
-from conftest import run_cmd, tiny_cmd
-from dist_utils import run_distributed
+from tests.helpers import ROOT
+from tests.helpers.cpu_runs import run_cmd, tiny_cmd
+from tests.helpers.dist_utils import run_distributed
 
 from spmd_rl.config.run_config import load_config
 from spmd_rl.config import external_checks
@@ -130,7 +131,7 @@ def test_scores_equal_a_plain_transformers_forward(tmp_path, world, max_tokens, 
 
 def rm_config(**rm):
     overrides = [f"reward_model.{k}={json.dumps(v)}" for k, v in rm.items()]
-    return load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny-cpu.toml"), overrides)
+    return load_config(os.path.join(ROOT, "configs", "tiny-cpu.toml"), overrides)
 
 
 @pytest.mark.parametrize("kind,message", [
@@ -152,7 +153,7 @@ def test_a_directory_that_is_no_reward_model_is_one_line(tmp_path, kind, message
 
 
 def test_torchrun_refuses_a_causal_lm_as_reward_model_in_one_line_before_loading(tmp_path):
-    from test_user_errors import assert_one_line_error
+    from tests.test_user_errors import assert_one_line_error
 
     path = save_rm(tmp_path / "lm", head=False)
     p = run_cmd(tiny_cmd(tmp_path / "run", f"reward_model.path={path}"))
@@ -162,7 +163,7 @@ def test_torchrun_refuses_a_causal_lm_as_reward_model_in_one_line_before_loading
 
 MULTI_TURN = ["data.synthetic_task=hidden", "data.max_response_length=16", "data.val_files=[]",
               "rollout.environment=spmd_rl.envs.hidden_digit:HiddenDigitEnv", "rollout.max_turns=2",
-              "rollout.stop_token_ids=[3,4,5,6,7,8,9,10,11,12,48]"]  # tests/test_multiturn_e2e.py's task
+              "rollout.stop_token_ids=[3,4,5,6,7,8,9,10,11,12,48]"]  # tests/e2e/test_multiturn_e2e.py's task
 
 
 @pytest.mark.parametrize("turns", ["single", "multi"])

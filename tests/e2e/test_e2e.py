@@ -2,55 +2,13 @@
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
-
-
-def torchrun_cmd(nproc, *overrides):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "spmd_rl.ppo", "--config", TINY, *overrides]
-
-
-def read_metrics(run_dir):
-    """step -> metrics, the last record of each step winning (a resumed run re-logs steps)."""
-    out = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            rec = json.loads(line)
-            out.setdefault(rec["step"], {}).update(rec)
-    return out
-
-
-def kill_matching(needle):
-    """SIGKILL every process whose command line contains `needle` (torchrun's workers run in
-    process groups of their own, so killing the launcher's group is not enough)."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if needle.encode() in f.read():
-                    os.kill(int(pid), signal.SIGKILL)
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            pass
-
-
-def run(cmd, timeout=600):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_matching(next(a for a in cmd if a.startswith("trainer.run_dir=")))  # no orphaned workers
-        raise
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout + p.stderr
+from tests.helpers import ROOT
+from tests.helpers.cpu_runs import TINY, kill_matching, read_metrics, run, torchrun_cmd
 
 
 def test_tiny_grpo_learns_on_two_ranks(tmp_path):

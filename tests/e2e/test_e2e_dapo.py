@@ -9,7 +9,9 @@ import pytest
 import os
 import re
 
-from test_e2e import ROOT, documented_metrics, read_metrics, run, torchrun_cmd
+from tests.e2e.test_e2e import documented_metrics
+from tests.helpers import ROOT
+from tests.helpers.cpu_runs import read_metrics, run, torchrun_cmd
 
 BATCH = 4
 COMMON = [f"data.train_batch_size={BATCH}", "data.synthetic_size=256", "rollout.n=8", "actor.ppo_mini_batch_size=4",

@@ -8,7 +8,8 @@ import shutil
 import subprocess
 import sys
 
-from test_e2e import ROOT, read_metrics
+from tests.helpers import ROOT
+from tests.helpers.cpu_runs import read_metrics
 
 EXAMPLE = os.path.join(ROOT, "examples", "my_task")
 FEW_STEPS = ["trainer.total_steps=3", "trainer.val_every=3", "trainer.save_every=3", "trainer.tensorboard=false"]

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from test_e2e import read_metrics, run, torchrun_cmd
+from tests.helpers.cpu_runs import read_metrics, run, torchrun_cmd
 
 pytest.importorskip("peft")
 
@@ -36,7 +36,7 @@ def test_the_tiny_models_frozen_head_bounds_its_logits_and_tiny_lora_does_not():
     from spmd_rl.build import tiny_lora_problem
     from spmd_rl.config.run_config import load_config
     from spmd_rl.model.loading import random_model_config
-    from test_e2e import TINY
+    from tests.helpers.cpu_runs import TINY
     from transformers import AutoModelForCausalLM
 
     bounds = {}
@@ -119,7 +119,7 @@ def test_lora_with_packing_token_budgets_and_gradient_checkpointing(tmp_path, mo
     the chunked log-prob head; the adapter trains and the engine samples the actor's policy: with the
     adapter sync, given the base at the first step only and the adapter at every step; merged, given
     every weight at every step."""
-    from test_e2e import TINY
+    from tests.helpers.cpu_runs import TINY
 
     from spmd_rl.ppo import main
     from spmd_rl.rollout.hf_engine import HFEngine
@@ -174,7 +174,7 @@ def run_in_process(tmp_path, steps, *overrides):
     """One rank in this process, `steps` steps of the tiny preset with LoRA, no validation; the metrics
     and the log. Every step the engine sampled the actor's policy and the adapter got a gradient (the
     entropy bonus gives one where every reward of a step is 0, as often at random weights)."""
-    from test_e2e import TINY
+    from tests.helpers.cpu_runs import TINY
 
     from spmd_rl.ppo import main
 
@@ -193,7 +193,7 @@ def run_in_process(tmp_path, steps, *overrides):
 
 
 def test_lora_multi_turn_with_a_tool_and_the_adapter_sync(tmp_path, monkeypatch):
-    """Trajectories of two turns with the calculator between them (tests/multiturn_tools.py's
+    """Trajectories of two turns with the calculator between them (tests/helpers/multiturn_tools.py's
     LastDigitCalls: the character tokenizer cannot write hermes calls): the engine gets the base
     once and the adapter every step, and samples the actor's policy over the whole trajectory (the
     tool's tokens masked out)."""

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from test_e2e import read_metrics, run, torchrun_cmd
+from tests.helpers.cpu_runs import read_metrics, run, torchrun_cmd
 
 # ask with "?", get the digit, repeat it: each turn ends at a digit or "?" (the char tokenizer's ids)
 HIDDEN = ["data.synthetic_task=hidden", "data.max_response_length=16",

@@ -7,7 +7,8 @@ import signal
 import subprocess
 import time
 
-from conftest import ROOT, run_cmd, tiny_cmd
+from tests.helpers import ROOT
+from tests.helpers.cpu_runs import run_cmd, tiny_cmd
 
 from spmd_rl.runtime.preemption import EXIT_PREEMPTED
 

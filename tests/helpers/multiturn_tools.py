@@ -1,4 +1,4 @@
-"""Tools and environments the multi-turn tests import by path (tests/ is on sys.path)."""
+"""Tools and environments the multi-turn tests name in their configs ("tests.helpers.multiturn_tools:add")."""
 
 import threading
 import time
@@ -81,7 +81,7 @@ class CountingEnv:
 
 
 # --------------------------------------------------------------------------- misbehaving user code
-# (tests/test_multiturn_faults.py). Nothing hangs for real: every wait is on an Event that the test
+# (tests/rollout/multiturn/test_multiturn_faults.py). Nothing hangs for real: every wait is on an Event that the test
 # sets when it is done, or times out after a few seconds.
 
 GATE = threading.Event()
@@ -160,7 +160,7 @@ class LastDigitCalls:
     """A tool-call format the character tokenizer can write (it has no "<", "{" or "_"): a turn that
     is one digit is the answer; any other turn calls the calculator on its last digit plus one
     ("ab7" -> calculate("7+1"), "x?" -> calculate("0+1")). For multi-turn runs of the tiny model with
-    `rollout.tools` (tests/test_lora_e2e.py)."""
+    `rollout.tools` (tests/e2e/test_lora_e2e.py)."""
 
     def parse(self, text):
         from spmd_rl.rollout.multiturn import ToolCall

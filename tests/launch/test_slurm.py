@@ -27,8 +27,9 @@ import pytest
 from launch.jobs import FINAL_STATES, job_info, wait_finished, wait_for
 from launch.slurm import LaunchSpec, executor_parameters, main as launch_main, parse_args, submit
 from launch.task import node_exit_status, rendezvous_port
+from tests.helpers import ROOT
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(ROOT)
 SCRIPTS = REPO / "tests" / "slurm"
 CONFIG = str(REPO / "configs" / "tiny-cpu.toml")
 # Bounds of the waits. On 2 idle cores a job's first checkpoint comes after 15-30 s, and a job

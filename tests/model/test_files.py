@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from conftest import ROOT
+from tests.helpers import ROOT
 
 from spmd_rl.build import check_tokenizer_vocab
 from spmd_rl.config.run_config import load_config

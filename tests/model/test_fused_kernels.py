@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from spmd_rl.model import fused_kernels
@@ -18,7 +18,7 @@ from spmd_rl.train.actor import forward_logprobs
 from spmd_rl.batching.batch import Batch
 from spmd_rl.errors import ConfigError
 from spmd_rl.model.loading import prepare_policy
-from test_config import valid_cfg
+from tests.config.test_config import valid_cfg
 
 
 def tiny_model(seed=0):
@@ -244,7 +244,7 @@ def checkpointing_run(kernels, share, fsdp=False):
     from transformers.models.qwen2 import modeling_qwen2
 
     from spmd_rl.model.loading import apply_fsdp, set_gradient_checkpointing
-    from test_packing import saved_elements
+    from tests.batching.test_packing import saved_elements
 
     graph_runs, eager_mlp, mlp_forward = GraphRuns(), [0], modeling_qwen2.Qwen2MLP.forward
 
@@ -347,7 +347,7 @@ def test_compile_stats_count_this_process_compiles(monkeypatch):
 def _one_compiled_step(rank, base, overrides):
     """The metrics of one trainer step on a small packed batch, compiled with aot_eager (dynamo and
     AOTAutograd without Inductor), with `overrides` on top."""
-    from test_old_logprobs import _trainer
+    from tests.train.test_old_logprobs import _trainer
 
     fused_kernels.COMPILE_OPTIONS = {"backend": "aot_eager"}  # this worker process only
     trainer = _trainer(f"{base}/run", f"{base}/data", [

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 pytest.importorskip("peft")
 

@@ -13,9 +13,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from dist_utils import run_distributed
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
+from tests.helpers.dist_utils import run_distributed
 
 
 def tiny_config(tied: bool) -> Qwen2Config:

@@ -85,7 +85,7 @@ def test_decode_response_drops_unknown_ids_and_specials(tok):
 
 
 def test_stop_token_ids_are_printed_as_the_override(tok, capsys):
-    """`python -m spmd_rl.model.tokenizer char ? 0 ... 9` gives the ids tests/test_multiturn_e2e.py's
+    """`python -m spmd_rl.model.tokenizer char ? 0 ... 9` gives the ids tests/e2e/test_multiturn_e2e.py's
     hidden-digit task stops at, each decoding to its text; a text of two tokens is refused."""
     from spmd_rl.model.tokenizer import main
 

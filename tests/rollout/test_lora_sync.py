@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 pytest.importorskip("peft")
 

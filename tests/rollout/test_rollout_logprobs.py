@@ -11,14 +11,14 @@ import types
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 from spmd_rl.batching.batch import build_rollout_batch
 from spmd_rl.config.run_config import Config
 from spmd_rl.errors import ConfigError
 from spmd_rl.rollout.base import Completion, SamplingParams
 from spmd_rl.algo.rollout_correction import mismatch_metrics
-from test_config import valid_cfg
+from tests.config.test_config import valid_cfg
 
 
 def config(**changes) -> Config:

@@ -4,7 +4,7 @@ copy fed through it is identical to the actor."""
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 
 def tiny(tie: bool, vocab: int = 67):

@@ -14,8 +14,8 @@ import pytest
 
 from spmd_rl.runtime.distributed import free_port
 from spmd_rl.telemetry.startup import StartupClock
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, LlamaConfig, Qwen2Config
 
-from conftest import ROOT
+from tests.helpers import ROOT
 from spmd_rl.config import memory_check as mc
 from spmd_rl.config.run_config import load_config
 from spmd_rl.errors import UserError, report

@@ -21,7 +21,8 @@ import weakref
 import pytest
 import torch
 
-from conftest import ROOT, tiny_cmd
+from tests.helpers import ROOT
+from tests.helpers.cpu_runs import tiny_cmd
 
 CUMEM_LINE = "CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163"
 ERRORS = {  # kind -> (what native code prints on fd 2 first, the exception raised)
@@ -130,10 +131,9 @@ def test_an_engine_that_cannot_map_its_pool_back_at_teardown_is_no_traceback(kin
 WRAPPER = '''
 import os, sys
 sys.path.insert(0, {root!r})
-sys.path.insert(0, {tests!r})
 import torch
 from spmd_rl.rollout import hf_engine
-from test_out_of_memory import ERRORS
+from tests.runtime.test_out_of_memory import ERRORS
 
 def wake_up(self, tags=None):
     if os.environ["RANK"] == "1":  # rank 1 alone runs out: its GPU's memory, not the run's input
@@ -168,7 +168,7 @@ def test_a_rank_that_runs_out_of_memory_says_so_in_one_line(kind, tmp_path):
     rank 1 left it to rank 0 and died with nothing said, or with vLLM's raw line alone), no traceback
     and no raw allocator line; an error that is not an out-of-memory one keeps its traceback."""
     script = tmp_path / "wrapped_ppo.py"
-    script.write_text(WRAPPER.format(root=ROOT, tests=os.path.join(ROOT, "tests")))
+    script.write_text(WRAPPER.format(root=ROOT))
     cmd = tiny_cmd(tmp_path / "run", "trainer.total_steps=1")
     at = cmd.index("-m", 3)  # torchrun's own options end here; the module it runs follows
     cmd = [*cmd[:at], "--log-dir", str(tmp_path / "logs"), "--redirects", "3", str(script), *cmd[at + 2:]]

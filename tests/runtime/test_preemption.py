@@ -14,8 +14,7 @@ import pytest
 
 from spmd_rl.runtime.distributed import free_port
 from spmd_rl.runtime.preemption import EXIT_PREEMPTED, REQUEUE_SIGNALS, StopFlag
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT as REPO
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from tests.helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from tests.helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
@@ -23,7 +23,7 @@ SHIPPED = os.path.join(ROOT, "scripts", "bench", "shipped_7b.sh")
 WEAK = os.path.join(ROOT, "scripts", "bench", "weak_scaling.sh")
 BENCH_STEP = os.path.join(ROOT, "scripts", "bench", "bench_step.sh")
 PRESET = os.path.join(ROOT, "configs", "qwen7b.toml")
-H100_GIB = 79.2  # an H100's memory as torch reports it (tests/test_gpu_check_plan.py)
+H100_GIB = 79.2  # an H100's memory as torch reports it (tests/scripts/test_gpu_check_plan.py)
 
 SHIPPED_CHANGES = {  # what shipped_7b.sh may change in the preset: no hub (model), no GSM8K (data), its steps
     "model.init", "model.arch", "model.path", "model.tokenizer", "data.synthetic_task", "data.apply_chat_template",

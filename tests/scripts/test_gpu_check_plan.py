@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from tests.helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from conftest import ROOT
+from tests.helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
@@ -82,7 +82,7 @@ def fake(tmp_path, monkeypatch):
     out.mkdir()
 
     def run(case: str, timeout: float = 60) -> list[gpu_check.Row]:
-        check = gpu_check.Check(f"check-{case}", ("tests/test_gpu_check_results.py",), env=(("FAKE_PYTEST", case),))
+        check = gpu_check.Check(f"check-{case}", ("tests/scripts/test_gpu_check_results.py",), env=(("FAKE_PYTEST", case),))
         return gpu_check.pytest_runner(out)(check, (0,), timeout, False)
 
     run.out = out

@@ -8,8 +8,8 @@ import argparse
 import os
 import sys
 
-from conftest import ROOT
-from dist_utils import run_distributed
+from tests.helpers import ROOT
+from tests.helpers.dist_utils import run_distributed
 
 sys.path.insert(0, os.path.join(ROOT, "scripts", "probes"))
 sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))

@@ -13,7 +13,7 @@ import os
 import pytest
 from torch.distributed.run import get_args_parser
 
-from conftest import ROOT
+from tests.helpers import ROOT
 
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "*.py")) + glob.glob(os.path.join(ROOT, "scripts", "*", "*.py")) + glob.glob(os.path.join(ROOT, "tests", "gpu", "*.py"))
                  + [os.path.join(ROOT, "spmd_rl", "ppo.py"), os.path.join(ROOT, "spmd_rl", "export.py")])

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
+REPO = Path(ROOT)
 sys.path.insert(0, str(REPO / "scripts"))
 import summarize_run  # noqa: E402
 

@@ -3,7 +3,7 @@ runtime.distributed.all_reduce_metrics, on 3 gloo ranks): a memory figure is the
 where the mean would hide the one that runs out; `time/generate_max` the slowest rank's, which the
 others wait for; everything else is the mean."""
 
-from dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 
 def _body(rank, world):

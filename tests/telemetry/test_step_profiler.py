@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 from spmd_rl.telemetry import step_profiler
 from spmd_rl.errors import ConfigError
@@ -81,7 +81,7 @@ def test_garbage_collections_are_ranges_in_the_trace_and_counted_per_phase(tmp_p
 
 @pytest.mark.parametrize("steps", ["[0]", "[4]"])
 def test_steps_outside_the_run_are_refused(tmp_path, steps):
-    from test_config import valid_cfg
+    from tests.config.test_config import valid_cfg
 
     with pytest.raises(ConfigError, match=r"trainer.profile_steps = \[\d\]: \[\d\] not between 1 and trainer.total_steps = 3"):
         valid_cfg(tmp_path, [f"trainer.profile_steps={steps}", "trainer.total_steps=3",
@@ -89,7 +89,7 @@ def test_steps_outside_the_run_are_refused(tmp_path, steps):
 
 
 def _fit_body(rank, world, base):
-    from test_old_logprobs import _trainer
+    from tests.train.test_old_logprobs import _trainer
 
     trainer = _trainer(f"{base}/run", f"{base}/data", ["data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=4",
                                                        "actor.micro_batch_size_per_gpu=4", "trainer.total_steps=2",

@@ -20,9 +20,9 @@ import os
 import pytest
 import torch
 
-from dist_utils import run_distributed
-from test_sharded_init import assert_same_model
-from test_update import make_batch, reference_loss, tiny_config
+from tests.helpers.dist_utils import run_distributed
+from tests.model.test_sharded_init import assert_same_model
+from tests.train.test_update import make_batch, reference_loss, tiny_config
 
 WORLD = 4
 LAYOUTS = (0, 2, 1)  # fsdp_size: meshes (4,), (2, 2), (4, 1)
@@ -230,7 +230,7 @@ def test_hsdp_run_on_4_ranks_resumes_on_2_with_another_fsdp_size(tmp_path):
     2 steps on 4 ranks as 2 replicas x shard groups of 2 (2 micro-batches per mini-batch: gradient
     accumulation with the sync on the last), then a resume of its checkpoint on 2 ranks as 2
     replicas of 1 for a third step."""
-    from test_e2e import read_metrics, run, torchrun_cmd
+    from tests.helpers.cpu_runs import read_metrics, run, torchrun_cmd
 
     run_dir = tmp_path / "run"
     common = [f"trainer.run_dir={run_dir}", "data.val_files=[]",

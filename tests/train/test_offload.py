@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import run_distributed
-from test_sharded_init import local
-from test_update import tiny_config
+from tests.helpers.dist_utils import run_distributed
+from tests.model.test_sharded_init import local
+from tests.train.test_update import tiny_config
 
 STEPS = 3
 
@@ -152,7 +152,7 @@ def test_ppo_with_offload_trains_as_without(tmp_path):
     import os
 
     from spmd_rl.ppo import main
-    from test_e2e import TINY, read_metrics
+    from tests.helpers.cpu_runs import TINY, read_metrics
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)

@@ -15,13 +15,13 @@ import os
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from tests.helpers import ROOT
+from tests.helpers.dist_utils import run_distributed
 
 from spmd_rl.batching.batch import Batch
 from spmd_rl.config.run_config import Config
 from spmd_rl.train.old_logprobs import UpdateLogprobs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
 
 
@@ -96,7 +96,7 @@ def test_masks_cannot_be_deferred_to_the_update():
     """actor_update_batch without old log-probs (the shortcut) refuses a correction that changes the mask."""
     from spmd_rl.config.algorithm import AlgorithmConfig
     from spmd_rl.algo.rollout_correction import actor_update_batch
-    from test_update import make_batch
+    from tests.train.test_update import make_batch
 
     batch = make_batch()
     batch["rollout_logprobs"] = batch["old_logprobs"]
@@ -113,7 +113,7 @@ def test_masks_cannot_be_deferred_to_the_update():
 def _batch_with_engine_logprobs(seed=0):
     """test_update's rows with engine log-probs near the tiny random policy's (log 1/50 + N(0, 0.3):
     ratios on both sides of the IS caps), reference log-probs and advantages."""
-    from test_update import make_batch
+    from tests.train.test_update import make_batch
 
     batch = make_batch(seed, rows=8)
     g = torch.Generator().manual_seed(seed + 1)
@@ -135,7 +135,7 @@ def _update(batch, policy_loss, is_level, shortcut, pass_tokens):
     from spmd_rl.model.loading import prepare_policy
     from spmd_rl.algo.rollout_correction import actor_update_batch
     from spmd_rl.train.update import ppo_update
-    from test_update import tiny_config
+    from tests.train.test_update import tiny_config
 
     torch.manual_seed(0)
     model = prepare_policy(Qwen2ForCausalLM(tiny_config()), remove_padding=True)
@@ -205,7 +205,7 @@ def test_rows_seen_twice_are_an_error():
     from spmd_rl.config.algorithm import AlgorithmConfig
     from spmd_rl.model.loading import prepare_policy
     from spmd_rl.train.update import ppo_update
-    from test_update import tiny_config
+    from tests.train.test_update import tiny_config
 
     batch = _batch_with_engine_logprobs()
     model = prepare_policy(Qwen2ForCausalLM(tiny_config()))

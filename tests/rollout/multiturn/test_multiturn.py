@@ -12,7 +12,7 @@ import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, decoders
 from transformers import PreTrainedTokenizerFast
 
-from dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 from spmd_rl.batching.batch import build_rollout_batch, response_token_ids
 from spmd_rl.config import external_checks
@@ -89,7 +89,7 @@ def rollout_cfg(**kw):
 
 
 def tools_cfg(*names, **kw):
-    return rollout_cfg(tools=[{"function": f"multiturn_tools:{n}"} for n in names], **kw)
+    return rollout_cfg(tools=[{"function": f"tests.helpers.multiturn_tools:{n}"} for n in names], **kw)
 
 
 def call(name, **args):
@@ -275,7 +275,7 @@ def test_max_turns_and_the_token_budget_end_trajectories():
 def test_environment_keeps_state_across_turns_and_gives_the_reward():
     tok = chatml_tokenizer()
     eos = tok.convert_tokens_to_ids(IM_END)
-    mt = MultiTurnRollout(rollout_cfg(environment="multiturn_tools:CountingEnv", max_turns=9), tok)
+    mt = MultiTurnRollout(rollout_cfg(environment="tests.helpers.multiturn_tools:CountingEnv", max_turns=9), tok)
     prompt = tok.encode("p", add_special_tokens=False)
     say = tok.encode("hm", add_special_tokens=False) + [eos]
     engine = ScriptedEngine([(prompt, [say] * 4)], eos)
@@ -335,15 +335,15 @@ def test_lockstep_loop_ends_on_every_rank_when_one_ranks_trajectories_finish_fir
 @pytest.mark.parametrize("rollout, message", [
     ({"tools": [{"function": "no_such_module:f"}]}, "rollout.tools\\[0\\].function = 'no_such_module:f': module "
                                                      "'no_such_module' not found"),
-    ({"tools": [{"function": "multiturn_tools:nope"}]}, "has no attribute 'nope'"),
-    ({"tools": [{"function": "multiturn_tools:NOT_CALLABLE"}]}, "is a int, not a function"),
-    ({"tools": [{"function": "multiturn_tools:untyped"}]}, "'untyped' has no usable schema .*missing a type hint"),
-    ({"tools": [{"fn": "multiturn_tools:add"}]}, "each \\[\\[rollout.tools\\]\\] entry is one key"),
-    ({"tools": [{"function": "multiturn_tools:add"}], "environment": "multiturn_tools:CountingEnv"},
+    ({"tools": [{"function": "tests.helpers.multiturn_tools:nope"}]}, "has no attribute 'nope'"),
+    ({"tools": [{"function": "tests.helpers.multiturn_tools:NOT_CALLABLE"}]}, "is a int, not a function"),
+    ({"tools": [{"function": "tests.helpers.multiturn_tools:untyped"}]}, "'untyped' has no usable schema .*missing a type hint"),
+    ({"tools": [{"fn": "tests.helpers.multiturn_tools:add"}]}, "each \\[\\[rollout.tools\\]\\] entry is one key"),
+    ({"tools": [{"function": "tests.helpers.multiturn_tools:add"}], "environment": "tests.helpers.multiturn_tools:CountingEnv"},
      "cannot be used together"),
-    ({"environment": "multiturn_tools:CountingEnv", "max_turns": 0}, "rollout.max_turns = 0 must be >= 1"),
-    ({"environment": "multiturn_tools:add"}, "has no reset or step method"),
-    ({"tools": [{"function": "multiturn_tools:add"}], "tool_parser": "multiturn_tools:Missing"}, "no attribute 'Missing'"),
+    ({"environment": "tests.helpers.multiturn_tools:CountingEnv", "max_turns": 0}, "rollout.max_turns = 0 must be >= 1"),
+    ({"environment": "tests.helpers.multiturn_tools:add"}, "has no reset or step method"),
+    ({"tools": [{"function": "tests.helpers.multiturn_tools:add"}], "tool_parser": "tests.helpers.multiturn_tools:Missing"}, "no attribute 'Missing'"),
 ])
 def test_config_refuses_bad_multi_turn_settings_in_one_line(rollout, message):
     cfg = config_from_dict({"rollout": rollout})
@@ -442,8 +442,8 @@ def test_merged_metrics_of_two_calls_are_those_of_all_their_trajectories():
 def _dynamic_sampling_body(rank, world, base):
     import spmd_rl.algo.dynamic_sampling as ds
     import spmd_rl.rollout.multiturn as mt
-    from test_multiturn_e2e import HIDDEN
-    from test_old_logprobs import _trainer
+    from tests.e2e.test_multiturn_e2e import HIDDEN
+    from tests.train.test_old_logprobs import _trainer
 
     from spmd_rl.trainer import PhaseTimer
 

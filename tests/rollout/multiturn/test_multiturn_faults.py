@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import multiturn_tools
-from dist_utils import run_distributed
-from test_multiturn import IM_END, IM_START, Record, ScriptedEngine, call, chatml_tokenizer, rollout_cfg, tools_cfg
+from tests.helpers import multiturn_tools
+from tests.helpers.dist_utils import run_distributed
+from tests.rollout.multiturn.test_multiturn import IM_END, IM_START, Record, ScriptedEngine, call, chatml_tokenizer, rollout_cfg, tools_cfg
 
 from spmd_rl.data.prompts import PromptDataset, PromptRecord
 from spmd_rl.rollout.base import Completion, SamplingParams
@@ -47,7 +47,7 @@ def env_run(modes, n=1, **cfg):
     """One generate over FaultyEnv rows (row i: index 10 + i, extra_info mode = modes[i])."""
     tok = chatml_tokenizer()
     eos = tok.convert_tokens_to_ids(IM_END)
-    mt = MultiTurnRollout(rollout_cfg(environment="multiturn_tools:FaultyEnv", max_turns=3, **cfg), tok)
+    mt = MultiTurnRollout(rollout_cfg(environment="tests.helpers.multiturn_tools:FaultyEnv", max_turns=3, **cfg), tok)
     engine = SameTurnEngine(tok.encode("hm", add_special_tokens=False) + [eos])
     records = [Record(tok.encode(f"p{i}", add_special_tokens=False), extra_info={"mode": m}, index=10 + i)
                for i, m in enumerate(modes)]
@@ -87,7 +87,7 @@ def test_a_call_queued_behind_hung_calls_is_told_it_did_not_start_and_never_runs
 def test_a_tools_timeout_counts_from_when_it_starts():
     """One tool thread, two calls of 0.6 s with a 1 s timeout: the second starts when the first
     ends and finishes 1.2 s after it was asked for, within its own second."""
-    runner = ToolRunner(load_tools([{"function": "multiturn_tools:pause"}]), timeout=1.0, pool_size=1)
+    runner = ToolRunner(load_tools([{"function": "tests.helpers.multiturn_tools:pause"}]), timeout=1.0, pool_size=1)
     waits = [runner.submit("pause", {"x": i}) for i in range(2)]
     results = [w() for w in waits]
     runner.close()
@@ -108,7 +108,7 @@ def test_a_turns_steps_share_one_deadline_and_a_late_step_keeps_no_reward(gate, 
     assert m["multiturn/stop_env_timeout"] == pytest.approx(5 / 6) and m["multiturn/stop_answer"] == pytest.approx(1 / 6)
     assert m["multiturn/step_timeouts_mean"] == pytest.approx(5 / 6)
     logs = fault_logs(caplog, "step_timeouts")
-    assert len(logs) == 1 and "multiturn_tools:FaultyEnv" in logs[0] and "data row 10" in logs[0], logs
+    assert len(logs) == 1 and "tests.helpers.multiturn_tools:FaultyEnv" in logs[0] and "data row 10" in logs[0], logs
 
 
 def test_a_reset_that_raises_ends_its_own_trajectory_logged_once(caplog):
@@ -117,7 +117,7 @@ def test_a_reset_that_raises_ends_its_own_trajectory_logged_once(caplog):
     assert m["multiturn/stop_env_error"] == pytest.approx(2 / 3) and m["multiturn/reset_errors_mean"] == pytest.approx(2 / 3)
     logs = fault_logs(caplog, "reset_errors")
     assert len(logs) == 1, logs
-    assert "multiturn_tools:FaultyEnv" in logs[0] and "RuntimeError: no episode" in logs[0] and "data row 10" in logs[0]
+    assert "tests.helpers.multiturn_tools:FaultyEnv" in logs[0] and "RuntimeError: no episode" in logs[0] and "data row 10" in logs[0]
 
 
 def test_a_step_that_raises_is_counted_and_logged_once(caplog):
@@ -126,7 +126,7 @@ def test_a_step_that_raises_is_counted_and_logged_once(caplog):
     assert m["multiturn/step_errors_mean"] == 0.75 and m["multiturn/stop_env_error"] == 0.75
     logs = fault_logs(caplog, "step_errors")
     assert len(logs) == 1, logs
-    assert "multiturn_tools:FaultyEnv" in logs[0] and "KeyError: 'lost'" in logs[0] and "data row 10" in logs[0]
+    assert "tests.helpers.multiturn_tools:FaultyEnv" in logs[0] and "KeyError: 'lost'" in logs[0] and "data row 10" in logs[0]
 
 
 @pytest.mark.parametrize("mode, field", [
@@ -141,7 +141,7 @@ def test_bad_step_values_are_refused_naming_the_environment_and_the_field(mode, 
     assert [c.reward for c in comps] == [None, 1.0]  # no NaN or string reaches the loss
     assert m["multiturn/stop_env_error"] == 0.5 and m["multiturn/bad_values_mean"] == 0.5
     logs = fault_logs(caplog, "bad_values")
-    assert len(logs) == 1 and f"multiturn_tools:FaultyEnv.step returned {field}" in logs[0] and "data row 10" in logs[0], logs
+    assert len(logs) == 1 and f"tests.helpers.multiturn_tools:FaultyEnv.step returned {field}" in logs[0] and "data row 10" in logs[0], logs
 
 
 def test_an_environments_metrics_are_logged_as_means_and_bad_ones_counted(caplog):
@@ -170,7 +170,7 @@ def test_an_environments_metric_one_rank_lacks_is_zero_there():
 def test_reset_gets_the_prompt_and_a_row_of_its_own_per_sample():
     tok = chatml_tokenizer()
     eos = tok.convert_tokens_to_ids(IM_END)
-    mt = MultiTurnRollout(rollout_cfg(environment="multiturn_tools:FaultyEnv", max_turns=2), tok)
+    mt = MultiTurnRollout(rollout_cfg(environment="tests.helpers.multiturn_tools:FaultyEnv", max_turns=2), tok)
     chat = [{"role": "user", "content": "hi"}]
     rec = PromptRecord(4, tok.encode("hi", add_special_tokens=False), "test", "7", {"mode": "ok"}, prompt=chat)
     multiturn_tools.ROWS.clear()

@@ -1,5 +1,5 @@
 """The vLLM output adapter (spmd_rl/rollout/vllm/outputs.py) on stand-ins for vLLM 0.26's objects,
-and the engine's generate wiring it in with a stand-in `vllm.LLM` (as tests/test_engine_allocator.py
+and the engine's generate wiring it in with a stand-in `vllm.LLM` (as tests/rollout/vllm/test_engine_allocator.py
 does): which requests ask for log-probs and in which container, the collector paused during the
 call only, and the Completions that come out."""
 
