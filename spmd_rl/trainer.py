@@ -366,7 +366,7 @@ class Trainer:
         if self.critic is not None:
             with timer("update_critic"):
                 cm = ppo_update(self.critic, self.critic_opt, batch, critic_loss_fn(self.critic, c),
-                                mini_batch_size=c.ppo_mini_batch_size * n // env.dp_size,
+                                mini_batch_size=c.mini_batch_rows(n, env.dp_size),
                                 micro_batch_size=cmb.rows, epochs=c.ppo_epochs,
                                 grad_clip=c.grad_clip, loss_agg_mode=c.loss_agg_mode, device=self.device,
                                 max_tokens=cmb.update_tokens)
@@ -377,7 +377,7 @@ class Trainer:
         with timer("update_actor"):
             am = ppo_update(self.actor, self.actor_opt, actor_batch if own is None else own.batch,
                             actor_loss_fn(self.actor, a, temp, own),
-                            mini_batch_size=a.ppo_mini_batch_size * n // env.dp_size,
+                            mini_batch_size=a.mini_batch_rows(n, env.dp_size),
                             micro_batch_size=amb.rows, epochs=a.ppo_epochs,
                             grad_clip=a.grad_clip, loss_agg_mode=a.loss_agg_mode, device=self.device,
                             max_tokens=amb.update_tokens, offload_optimizer=a.offload_optimizer)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from spmd_rl.checkpoint import checkpointer as checkpointer_module  # noqa: E402
+from spmd_rl.checkpoint import saving  # noqa: E402
 from spmd_rl.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer  # noqa: E402
 from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
 from spmd_rl.model.loading import allocate_meta_model, apply_fsdp, random_model_config  # noqa: E402
@@ -133,7 +133,7 @@ def phase_save(args, env, say) -> dict:
         "steps in flight", in_flight)
     # What every later save waits for: staging into the host buffers the first save allocated (the
     # same call Checkpointer.save makes, without writing another ~85 GiB).
-    stager = ck._stager
+    stager = ck.saver._stager
     res["async_stall_s"] = [timed(lambda: stager.stage({k: m.state_dict() for k, m in models.items()}))
                             for _ in range(2)]
     say("async later stalls (staging into reused buffers)", res["async_stall_s"])
@@ -144,7 +144,7 @@ def phase_save(args, env, say) -> dict:
     idle = statistics.median(res["steps_idle_s"])
     busy = statistics.median(in_flight) if in_flight else float("nan")
     res["summary"] = {
-        "state_GiB_per_rank": round(res["state_GiB_per_rank"], 1), "write_threads": checkpointer_module.WRITE_THREADS,
+        "state_GiB_per_rank": round(res["state_GiB_per_rank"], 1), "write_threads": saving.WRITE_THREADS,
         "step_s_idle": round(idle, 2), "step_s_save_in_flight": round(busy, 2),
         "slowdown_in_flight": round(busy / idle - 1, 3),
         "stall_sync_s": round(res["sync_stall_s"], 1), "stall_async_first_s": round(res["async_first_stall_s"], 1),
@@ -199,7 +199,7 @@ def main() -> None:
                     help="threads (and files) per rank that write a checkpoint; 0: the checkpointer's WRITE_THREADS")
     args = ap.parse_args()
     if args.write_threads:  # what the step's slowdown while a save is written depends on, if anything
-        checkpointer_module.WRITE_THREADS = args.write_threads
+        saving.WRITE_THREADS = args.write_threads
     env = init_distributed("auto")
     say = (lambda *a: print("[bench r0]", *a, flush=True)) if env.rank == 0 else (lambda *a: None)
     res = {"phase": args.phase, "arch": args.arch, "world": env.world_size, "torch": torch.__version__,

@@ -589,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         run_group(args)
         return 0
-    from gpu_check import run
+    from gpu_check_runner import run
 
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))

@@ -18,7 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$1; COUNTS=${2:-1 2 4 8}; shift $(( $# < 2 ? $# : 2 ))
 if [ "${DRY:-0}" != 1 ]; then  # a dry run prints every count asked; a real one leaves out what is not here
-  visible=$(python -c 'import sys; sys.path.insert(0, "scripts"); import gpu_check; print(gpu_check.visible_gpus())')
+  visible=$(python -c 'import sys; sys.path.insert(0, "scripts"); import gpu_check_machine; print(gpu_check_machine.visible_gpus())')
   for k in $COUNTS; do [ "$k" -le "$visible" ] || echo "left out: $k GPUs ($visible visible)"; done
   COUNTS=$(for k in $COUNTS; do [ "$k" -le "$visible" ] && echo "$k"; done)
 fi

@@ -176,6 +176,29 @@ def _check_agg_mode(mode: str) -> None:
 # --------------------------------------------------------------------------- PPO losses
 
 
+def _token_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Per-token ratio pi / pi_old = exp(log_ratio), the log-ratio clamped to [-20, 20] so one bad
+    token cannot overflow."""
+    return torch.exp(log_ratio.clamp(-20.0, 20.0))
+
+
+def _clipped_surrogate(
+    adv: torch.Tensor, ratio: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """PPO's clipped surrogate, per token: pg = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high));
+    with `clip_ratio_c` > 0 (dual clip), pg = min(pg, -A * clip_ratio_c) where A < 0. Returns pg,
+    where the clipped branch was the max, and where dual clip was active (None without it)."""
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    clipped = pg_clipped > pg_unclipped
+    if clip_ratio_c > 0:
+        pg_dual = -adv * clip_ratio_c
+        dual = (adv < 0) & (pg > pg_dual)
+        return torch.where(dual, pg_dual, pg), clipped, dual
+    return pg, clipped, None
+
+
 def policy_loss(
     logprob: torch.Tensor,
     old_logprob: torch.Tensor,
@@ -190,9 +213,8 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with asymmetric clip and dual clip (Ye et al. 2020, as verl).
 
-    ratio = exp(logprob - old_logprob) (log-ratio clamped to [-20, 20] so one bad token cannot
-    overflow); per token pg = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high)); for A < 0 and
-    `clip_ratio_c` > 1, pg = min(pg, -A * clip_ratio_c), which bounds the loss of a token whose
+    The token ratio (`_token_ratio`) through the clipped surrogate (`_clipped_surrogate`); for A < 0
+    and `clip_ratio_c` > 1, pg = min(pg, -A * clip_ratio_c), which bounds the loss of a token whose
     ratio exploded (0 turns dual clip off). Aggregated with `agg_loss(mode, denom)`.
 
     Metrics (detached 0-dim tensors, plain masked means over this micro-batch, so no device
@@ -205,16 +227,8 @@ def policy_loss(
     logprob, old_logprob, adv = (_as(t, dtype) for t in (logprob, old_logprob, advantages))
 
     log_ratio = logprob - old_logprob
-    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
-    clipped = pg_clipped > pg_unclipped
-    if clip_ratio_c > 0:
-        pg_dual = -adv * clip_ratio_c
-        dual = (adv < 0) & (pg > pg_dual)
-        pg = torch.where(dual, pg_dual, pg)
-    else:
+    pg, clipped, dual = _clipped_surrogate(adv, _token_ratio(log_ratio), clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    if dual is None:
         dual = torch.zeros_like(clipped)
 
     loss = agg_loss(_weighted(pg, is_weights), mask, loss_agg_mode, denom)
@@ -258,13 +272,10 @@ def gspo_loss(
     log_ratio = (logprob - old_logprob) * m
     seq_log_ratio = log_ratio.sum(-1) / m.sum(-1).clamp_min(1.0)
     log_s = (logprob - logprob.detach() + seq_log_ratio.detach()[:, None]).clamp(max=10.0)
-    s = torch.exp(log_s)
-    pg_unclipped = -adv * s
-    pg_clipped = -adv * s.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
+    pg, clipped, _ = _clipped_surrogate(adv, torch.exp(log_s), clip_ratio_low, clip_ratio_high)
     loss = agg_loss(_weighted(pg, is_weights), mask, loss_agg_mode, denom)
     with torch.no_grad():
-        metrics = {"clipfrac": masked_mean((pg_clipped > pg_unclipped).to(dtype), mask),
+        metrics = {"clipfrac": masked_mean(clipped.to(dtype), mask),
                    "ppo_kl": masked_mean(-log_ratio, mask)}
     return loss, metrics
 
@@ -288,7 +299,7 @@ def cispo_loss(
     dtype = _compute_dtype(logprob, old_logprob, advantages)
     logprob, old_logprob, adv = (_as(t, dtype) for t in (logprob, old_logprob, advantages))
     log_ratio = logprob - old_logprob
-    ratio = torch.exp(log_ratio.detach().clamp(-20.0, 20.0))
+    ratio = _token_ratio(log_ratio.detach())
     weight = ratio.clamp(max=1.0 + clip_ratio_high)
     pg = -adv * weight * logprob
     loss = agg_loss(_weighted(pg, is_weights), mask, loss_agg_mode, denom)

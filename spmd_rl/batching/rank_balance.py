@@ -266,9 +266,9 @@ def mini_batch_block_rows(cfg: Config, world: int) -> int:
     """Rows per rank that every mini-batch of the update (actor, and critic if used) is a whole
     number of: rows are exchanged only within such blocks, so mini-batches keep their rows."""
     n = cfg.rollout.n
-    sizes = [cfg.actor.ppo_mini_batch_size * n // world]
+    sizes = [cfg.actor.mini_batch_rows(n, world)]
     if cfg.use_critic:
-        sizes.append(cfg.critic.ppo_mini_batch_size * n // world)
+        sizes.append(cfg.critic.mini_batch_rows(n, world))
     return max(1, math.gcd(*sizes))
 
 

@@ -4,7 +4,7 @@ DCP writes each tensor of a checkpoint with torch.save into the open file. When 
 write (ENOSPC: the disk is full, EDQUOT: a quota, EIO), torch.save's zip writer replaces that
 OSError by an error of its own, raised while torch.save closes its archive. Measured on torch 2.13,
 saving 48 MiB of model + AdamW state into a 20 MiB tmpfs, synchronously and asynchronously, as
-spmd_rl/checkpoint/checkpointer.py saves (and the same text a 1.5B run printed with its disk full on torch 2.11):
+spmd_rl/checkpoint/saving.py saves (and the same text a 1.5B run printed with its disk full on torch 2.11):
 
     RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598
     (its __context__: OSError: [Errno 28] No space left on device)
@@ -17,7 +17,7 @@ stderr, DCP's save returns, and the .metadata it writes lacks that thread's item
 `RecordingFileSystem`, the file system of the checkpointer's writer (`writer`), keeps the OSError
 and the file of every failed write, and ends that file quietly (no traceback, DCP goes on to the
 next file); the checkpointer asks it after each save and fails the save with the first one
-(checkpoint.Checkpointer._complete), naming its errno (`describe`).
+(saving.CheckpointSaver._complete), naming its errno (`describe`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
 class TrainedModel:
     """What the actor and critic sections share: the layout of a PPO update (Config.micro_batching)."""
 
+    def mini_batch_rows(self, n: int, ranks: int) -> int:
+        """Sequences of one of its mini-batches on each of `ranks` ranks: ppo_mini_batch_size
+        prompts x `n` samples (rollout.n), split evenly (check_batches: they divide). The update
+        splits them over the data-parallel ranks (world / trainer.ulysses_size: a sequence-parallel
+        group shares its rows); the rank balancing before that share, over all ranks."""
+        return self.ppo_mini_batch_size * n // ranks
+
     def check_batches(self, cfg: Config, role: str, world_size: int) -> None:
         """`role`'s mini-batches divide the step and the ranks, its micro-batches the mini-batch;
         its token budgets hold the longest sequence."""
@@ -35,7 +42,7 @@ class TrainedModel:
               f"{role}.ppo_mini_batch_size * rollout.n = {seqs} sequences do not divide by the {world_size} ranks: "
               f"make {role}.ppo_mini_batch_size a multiple of {world_size}")
         sp = max(cfg.trainer.ulysses_size, 1)  # the ranks of a sequence-parallel group share their rows
-        per_rank = seqs * sp // world_size
+        per_rank = self.mini_batch_rows(r.n, world_size // sp)  # check_ulysses: sp divides the world
         rows = cfg.micro_batching(role).rows
         inherited = " (actor.micro_batch_size_per_gpu, taken as critic.micro_batch_size_per_gpu = 0)" if (
             role == "critic" and not self.micro_batch_size_per_gpu) else ""
@@ -111,10 +118,9 @@ class ActorConfig(TrainedModel):
     sequences balanced across them, the same count on every rank. Needs model.remove_padding.
     0 = micro-batches of `micro_batch_size_per_gpu` sequences. Must be >= data.max_prompt_length
     + data.max_response_length. Take the largest that fits: each micro-batch costs launches and
-    idle GPU time, so fewer, larger ones are faster (0.5B on an H100: 16384 -> 32768 took the update
-    from 3.52 to 2.62 s, its peak from 23.7 to 37.1 GiB; 2026-11-25, docs/performance.md, "Why the
-    defaults are what they are"). The presets' values
-    are measured for 80 GB GPUs."""
+    idle GPU time, so fewer, larger ones are faster (docs/performance.md, "Why the defaults are
+    what they are"). The presets' values are measured for 80 GB GPUs; the start-up memory line
+    predicts the peak of a budget before anything loads."""
     logprob_max_token_len_per_gpu: int = 0
     """Token budget of the no-grad log-prob passes (old log-probs, reference) per micro-batch;
     0 = twice `max_token_len_per_gpu` (no activations are kept for a backward)."""

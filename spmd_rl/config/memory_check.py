@@ -24,7 +24,7 @@ log = logging.getLogger("spmd_rl")
 
 LORA_FIX_RANK = 32
 """The LoRA rank the refusal proposes where the actor trains in full (a common choice; rank 1 already
-matches full fine-tuning for GRPO at 8B: README's LoRA section)."""
+matches full fine-tuning for GRPO at 8B: docs/lora.md)."""
 
 PLAN_PHASE = {"wake": "generation", "weight_sync": "generation", "offload": "generation", "generate": "generation",
               "sleep": "generation", "reload": "generation", "old_logprob": "log-prob pass",

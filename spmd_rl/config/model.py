@@ -53,9 +53,8 @@ class ModelConfig:
     gradient_checkpointing_layers: float = 1.0
     """With `gradient_checkpointing`: the share of the decoder layers that recompute, spread evenly
     over the stack (0.5: every other layer); the others keep their activations for backward. Less
-    is faster and takes more memory: the 1.5B update alone at 16384-token micro-batches ran at
-    38.2% MFU with every layer checkpointed and 47.1% with none (1xH100, 2026-11-25;
-    docs/performance.md, "Feature on/off (bench_train)").
+    is faster and takes more memory: lower it as far as the update's peak still fits (the speed and
+    peak at 1.0, 0.5 and none: docs/performance.md, "Why the defaults are what they are").
     Applies to actor and critic (the reference model has no backward). 1.0 = every layer."""
     seed: int = 0
     """Seed for random weights (`init = "random"`) and the critic's value head."""

@@ -57,11 +57,10 @@ class RolloutConfig:
     vllm_compile: bool = False
     """vLLM: torch.compile (Inductor) the engine's model, with piecewise CUDA graphs for prefill
     (vLLM's default). Off: no Inductor, and CUDA graphs of the whole decode step only
-    (compilation_config mode 0, cudagraph_mode FULL_DECODE_ONLY; prefill runs eager). Measured on
-    1xH100 (0.5B, 512 requests x 512 tokens, 2026-11-24; docs/performance.md, "Why the defaults are
-    what they are"): the engine starts in 37 s cold against 85 s with Inductor (24 s with its
-    compile cache warm), and decodes as fast (GPU kernels 3.49 against 3.40 ms a step; the CPU
-    bounds the step either way). No effect with enforce_eager."""
+    (compilation_config mode 0, cudagraph_mode FULL_DECODE_ONLY; prefill runs eager). Off, the
+    engine starts in well under half the time and decodes as fast, since vLLM's scheduler on the
+    CPU bounds a decode step either way (docs/performance.md, "Why the defaults are what they
+    are"). No effect with enforce_eager."""
     cudagraph_capture_sizes: list[int] = field(default_factory=list)
     """vLLM: batch sizes to capture CUDA graphs for; empty = vLLM's default (51 sizes up to 512 at
     max_num_seqs >= 256) or, with cudagraph_step_sizes, this run's. Graph memory is not freed by
@@ -76,12 +75,9 @@ class RolloutConfig:
     """vLLM: reuse KV blocks of shared prompt prefixes (reset after every weight sync)."""
     block_size: int = 64
     """vLLM: tokens per KV-cache block (0 = vLLM's default, 16). vLLM's scheduler allocates, hashes
-    and caches KV blocks on the CPU in every decode step, and larger blocks leave it less to do.
-    Measured (0.5B, 512 sequences x 512 tokens, 1xH100, two runs on two machines, 2026-11-25;
-    docs/performance.md, "Why the defaults are what they are"): 64 against 16 took 10.8 against
-    16.5 ms a decode step in one run and 15.1 against 16.0 (inside
-    the spread between processes) in the other; 128 took 17.0. bench_step's rollout/actor log-prob
-    mismatch is unchanged (0.008 at 0.5B, 0.017 at 1.5B).
+    and caches KV blocks on the CPU in every decode step, and larger blocks leave it less to do;
+    64 was measured faster a decode step than 16 and 128, with the same rollout/actor log-prob mismatch
+    (docs/performance.md, "Why the defaults are what they are").
     Prefix-cache hits then come in whole blocks of this many tokens, and up to block_size - 1
     tokens of KV memory per sequence go unused."""
     enable_chunked_prefill: bool = True
@@ -107,9 +103,9 @@ class RolloutConfig:
     memory while the engine generates, and back before training (GPU only; spmd_rl/train/offload.py).
     The host buffers are pinned at the first offload and kept for the run: host RAM of the size of
     this rank's training state. Costs two copies of that state over PCIe a step (time/offload,
-    time/reload: at 7B with a critic, 44.6 GiB a rank, 2.2 s and 1.3 s, after first offloads of
-    15-32 s that pin the buffers; docs/performance.md, "Two and four GPUs"); worth it when the
-    engine needs the memory (memory/offloaded_gb shows what it frees)."""
+    time/reload; the first offloads are slower, they pin the buffers; docs/performance.md, "Two and
+    four GPUs"); worth it when the engine needs the memory (memory/offloaded_gb shows what it
+    frees)."""
     compile_cache_dir: str = ""
     """vLLM's compilation cache (VLLM_CACHE_ROOT: torch.compile/Inductor/Triton artifacts), kept
     across restarts so a warm restart skips compilation; empty = <run_dir>/compile_cache. Point it
@@ -119,10 +115,9 @@ class RolloutConfig:
     """Ask the engine for every response's sampled-token log-probs (verl's
     `rollout.calculate_log_probs`): "on", "off", or "auto" = on exactly when something reads every
     row's (algorithm.rollout_is, rollout_mask, rollout_reject_sequences; "off" is refused with
-    them). Asking costs generation time (0.5B at batch 512 on an H200: about 2x the generate time
-    with vLLM's default log-prob lists; 2026-11-24, docs/performance.md, "Why the defaults are what
-    they are"). The start-up line says which applies
-    and why."""
+    them). Asking costs generation time: vLLM's output processing on the CPU handles every asked
+    token (docs/performance.md, "Why the defaults are what they are"). The start-up line says which
+    applies and why."""
     logprob_sample_every: int = 8
     """While rollout log-probs are off (calculate_log_probs), every k-th prompt of each rank's
     generate call (its first, then every k-th; all n responses of it) asks for them anyway, so the

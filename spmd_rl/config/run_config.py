@@ -153,7 +153,7 @@ class Config:
                  f"{self.data.train_batch_size * n} sequences ({per_rank_prompts * n} per rank)"]
         where = "rank" if sp == 1 else "SP group"
         for role, section in roles:
-            mini_seqs = section.ppo_mini_batch_size * n * sp // world_size
+            mini_seqs = section.mini_batch_rows(n, world_size // sp)
             mb = self.micro_batching(role)
             if mb.update_tokens:
                 cut = (f"packed into micro-batches of <= {mb.update_tokens} tokens "

@@ -294,12 +294,11 @@ def _call_compiled_layer(forward, layer, *args, **kwargs):
     the head counts) stay constants: dynamic=True would make the floats graph inputs (the attention
     kernel takes its scale as a Python float), and under FSDP2 the ints symbols. Dynamo keeps a
     plain module's ints constant, but reads an FSDP-managed module's attributes without guards
-    (skip_fsdp_guards), and so as symbols: head_dim became one, which every view and the rotary
-    embedding's slices turned into floor-division guards. Reasoning about those was most of a
-    compile (the 0.5B preset's restart with Inductor's cache warm: 16.7 s -> 2.3 s on an H100,
-    2026-11-25; docs/performance.md, "Compile warm-up on a restart" and "History").
-    skip_fsdp_guards=False treats the layer's modules as plain ones (their
-    attributes guarded as usual). The ints the layer takes as arguments (the longest sequence,
+    (skip_fsdp_guards), and so as symbols: head_dim would be one, and every view and the rotary
+    embedding's slices would add floor-division guards, whose reasoning takes most of a compile,
+    even with Inductor's cache warm (docs/performance.md, "Why the defaults are what they are" and
+    "Compile warm-up on a restart"). skip_fsdp_guards=False treats the layer's modules as plain ones
+    (their attributes guarded as usual). The ints the layer takes as arguments (the longest sequence,
     max_length_q) stay symbolic.
 
     A layer switched to activation checkpointing (set_layer_checkpointing) runs inside torch's

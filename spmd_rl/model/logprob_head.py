@@ -18,7 +18,7 @@ mixed precision), upcast to float32, divided by the temperature, then log-softma
 
 It goes through `model.__call__`, so FSDP2's root hooks run as for a normal forward: the head's
 weight is gathered, and its gradient reduce-scattered in backward, exactly as for `.logits`.
-Without `logprob_targets` the model behaves exactly as before.
+Without `logprob_targets` the call is the model's own forward, unchanged.
 
 `model.fused_logprob_head = "compile"` runs each chunk's element-wise math (upcast, / T,
 log-sum-exp, gather, entropy; in backward the logits' gradient and its cast) as torch.compile'd
@@ -41,9 +41,8 @@ HEAD_MODES = ("none", "compile")
 # this many elements (1 GiB each; the compiled head's bf16 logits and gradient half that),
 # whatever the vocabulary: 1766 positions at Qwen2's 152k. Fewer, longer chunks make the head's
 # weight-gradient matmul (inner dimension: the chunk's positions) compute-bound and its float32
-# accumulation rarer: at 2**26 (441 positions) the 0.5B step's update spent 15% of its kernel
-# time adding each chunk's gradient into the float32 buffer (1xH100, 2026-11-25;
-# docs/performance.md, "Why the defaults are what they are").
+# accumulation rarer; what smaller chunks cost: docs/performance.md, "Why the defaults are what
+# they are".
 CHUNK_ELEMENTS = 1 << 28
 
 
@@ -199,8 +198,7 @@ def _stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
     is computed whether or not the caller keeps it: passes without it (the reference's, the old
     log-probs') then run the update's graph instead of compiling one of their own, which a restart
     would trace again (docs/performance.md, "Why the defaults are what they are": fewer compiled
-    graphs, 2026-11-25); the extra reduction over a chunk already
-    in cache costs far less than that."""
+    graphs); the extra reduction over a chunk already in cache costs far less than that."""
     z = _upcast(logits)
     if temperature != 1.0:
         z = z / temperature

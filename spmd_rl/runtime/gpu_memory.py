@@ -2,8 +2,7 @@
 
 PyTorch's `expandable_segments` allocator (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) helps
 training with variable sequence lengths, but memory that a sleep-mode vLLM engine allocates
-through it is not handed back by `sleep()` (vLLM's pool maps its own pages; see
-shared/notes/colocation-facts.md). The engine therefore switches expandable segments off from
+through it is not handed back by `sleep()` (vLLM's pool maps its own pages). The engine therefore switches expandable segments off from
 `wake_up` to `sleep` and back on afterwards, when the user asked for them (verl does the same).
 
 While the engine is built they must stay off, and vLLM would switch them back on: its sleep-mode

@@ -1,13 +1,13 @@
 """A rank's process lifecycle: it dies with its launcher, and it stops what it started, in order.
 
-Why the order matters. A finished run used to abort now and then at exit with
+Why the order matters. Without it a finished run can abort now and then at exit with
 "terminate called without an active exception" (SIGABRT). The cause: gloo's worker threads
 (`pt_gloo_runloop`) release each collective's work object after the collective completed, and
 with it the last C++ reference to tensors that have a Python object; dropping that reference
 takes the GIL (torch's PyInterpreter decref). `destroy_process_group()` does not stop those
 threads -- the ProcessGroupGloo lives on as long as anything (FSDP modules, device meshes, the
-trainer) refers to it -- so when a worker thread was late (a loaded machine), it asked for the
-GIL while the interpreter was already finalizing. CPython then ends the thread with
+trainer) refers to it -- so when a worker thread is late (a loaded machine), it asks for the
+GIL while the interpreter is already finalizing. CPython then ends the thread with
 pthread_exit, whose unwinding meets the noexcept work destructor: std::terminate. See
 pytorch/pytorch#190489 and tests/runtime/test_lifecycle.py, which forces that timing.
 
@@ -56,7 +56,7 @@ def die_with_launcher() -> bool:
     """Under torchrun: have the kernel SIGKILL this rank the moment its launcher dies.
 
     torchrun starts each rank in a session of its own, so a launcher killed with SIGKILL (OOM
-    killer, `kill -9`, a lost node agent) used to leave the ranks training as orphans, writing
+    killer, `kill -9`, a lost node agent) would leave the ranks training as orphans, writing
     into the run directory and holding their GPUs. Why SIGKILL and not a stop request: nobody is
     left to collect the exit status or restart the ranks; a checkpoint would need every rank in a
     collective while the peers die in the same instant (a hang, not seconds); and a rank blocked

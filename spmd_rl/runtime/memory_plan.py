@@ -42,10 +42,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ACTIVATION_BYTES_PER_HIDDEN = 39.0
 """Bytes a decoder layer keeps for backward per token and per unit of hidden size, at a 2-byte
 compute dtype (scaled by compute bytes / 2): Qwen2 shapes (intermediate ~5.5 x hidden) in
-transformers' modules or the compiled layer. Fitted to three update peaks of docs/performance.md
-(1xH100, bench_step's work, no checkpointing: 0.5B at 16384 and 32768 tokens, 1.5B at 16384;
-predicted +5%, +1%, -3%); the checkpointed 1.5B runs (every layer, half) then come out +6% and
-+4% (tests/runtime/test_memory_plan.py keeps all five within 10%)."""
+transformers' modules or the compiled layer. Fitted to three update peaks of docs/performance.md,
+"Memory predicted at start-up" (bench_step's work, no checkpointing: 0.5B at 16384 and 32768
+tokens, 1.5B at 16384); tests/runtime/test_memory_plan.py keeps them and the checkpointed 1.5B runs
+(every layer, half) within 10%."""
 HEAD_CHUNK_ELEMENTS = 1 << 28
 """logprob_head.CHUNK_ELEMENTS (not imported: that module imports torch)."""
 HEAD_CHUNK_TEMPORARIES = {"none": 3 * 4, "compile": 2 * 2}
@@ -54,12 +54,13 @@ temporaries (about 3), the compiled head's bf16 logits and gradient (2)."""
 CUDA_CONTEXT_GIB = 1.5
 """Per process outside PyTorch's tensors: the CUDA context, cuBLAS workspaces, NCCL buffers and
 what the caching allocator holds beyond the tensors. With ENGINE_ASLEEP_GIB and CUDA_GRAPH_GIB it
-makes the device's level while the engine sleeps (parameters aside) 4.2 GiB, as measured by
-bench_rollout (0.5B 4.1, 1.5B 4.3, 7B TP=2 eager 4.2 GiB; docs/performance.md)."""
+makes the device's level while the engine sleeps (parameters aside), set from bench_rollout's
+(docs/performance.md, "Memory predicted at start-up")."""
 ENGINE_ASLEEP_GIB = 2.2
-"""A sleeping vLLM engine's buffers outside its sleep pool (measured 1.5-2.7 GiB, engine.py)."""
+"""A sleeping vLLM engine's buffers outside its sleep pool (docs/performance.md, "Memory peaks per
+preset")."""
 CUDA_GRAPH_GIB = 0.5
-"""vLLM's CUDA graphs (not freed by sleep; 0.48 GiB measured for the 7B decode graphs)."""
+"""vLLM's CUDA graphs, not freed by sleep (docs/performance.md, "Memory peaks per preset")."""
 SYNC_BUCKETS = 2
 """Weight-sync buckets alive at once (the gathered one and the one handed to the engine)."""
 

@@ -8,9 +8,9 @@ the reload resizes it back and copies the bytes in. FSDP2 frees and restores its
 parameters the same way (`untyped_storage().resize_`). The tensors themselves (FSDP2's sharded
 DTensors and their views, AdamW's moments) are never replaced, so FSDP2, the optimizer and compiled
 graphs keep their references, and every copy after the first runs at pinned-memory speed. Moving the
-tensors instead (`module.to("cpu")`, `to("cpu", non_blocking=True)`) copied parameters into pageable
-memory and pinned fresh blocks for the moments, one tensor at a time (docs/performance.md, "Two and
-four GPUs": the offload of PPO at 7B).
+tensors instead (`module.to("cpu")`, `to("cpu", non_blocking=True)`) would copy parameters into
+pageable memory and pin fresh blocks for the moments, one tensor at a time, at every offload
+(docs/performance.md, "Two and four GPUs": the offload of PPO at 7B).
 
 `move_optimizer_state` serves `actor.offload_optimizer`, whose moments live on the host between
 updates as host tensors (what a checkpoint then saves), and come to the GPU for the optimizer step.

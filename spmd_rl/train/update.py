@@ -95,8 +95,8 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
                 # Each micro-batch's gradients are reduce-scattered in its backward (FSDP2's default)
                 # and accumulate in the shards. Deferring that to the last micro-batch
                 # (set_requires_gradient_sync(False)) keeps every parameter's unsharded float32
-                # gradient on every rank in between: 4 bytes per parameter of the whole model,
-                # 28 GiB a rank at 7B on any number of ranks (docs/performance.md, "Memory predicted at start-up").
+                # gradient on every rank in between: 4 bytes per parameter of the whole model, on
+                # any number of ranks (docs/performance.md, "Memory predicted at start-up").
                 # Under HSDP only the all-reduce across replicas waits for the last micro-batch.
                 if hasattr(model, "set_requires_all_reduce"):
                     model.set_requires_all_reduce(i == len(micros) - 1)

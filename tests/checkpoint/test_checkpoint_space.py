@@ -423,7 +423,7 @@ def test_a_write_failing_only_in_an_extra_writer_thread_is_caught(tmp_path, monk
     """DCP does not see a failure in its extra writer threads (FileSystemWriter(thread_count > 1)):
     the thread dies, the save returns, its .metadata lists items without data -- verify() says so.
     The checkpointer's writer records the failure: the save is not written, one errno line."""
-    import spmd_rl.checkpoint.checkpointer as ckpt
+    import spmd_rl.checkpoint.saving as saving
     from spmd_rl.checkpoint.checkpointer import verify
 
     disk = InjectedFullDisk(monkeypatch, budget=0, extra_threads_only=True)
@@ -431,7 +431,7 @@ def test_a_write_failing_only_in_an_extra_writer_thread_is_caught(tmp_path, monk
     assert re.fullmatch(r"its DCP \.metadata lists \d+ items without data \(a writer failed\)",
                         verify(str(tmp_path / "torch"), 1) or ""), verify(str(tmp_path / "torch"), 1)
 
-    monkeypatch.setattr(ckpt, "WRITE_THREADS", 2)
+    monkeypatch.setattr(saving, "WRITE_THREADS", 2)
     root = str(tmp_path / "ours")
     model, opt = make_model(width=256)
     models = {"actor": ModelAndOptimizer(model, opt)}

@@ -245,7 +245,7 @@ def _failure_on_one_rank(rank, world, root):
     ck.save(1, models, {"step": 1})
     ck.wait()
     if rank == 0:
-        import spmd_rl.checkpoint.checkpointer as mod
+        import spmd_rl.checkpoint.saving as mod
 
         mod.verify = lambda path, world_size=None: "__0_0.distcp is truncated (injected)"
     ck.save(2, models, {"step": 2})
@@ -346,9 +346,9 @@ def test_preemption_waits_for_the_save_in_flight_and_broken_checkpoints_are_a_on
 def test_a_rank_writes_its_shards_in_several_files_and_they_load_back(tmp_path, monkeypatch, async_save):
     """checkpoint.WRITE_THREADS threads per rank, each writing a file of its own (DCP's default of
     one thread bounded a 7B save at ~1.1 GB/s); the checkpoint verifies and resumes bit for bit."""
-    import spmd_rl.checkpoint.checkpointer as ckpt
+    import spmd_rl.checkpoint.saving as saving
 
-    monkeypatch.setattr(ckpt, "WRITE_THREADS", 3)
+    monkeypatch.setattr(saving, "WRITE_THREADS", 3)
     snaps = save_steps(tmp_path, [1], async_save)
     files = sorted(f for f in os.listdir(tmp_path / "step_1") if f.endswith(".distcp"))
     assert files == ["__0_0.distcp", "__0_1.distcp", "__0_2.distcp"], files

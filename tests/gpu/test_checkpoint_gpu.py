@@ -47,7 +47,7 @@ def test_async_save_on_gpu_pins_reuses_and_holds_the_staged_step(env, tmp_path):
     for _ in range(3):  # training goes on (NCCL default group) while step 1 is written (gloo group)
         _step(model, opt, env)
     ck.wait()
-    staged = ck._stager.stage({k: m.state_dict() for k, m in models.items()})
+    staged = ck.saver._stager.stage({k: m.state_dict() for k, m in models.items()})
     weights = [t for t in staged["actor"]["model"].values() if t.numel() > 1000]
     assert weights and all(t.to_local().is_pinned() for t in weights), "staging buffers must be pinned"
     ck.save(2, models, {"step": 2})  # second save: reuses the pinned buffers

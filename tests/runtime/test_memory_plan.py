@@ -194,11 +194,11 @@ def test_a_cpu_run_logs_no_gpu_memory_line(monkeypatch, caplog):
 
 MEASURED_UPDATE_PEAKS = [  # docs/performance.md: memory/update_actor_peak_gb (PyTorch's tensors), 1xH100,
     # bench_step.sh's work (micro-batches filled to ~95% of the budget), the preset's other settings
-    ("qwen2-0.5b", 16384, 0.0, 23.7),  # docs/performance.md "Update MFU", 2026-11-25
-    ("qwen2-0.5b", 32768, 0.0, 37.1),  # docs/performance.md "Update MFU", 2026-11-25
-    ("qwen2-1.5b", 16384, 0.0, 55.9),  # docs/performance.md "Update MFU", 2026-11-25
-    ("qwen2-1.5b", 16384, 1.0, 28.9),  # docs/performance.md "Memory peaks per preset", 2026-11-25 (head chunks 4x smaller then)
-    ("qwen2-1.5b", 16384, 0.5, 41.2),  # docs/performance.md "Memory peaks per preset", 2026-11-25
+    ("qwen2-0.5b", 16384, 0.0, 23.7),  # docs/performance.md "Memory predicted at start-up", 2026-11-25
+    ("qwen2-0.5b", 32768, 0.0, 37.1),  # docs/performance.md "Memory predicted at start-up", 2026-11-25
+    ("qwen2-1.5b", 16384, 0.0, 55.9),  # docs/performance.md "Memory predicted at start-up", 2026-11-25
+    ("qwen2-1.5b", 16384, 1.0, 28.9),  # docs/performance.md "Memory predicted at start-up", 2026-11-25 (head chunks 4x smaller then)
+    ("qwen2-1.5b", 16384, 0.5, 41.2),  # docs/performance.md "Memory predicted at start-up", 2026-11-25
 ]
 
 
@@ -298,7 +298,7 @@ def test_lora_adapter_count_equals_pefts_and_the_base_is_frozen_in_the_compute_d
 
 def test_the_optimizer_step_holds_adamws_temporary_and_the_offloaded_moments(tmp_path):
     """qwen7b on 2 ranks with actor.offload_optimizer: its update ran out of memory on two H100s
-    (2026-11-26, docs/performance.md "Memory predicted at start-up") where the plan without the
+    (2026-11-26, docs/performance-history.md) where the plan without the
     optimizer step's own bytes predicted 68.0 GiB. The step brings the moments back (8 bytes a
     parameter) and AdamW's foreach step holds sqrt(v) of every parameter (4 more): refused."""
     n = 7_615_616_512

@@ -168,7 +168,7 @@ def fake_process(group: str, names: list[str], cmd: list[str], gpu: bool) -> dic
 
 
 def test_the_whole_run_with_stand_in_processes(monkeypatch, tmp_path, capsys):
-    import gpu_check
+    import gpu_check_runner
 
     def fake_run(cmd, log, timeout, env=None):
         args = bg.parse_args(cmd[2:])
@@ -181,7 +181,7 @@ def test_the_whole_run_with_stand_in_processes(monkeypatch, tmp_path, capsys):
         open(log, "w").write(VLLM_LOG)
         return 0, 95.0
 
-    monkeypatch.setattr(gpu_check, "run", fake_run)
+    monkeypatch.setattr(gpu_check_runner, "run", fake_run)
     monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
     rc = bg.main(["--out", str(tmp_path), "--variants", "ours,ours-none,sync,plain-mp-none", "--cache-dir",
                   str(tmp_path / "cache")])

@@ -99,7 +99,7 @@ def test_shipped_7b_is_the_preset_with_a_save_and_a_resume(gpus, tmp_path, monke
         m, d = cfg.model, cfg.data
         assert (m.init, m.arch, m.path, m.tokenizer) == ("random", "qwen2-7b", "", "char")
         assert (d.synthetic_task, d.apply_chat_template, d.train_files) == (
-            "arithmetic", False, [f"{tmp_path}/data/arith_train.parquet"])
+            "arithmetic", False, [os.path.join(cfg.run_dir, "data", "train.parquet")])
         runs.append(cfg.trainer)
     assert [(t.total_steps, t.resume) for t in runs] == [(5, "none"), (7, "auto")]
     assert runs[0].run_dir == runs[1].run_dir and runs[0].keep_last == 2
@@ -133,7 +133,8 @@ def test_weak_scaling_keeps_the_work_per_gpu(counts, tmp_path, monkeypatch):
         assert cfg.data.train_batch_size * cfg.rollout.n // nproc == 512 and cfg.rollout.tensor_parallel_size == 1
         assert not cfg.old_logprob_pass_reason(), cfg.old_logprob_pass_reason()
         assert cfg.trainer.save_every == -1 and cfg.trainer.run_dir.endswith(f"/step-qwen2-1.5b-after-gpus{nproc}/run")
-        assert changed(cfg, one) == ({"trainer.run_dir", "trainer.save_every"} |
+        # each run's synthetic data is its own, under its run directory
+        assert changed(cfg, one) == ({"trainer.run_dir", "trainer.save_every", "data.train_files", "data.val_files"} |
                                      ({"data.train_batch_size", "actor.ppo_mini_batch_size"} if nproc > 1 else set()))
     assert got == expected
 

@@ -1,7 +1,7 @@
-"""scripts/gpu_check.py's plan, on CPU: every shipped preset has a GPU check (a file in configs/
-without one fails here, naming it), each preset's check overrides pass config validation on its
-GPU count, and the scheduler (lanes, small checks beside big ones, the budget, the GPU column)
-does what its docstring says, with a fake runner and no GPU."""
+"""scripts/gpu_check.py's plan (gpu_check_plan.py) and main, on CPU: every shipped preset has a GPU
+check (a file in configs/ without one fails here, naming it), each preset's check overrides pass
+config validation on its GPU count, and the scheduler (lanes, small checks beside big ones, the
+budget, the GPU column) does what its docstring says, with a fake runner and no GPU."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import gpu_check  # noqa: E402
+import gpu_check_machine  # noqa: E402
+import gpu_check_plan  # noqa: E402
+import gpu_check_results  # noqa: E402
 from test_presets_gpu import CPU_PRESETS, PRESETS, preset_overrides  # noqa: E402
 
 CONFIGS = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".toml"))
@@ -34,18 +37,18 @@ def test_gpu_check_plan_runs_every_gpu_test_file():
     never fails), and every target of PLAN exists."""
     gpu_tests = sorted(f"tests/gpu/{f}" for f in os.listdir(os.path.join(ROOT, "tests", "gpu"))
                        if f.startswith("test_") and f.endswith(".py"))
-    planned = {target.split("::")[0] for check in gpu_check.PLAN for target in check.targets}
+    planned = {target.split("::")[0] for check in gpu_check_plan.PLAN for target in check.targets}
     missing = [f for f in gpu_tests if f not in planned]
     assert not missing, f"scripts/gpu_check.py's PLAN runs no test of {missing}"
     assert all(os.path.isfile(os.path.join(ROOT, f)) for f in planned), sorted(planned)
-    assert {"families", "reward-model"} <= {c.name for c in gpu_check.PLAN}
-    one_gpu = {c.name: c.gpus for c in gpu_check.PLAN if c.name in ("families", "reward-model")}
-    assert one_gpu == {"families": 1, "reward-model": 1} and not any(c.gpus_by_memory for c in gpu_check.PLAN
+    assert {"families", "reward-model"} <= {c.name for c in gpu_check_plan.PLAN}
+    one_gpu = {c.name: c.gpus for c in gpu_check_plan.PLAN if c.name in ("families", "reward-model")}
+    assert one_gpu == {"families": 1, "reward-model": 1} and not any(c.gpus_by_memory for c in gpu_check_plan.PLAN
                                                                        if c.name in one_gpu)
 
 
 def test_gpu_check_plan_runs_every_preset_check():
-    planned = {target for check in gpu_check.PLAN for target in check.targets}
+    planned = {target for check in gpu_check_plan.PLAN for target in check.targets}
     for name in PRESETS:
         node = f"tests/gpu/test_presets_gpu.py::test_preset_trains_saves_and_resumes[{name}]"
         assert node in planned, f"scripts/gpu_check.py's PLAN does not run {node}"
@@ -112,9 +115,9 @@ def test_qwen7b_needs_4_gpus_of_80_gb_and_2_of_the_smallest_memory_it_picks_2_fo
 def test_preset_checks_need_the_gpus_their_tests_run_on(gpu_gib):
     """gpu_check's preset checks ask for as many GPUs as the preset tests then use on the same cards
     (0: memory unknown, planned as 80 GB cards)."""
-    for check in gpu_check.for_cards(gpu_check.PLAN, gpu_gib):
+    for check in gpu_check_plan.for_cards(gpu_check_plan.PLAN, gpu_gib):
         for target in check.targets:
-            if target.startswith(gpu_check.PRESET_TEST):
+            if target.startswith(gpu_check_plan.PRESET_TEST):
                 name = target.split("[", 1)[1].rstrip("]")
                 assert check.gpus == PRESETS[name].gpus_on(gpu_gib), (check.name, gpu_gib)
 
@@ -122,12 +125,12 @@ def test_preset_checks_need_the_gpus_their_tests_run_on(gpu_gib):
 def test_card_memory_from_nvidia_smi():
     smi = ("0, GPU-aaaa-1111, 81559\n1, GPU-bbbb-2222, 81559\n2, GPU-cccc-3333, 143771\n"
            "3, GPU-dddd-4444, 143771\n")
-    assert gpu_check.smallest_card_gib(smi) == pytest.approx(81559 / 1024)
-    assert gpu_check.smallest_card_gib(smi, "2,3") == pytest.approx(143771 / 1024)
-    assert gpu_check.smallest_card_gib(smi, "GPU-cccc,GPU-dddd-4444") == pytest.approx(143771 / 1024)
-    assert gpu_check.smallest_card_gib(smi, "1,2") == pytest.approx(81559 / 1024)
-    assert gpu_check.smallest_card_gib("") == 0.0
-    assert gpu_check.smallest_card_gib("No devices were found\n") == 0.0
+    assert gpu_check_machine.smallest_card_gib(smi) == pytest.approx(81559 / 1024)
+    assert gpu_check_machine.smallest_card_gib(smi, "2,3") == pytest.approx(143771 / 1024)
+    assert gpu_check_machine.smallest_card_gib(smi, "GPU-cccc,GPU-dddd-4444") == pytest.approx(143771 / 1024)
+    assert gpu_check_machine.smallest_card_gib(smi, "1,2") == pytest.approx(81559 / 1024)
+    assert gpu_check_machine.smallest_card_gib("") == 0.0
+    assert gpu_check_machine.smallest_card_gib("No devices were found\n") == 0.0
 
 
 @pytest.mark.parametrize("n_gpus, gpu_gib, result, gpus", [
@@ -139,7 +142,7 @@ def test_card_memory_from_nvidia_smi():
 def test_the_7b_preset_runs_on_the_gpus_its_cards_memory_asks_for(n_gpus, gpu_gib, result, gpus):
     """The scheduler with the plan for the cards' memory: the 7B preset check on 4 80 GB GPUs or 2
     141 GB ones, n/a where the machine has fewer; the other checks as before."""
-    plan = [c for c in gpu_check.for_cards(gpu_check.PLAN, gpu_gib) if c.name in ("preset-7b", "preset-0.5b")]
+    plan = [c for c in gpu_check_plan.for_cards(gpu_check_plan.PLAN, gpu_gib) if c.name in ("preset-7b", "preset-0.5b")]
     rows, ran = fake_run(plan, n_gpus, 10000, {"preset-7b": 43, "preset-0.5b": 32})
     got = {r.item: r for r in rows}
     assert (got["preset-7b"].result, got["preset-7b"].gpus) == (result, gpus), got["preset-7b"]
@@ -190,12 +193,12 @@ def fake_run(checks, n_gpus, budget, durations, poll=0.01):
         time.sleep(durations[check.name] / 100)
         with lock:
             log.append((check.name, gpus, start, time.monotonic() - t0, shared))
-        return [gpu_check.Row(check.name, "PASS", durations[check.name], gpu_check._label(gpus))]
+        return [gpu_check_plan.Row(check.name, "PASS", durations[check.name], gpu_check_plan.gpu_label(gpus))]
 
     import dataclasses
 
     scaled = [dataclasses.replace(c, secs=c.secs / 100) for c in checks]  # expected seconds on the same clock
-    rows = gpu_check.schedule(scaled, n_gpus, budget / 100, runner, poll_s=poll, say=lambda s: None)
+    rows = gpu_check_plan.schedule(scaled, n_gpus, budget / 100, runner, poll_s=poll, say=lambda s: None)
     return rows, {name: (gpus, start, end, shared) for name, gpus, start, end, shared in log}
 
 
@@ -210,7 +213,7 @@ def assert_unshared_checks_had_their_gpus_to_themselves(ran):
             assert other == name or not set(gpus) & set(g2) or overlap <= 0.005, (name, other, ran)
 
 
-C = gpu_check.Check
+C = gpu_check_plan.Check
 
 
 def test_one_gpu_checks_run_side_by_side_and_a_two_gpu_check_waits_for_both():
@@ -269,9 +272,9 @@ def test_more_gpus_than_visible_is_na_and_the_budget_leaves_checks_not_run():
 
 
 def test_table_names_the_gpus_of_every_row_and_fails_on_not_run():
-    rows = [gpu_check.Row("a", "PASS", 1.0, "0"), gpu_check.Row("b", "PASS", 2.0, "0,1"),
-            gpu_check.Row("c", "NOT RUN", 0.0, "-", "no time")]
-    text = gpu_check.table(rows, 3.0)
+    rows = [gpu_check_plan.Row("a", "PASS", 1.0, "0"), gpu_check_plan.Row("b", "PASS", 2.0, "0,1"),
+            gpu_check_plan.Row("c", "NOT RUN", 0.0, "-", "no time")]
+    text = gpu_check_results.table(rows, 3.0)
     assert "| 0,1  | PASS" in text and "TOTAL" in text.splitlines()[-1] and "FAIL" in text.splitlines()[-1]
 
 
@@ -280,29 +283,29 @@ def test_table_names_the_gpus_of_every_row_and_fails_on_not_run():
 def test_the_plan_splits_into_calls_that_each_fit(n_gpus, gpu_gib, n_calls):
     """--max-call-s 570 (a 10-minute device call): every check in one call, in PLAN order, each
     call's expected schedule within what the call leaves for checks; the docstring's call counts."""
-    limit = 570 - gpu_check.TAIL_S
-    plan = gpu_check.for_cards(gpu_check.PLAN, gpu_gib)
-    calls = gpu_check.split_calls(plan, n_gpus, limit)
+    limit = 570 - gpu_check_plan.TAIL_S
+    plan = gpu_check_plan.for_cards(gpu_check_plan.PLAN, gpu_gib)
+    calls = gpu_check_plan.split_calls(plan, n_gpus, limit)
     assert sorted(c.name for g in calls for c in g) == sorted(c.name for c in plan)
     order = [c.name for c in plan]
     for group in calls:
         assert [c.name for c in group] == sorted((c.name for c in group), key=order.index)
-        assert gpu_check.expected_schedule(group, n_gpus)[1] <= limit, [c.name for c in group]
+        assert gpu_check_plan.expected_schedule(group, n_gpus)[1] <= limit, [c.name for c in group]
     assert len(calls) == n_calls
     said = {(1, H100_GIB): f"{n_calls} on one", (2, H100_GIB): f"{n_calls} on two 80 GB ones",
             (2, H200_GIB): f"{n_calls} on two 141 GB GPUs", (4, H100_GIB): f"{n_calls} calls on four 80 GB GPUs",
             (8, H100_GIB): f"{n_calls} calls on eight 80 GB GPUs"}[
         n_gpus, gpu_gib]
-    assert said in " ".join(gpu_check.__doc__.split()), f"gpu_check's docstring should say '{said}'"
+    assert said in " ".join(gpu_check_plan.__doc__.split()), f"gpu_check's docstring should say '{said}'"
 
 
 def _call(monkeypatch, tmp_path, machine, names, argv, result="PASS"):
     """gpu_check.main on a fake machine: the checks `names` each give one row, no GPU, no pytest."""
-    monkeypatch.setattr(gpu_check, "WORK", tmp_path / machine.replace(" ", "_"))  # each machine its own disk
-    monkeypatch.setattr(gpu_check, "machine_name", lambda: machine)
+    monkeypatch.setattr(gpu_check_machine, "WORK", tmp_path / machine.replace(" ", "_"))  # each machine its own disk
+    monkeypatch.setattr(gpu_check, "machine_name", lambda: machine)  # the names main calls
     monkeypatch.setattr(gpu_check, "prebuild", lambda checks, out: None)
     monkeypatch.setattr(gpu_check, "schedule", lambda checks, n, budget, runner: [
-        gpu_check.Row(c.name, result, 1.0, "0", "", c.name) for c in checks])
+        gpu_check_plan.Row(c.name, result, 1.0, "0", "", c.name) for c in checks])
     out = tmp_path / f"out-{machine.replace(' ', '_')}"
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--out", str(out), "--gpus", "4", "--only", names, *argv])
     return gpu_check.main(), out
@@ -318,7 +321,7 @@ def test_a_table_goes_on_on_another_machine_of_the_same_code_only(monkeypatch, t
     assert code == 0 and "3 passed" in text, text
     assert "[1] 4x H100 a; [2] 4x H100 b" in text and "offload" in [ln.split()[0] for ln in text.splitlines()
                                                                      if ln.endswith("[2]")], text
-    monkeypatch.setattr(gpu_check, "code_fingerprint", lambda root=gpu_check.ROOT: "other")
+    monkeypatch.setattr(gpu_check, "code_fingerprint", lambda root=gpu_check_machine.ROOT: "other")
     with pytest.raises(SystemExit, match="results of other code"):
         _call(monkeypatch, tmp_path, "4x H100 c", "ppo", ["--continue", str(out / "results.json")])
 
@@ -341,18 +344,18 @@ def test_continue_from_results_that_are_not_there_stops_before_any_check(monkeyp
 def test_the_code_fingerprint_follows_the_code_not_the_caches(tmp_path):
     (tmp_path / "spmd_rl" / "__pycache__").mkdir(parents=True)
     (tmp_path / "spmd_rl" / "a.py").write_text("x = 1\n")
-    first = gpu_check.code_fingerprint(tmp_path)
+    first = gpu_check_machine.code_fingerprint(tmp_path)
     (tmp_path / "spmd_rl" / "__pycache__" / "a.cpython-312.pyc").write_bytes(b"cache")
     (tmp_path / "README.md").write_text("docs")
-    assert gpu_check.code_fingerprint(tmp_path) == first
+    assert gpu_check_machine.code_fingerprint(tmp_path) == first
     (tmp_path / "spmd_rl" / "a.py").write_text("x = 2\n")
-    assert gpu_check.code_fingerprint(tmp_path) != first
+    assert gpu_check_machine.code_fingerprint(tmp_path) != first
 
 
 def test_expected_schedule_puts_small_checks_after_an_alone_one():
     checks = [C("big", ("x",), gpus=2, secs=100, alone=True), C("tiny", ("x",), secs=30, small=True)]
-    assert gpu_check.expected_schedule(checks, 2)[1] == 130
-    assert gpu_check.expected_schedule([C("tiny", ("x",), secs=30, small=True)], 1)[1] == 30
+    assert gpu_check_plan.expected_schedule(checks, 2)[1] == 130
+    assert gpu_check_plan.expected_schedule([C("tiny", ("x",), secs=30, small=True)], 1)[1] == 30
 
 
 @pytest.mark.parametrize("n_gpus, checks", [
@@ -370,12 +373,12 @@ def test_expected_schedule_ends_when_the_scheduler_does(n_gpus, checks):
     rows, ran = fake_run(checks, n_gpus, 1000, {c.name: c.secs for c in checks})
     assert all(r.result == "PASS" for r in rows)
     took = max(end for _, _, end, _ in ran.values()) * 100
-    assert gpu_check.expected_schedule(checks, n_gpus)[1] == pytest.approx(took, rel=0.1), ran
+    assert gpu_check_plan.expected_schedule(checks, n_gpus)[1] == pytest.approx(took, rel=0.1), ran
 
 
 def test_a_check_longer_than_a_call_gets_a_call_of_its_own():
     checks = [C("a", ("x",), secs=100), C("huge", ("x",), secs=900), C("b", ("x",), secs=100)]
-    assert [[c.name for c in g] for g in gpu_check.split_calls(checks, 1, 500)] == [["a", "b"], ["huge"]]
+    assert [[c.name for c in g] for g in gpu_check_plan.split_calls(checks, 1, 500)] == [["a", "b"], ["huge"]]
 
 
 def _fake_run(run_dir, saved, kept, steps=5):

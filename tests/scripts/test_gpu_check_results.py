@@ -1,9 +1,9 @@
-"""scripts/gpu_check.py's result handling, on CPU, with a fake pytest in place of the real one
-(gpu_check.PYTEST): a PASS row means a test ran and passed. A check whose pytest exits non-zero,
-runs no test (a wrong test id: exit 4; nothing collected: exit 5, an empty report) or skips every
-test is a FAIL row with its reason; a check cut at its time limit (exit 124) is a FAIL row that
-says how far it got, and its partial logs, with its runs' trainer.log and metrics.jsonl, end up in
-the logs tarball."""
+"""scripts/gpu_check.py's result handling (gpu_check_runner.py, gpu_check_results.py), on CPU, with a
+fake pytest in place of the real one (gpu_check_runner.PYTEST): a PASS row means a test ran and
+passed. A check whose pytest exits non-zero, runs no test (a wrong test id: exit 4; nothing
+collected: exit 5, an empty report) or skips every test is a FAIL row with its reason; a check cut
+at its time limit (exit 124) is a FAIL row that says how far it got, and its partial logs, with its
+runs' trainer.log and metrics.jsonl, end up in the logs tarball."""
 
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ from tests.helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-import gpu_check  # noqa: E402
+import gpu_check_machine  # noqa: E402
+import gpu_check_plan  # noqa: E402
+import gpu_check_results  # noqa: E402
+import gpu_check_runner  # noqa: E402
 
 FAKE_PYTEST = textwrap.dedent('''
     """A stand-in for `python -m pytest`: behaves as FAKE_PYTEST (in its environment) says."""
@@ -74,16 +77,16 @@ def fake(tmp_path, monkeypatch):
     """Runs one check through gpu_check's real runner with the fake pytest; returns its rows."""
     script = tmp_path / "fake_pytest.py"
     script.write_text(FAKE_PYTEST)
-    monkeypatch.setattr(gpu_check, "PYTEST", (sys.executable, str(script)))
-    monkeypatch.setattr(gpu_check, "WORK", tmp_path / "work")
-    monkeypatch.setattr(gpu_check, "MEMORY_RUNS", tmp_path / "shm")
+    monkeypatch.setattr(gpu_check_runner, "PYTEST", (sys.executable, str(script)))
+    monkeypatch.setattr(gpu_check_machine, "WORK", tmp_path / "work")
+    monkeypatch.setattr(gpu_check_machine, "MEMORY_RUNS", tmp_path / "shm")
     (tmp_path / "work").mkdir()
     out = tmp_path / "out"
     out.mkdir()
 
-    def run(case: str, timeout: float = 60) -> list[gpu_check.Row]:
-        check = gpu_check.Check(f"check-{case}", ("tests/scripts/test_gpu_check_results.py",), env=(("FAKE_PYTEST", case),))
-        return gpu_check.pytest_runner(out)(check, (0,), timeout, False)
+    def run(case: str, timeout: float = 60) -> list[gpu_check_plan.Row]:
+        check = gpu_check_plan.Check(f"check-{case}", ("tests/scripts/test_gpu_check_results.py",), env=(("FAKE_PYTEST", case),))
+        return gpu_check_runner.pytest_runner(out)(check, (0,), timeout, False)
 
     run.out = out
     run.work = tmp_path / "work"
@@ -100,7 +103,7 @@ def test_a_check_that_ran_no_test_fails(fake, case, code):
     rows = fake(case)
     assert [(r.item, r.result) for r in rows] == [(f"check-{case}", "FAIL")], rows
     assert "ran no test" in rows[0].note and f"exit {code}" in rows[0].note, rows[0].note
-    assert gpu_check.table(rows, 1.0).splitlines()[-1].split("|")[2].strip() == "FAIL"
+    assert gpu_check_results.table(rows, 1.0).splitlines()[-1].split("|")[2].strip() == "FAIL"
 
 
 def test_a_non_zero_exit_fails_although_its_tests_passed(fake):
@@ -118,7 +121,7 @@ def test_a_check_whose_tests_all_skip_fails_with_the_reason(fake):
 def test_a_layout_of_more_gpus_is_na_but_a_table_of_nothing_passed_fails(fake):
     rows = fake("other-machine")
     assert [r.result for r in rows] == ["n/a"], rows
-    assert "FAIL" in gpu_check.table(rows, 1.0).splitlines()[-1], "a table in which nothing passed must fail"
+    assert "FAIL" in gpu_check_results.table(rows, 1.0).splitlines()[-1], "a table in which nothing passed must fail"
 
 
 def test_a_cut_check_fails_says_how_far_it_got_and_keeps_its_logs(fake):
@@ -128,7 +131,7 @@ def test_a_cut_check_fails_says_how_far_it_got_and_keeps_its_logs(fake):
     assert "time limit" in note and "step 2" in note and "step 2/5 | reward 0.1" in note, note
     kept = fake.work / "gpu_logs" / "check-cut"
     assert (kept / "pytest.log").read_text().startswith("tests/gpu/test_x.py")
-    gpu_check.logs_tarball(fake.out)
+    gpu_check_runner.logs_tarball(fake.out)
     with tarfile.open(fake.out / "gpu_logs.tgz") as tar:
         names = tar.getnames()
     for want in ("pytest.log", "metrics.jsonl", "trainer.log"):

@@ -43,9 +43,9 @@ Facts this module relies on (vLLM 0.26; checked on H100/H200, see tests/gpu/):
   kernel seeded per request; requests without a seed draw one from numpy's global RNG. Every
   request here gets an explicit seed from (rollout.seed + replica, the call's seed, its index), so
   a call is reproducible, all ranks of a TP group agree and replicas differ.
-- A sleeping engine still holds ~1.5-2.7 GiB of buffers outside its sleep pool (measured: 0.5B
-  eager 2.1 GiB, 7B TP=2 eager 2.5 GiB, 1.5B with CUDA graphs 1.5 GiB), plus ~0.3 GiB loaded on
-  the first rollout; `close()` gives them back.
+- A sleeping engine still holds buffers outside its sleep pool, and more after the first rollout
+  (docs/performance.md, "Memory peaks per preset"; runtime/memory_plan.py counts them as
+  ENGINE_ASLEEP_GIB); `close()` gives them back.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def to_vllm_sampling(sampling: SamplingParams, stop_token_ids: Iterable[int], as
 
 def adapter_kwargs(lora_request) -> dict[str, Any]:
     """vllm.LLM.generate's keyword for the adapter every request runs with (none without one: engines
-    without LoRA layers are called as before)."""
+    without LoRA layers are called without it)."""
     return {} if lora_request is None else {"lora_request": lora_request}
 
 
@@ -318,18 +318,15 @@ class VLLMEngine:
         from vllm import LLM
         from vllm import SamplingParams as VSP
 
-        # How requests that ask for log-probs get them (outputs.py): in flat lists (measured on
-        # 1xH100, 0.5B, 512 requests x 512 tokens, every request asking: 14.2 ms per decode step
-        # against 17-20 with vLLM's dicts, 10-13 without log-probs), with the garbage collector paused
-        # during generate (shared/notes/generation-cost.md: frozen + off 6.3-7.0 s against 9-10 s a
-        # call on an H200; one H100 run of freeze + off here was no faster, 21.9 ms: within the
-        # machine's spread). scripts/bench/bench_generation.py measures each.
+        # How requests that ask for log-probs get them (outputs.py): in flat lists, with the garbage
+        # collector paused during generate (docs/performance.md, "Why the defaults are what they
+        # are"). scripts/bench/bench_generation.py measures each.
         self.flat_logprobs = supports_flat_logprobs(VSP)
         self.pause_gc = True
 
         t0 = time.perf_counter()
         # CUDA graphs captured outside expandable segments (custom all-reduce); the model class
-        # inspected here, not in a new Python (model_inspection.py: 20-27 s of a start)
+        # inspected here, not in a new Python (model_inspection.py)
         with engine_build_allocator(), in_process_inspection():
             torch.cuda.empty_cache()
             self.llm = LLM(**engine_kwargs(cfg, model_dir, self.engine_seed, world_size=world_size))

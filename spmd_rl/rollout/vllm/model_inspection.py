@@ -4,11 +4,10 @@ Holds for vLLM 0.26 (a slim build for Hopper). Before it builds a model, vLLM in
 model class (is it multimodal, does it support pipeline parallelism, ...). Unless
 VLLM_CACHE_ROOT/modelinfos holds the answer for this class and this version of its source
 (vllm/model_executor/models/registry.py, `_LazyRegisteredModel.inspect_model_cls`), it asks a new
-Python process, `_run_in_subprocess`, which imports torch and vLLM from scratch: 20-27 s of every
-engine start with an empty cache (measured on 1xH100, 2026-11-25: docs/performance.md, "Why the
-defaults are what they are"; the log shows it as the
-gap between vLLM's "non-default args" and "Resolved architecture" lines). Our cache root is the
-run's (`rollout.compile_cache_dir`), so every new run paid it.
+Python process, `_run_in_subprocess`, which imports torch and vLLM from scratch: most of an
+engine start with an empty cache (docs/performance.md, "Why the defaults are what they are"; the
+log shows it as the gap between vLLM's "non-default args" and "Resolved architecture" lines). Our
+cache root is the run's (`rollout.compile_cache_dir`), so every new run would pay it.
 
 vLLM uses the subprocess so that inspecting does not initialize CUDA in the process that calls it.
 Our process has CUDA initialized already (the actor is on the GPU) and imports the model's vLLM

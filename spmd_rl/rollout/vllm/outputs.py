@@ -2,8 +2,7 @@
 
 Holds for vLLM 0.26 (a slim build for Hopper). What costs time there when a request asks
 for log-probs (`logprobs=0`: the sampled token's only), measured in docs/performance.md ("Generation
-against plain vLLM", "Why the defaults are what they are"; 2026-11-24/25) and read
-from vLLM's source:
+against plain vLLM", "Why the defaults are what they are") and read from vLLM's source:
 - on the GPU, once any request of a decode step asks, the sampler runs a log-softmax and a rank
   kernel over the whole batch's logits (vllm/v1/worker/gpu/sample/logprob.py), small next to the
   model;

@@ -7,8 +7,8 @@ allocates more than the engine frees in those few milliseconds, the assertion fi
 engine's memory was released: it comes after the release and before the executor records that it
 sleeps (`sleeping_tags`, `is_sleeping`, vllm/v1/executor/abstract.py), so the next `wake_up` would
 find it "not sleeping" and leave its memory released. vLLM waits for the reading to settle on ROCm
-only. Seen in gpu_check (1xH100, 2026-11-25): the multi-turn learning check, a 256 MiB KV cache,
-beside the kernels check, failed its 60th sleep so.
+only. A small engine beside other GPU work meets it (docs/performance.md, "Learning checks
+(multi-turn and single-turn)").
 
 `sleep(llm, level)` runs `llm.sleep(level=level)` and, on that assertion alone, records the sleep as
 vLLM's executor does after a good one, with one warning per process.
