@@ -6,7 +6,7 @@ import glob
 import os
 import re
 
-from conftest import ROOT
+from tests.helpers import ROOT
 
 
 def read(path):

@@ -6,7 +6,8 @@ import os
 import re
 import subprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
+
 PERFORMANCE = os.path.join(ROOT, "docs", "performance.md")
 DATE = re.compile(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]")
 MAX_LINES = 400
@@ -56,7 +57,7 @@ def test_no_dates_in_the_package_or_the_presets():
 def test_pointers_to_performance_md_name_its_sections():
     heads = sections()
     files = [f for f in tracked() if f.endswith((".py", ".md", ".toml", ".sh"))
-             and not f.startswith("docs/performance") and f != "tests/test_docs_performance.py"]
+             and not f.startswith("docs/performance") and f != "tests/docs/test_docs_performance.py"]
     broken = [f"{f}: {name!r}" for f in files for name in section_pointers(read(f))
               if not any(h.startswith(name) for h in heads)]
     assert not broken, f"no such section in docs/performance.md: {broken}"
