@@ -230,7 +230,8 @@ def test_the_step_scores_weighted_parts_and_gives_the_rm_each_conversation():
     cfg = rm_config(path="x", weight=2.0)
     cfg.reward.rule_weight = 0.5
     rm = RecordingRM()
-    fake = SimpleNamespace(tokenizer=tok, reward_fn=RewardFunction(cfg.reward), reward_model=rm, cfg=cfg)
+    fake = SimpleNamespace(tokenizer=tok, reward_fn=RewardFunction(cfg.reward), reward_model=rm, cfg=cfg,
+                           samples=SimpleNamespace(offer=lambda *args: None))  # trainer.log_samples: none picked
     Trainer.score(fake, batch)
     assert rm.chats == [[{"role": "user", "content": "384"}, {"role": "assistant", "content": "5"}],
                         [{"role": "user", "content": "ab"}, *turns]]
