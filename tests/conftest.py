@@ -2,25 +2,10 @@
 
 import os
 import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tiny_cmd(run_dir, *overrides, nproc=2):
-    """torchrun of the tiny CPU preset for `run_dir`, a few steps, its synthetic data under
-    `<run_dir>/data`."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "spmd_rl.ppo", "--config", os.path.join(ROOT, "configs", "tiny-cpu.toml"),
-            f"trainer.run_dir={run_dir}", "trainer.total_steps=2", "trainer.tensorboard=true",
-            "data.synthetic_size=256", "data.val_batch_size=64", "trainer.val_every=0", *overrides]
-
-
-def run_cmd(cmd, timeout=300, **env_vars):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **env_vars)
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+from tests.helpers.cpu_runs import run_cmd, tiny_cmd
 
 
 @pytest.fixture(scope="session")

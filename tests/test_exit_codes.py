@@ -5,8 +5,7 @@ import os
 import re
 
 from spmd_rl import exit_codes
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT as REPO
 
 
 def exit_names() -> dict[str, int]:

@@ -17,7 +17,8 @@ import tomllib
 
 import pytest
 
-from conftest import ROOT, run_cmd
+from tests.helpers import ROOT
+from tests.helpers.cpu_runs import run_cmd
 
 from spmd_rl import launcher, ppo
 from spmd_rl.errors import LAUNCHER_REPORTS_ENV, closing_message, report, say_last, ConfigError

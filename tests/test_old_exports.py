@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.test_old_checkpoint import OLD_RUNS
+from tests.checkpoint.test_old_checkpoint import OLD_RUNS
 
 HF_EXPORT = os.path.join(OLD_RUNS, "0.1.0-9d108d1", "hf_export")
 LORA_RUN = os.path.join(OLD_RUNS, "0.1.0-730471c-lora")

@@ -15,8 +15,9 @@ import typing
 
 import pytest
 
-from conftest import ROOT, run_cmd, tiny_cmd
-from dist_utils import run_distributed
+from tests.helpers import ROOT
+from tests.helpers.cpu_runs import run_cmd, tiny_cmd
+from tests.helpers.dist_utils import run_distributed
 
 from spmd_rl import preflight
 from spmd_rl.config.reward import RewardConfig

@@ -23,7 +23,7 @@ case "$ARCH" in qwen2-0.5b) DEFAULT=configs/qwen0.5b-gsm8k.toml ;; *) DEFAULT=co
 CONFIG=${CONFIG:-$DEFAULT}  # e.g. CONFIG=configs/qwen7b-lora.toml with ARCH qwen2-7b: LoRA at 7B on one GPU
 WORK=(model.init=\"random\" model.arch=\"$ARCH\" model.tokenizer=\"char\" model.path=\"\"
       data.synthetic_task=\"arithmetic\" data.apply_chat_template=false data.max_prompt_length=128
-      data.max_response_length=512 "data.train_files=[\"$OUT/data/arith_train.parquet\"]" "data.val_files=[]"
+      data.max_response_length=512 "data.train_files=[]" "data.val_files=[]"
       actor.use_kl_loss=false actor.ppo_mini_batch_size=64 rollout.max_num_batched_tokens=4096
       trainer.total_steps=$STEPS trainer.val_before_train=false trainer.val_every=0 trainer.save_every=0
       trainer.resume=\"none\")

@@ -16,7 +16,7 @@ OUT=${1:-runs/scale}; GPUS=${2:-8}; STEPS=${3:-5}; shift $(( $# < 3 ? $# : 3 ))
 mkdir -p "$OUT"
 COMMON=(model.init=\"random\" model.arch=\"qwen2-7b\" model.tokenizer=\"char\" model.path=\"\"
         data.synthetic_task=\"arithmetic\" data.synthetic_size=8192 data.apply_chat_template=false
-        "data.train_files=[\"$OUT/data/arith_train.parquet\"]" "data.val_files=[]"
+        "data.train_files=[]" "data.val_files=[]"
         data.max_prompt_length=128 data.max_response_length=512
         trainer.total_steps=$STEPS trainer.val_every=0 trainer.save_every=0 trainer.resume=\"none\")
 declare -A RUN=(

@@ -3,7 +3,7 @@ spawn harness) and count the runs that failed, aborts (SIGABRT at exit) among th
 
     python scripts/probes/stress_dist_harness.py 200
 
-The body is tests/test_update.py's distributed update (padded, full logits): the test that once
+The body is tests/train/test_update.py's distributed update (padded, full logits): the test that once
 died with "terminate called without an active exception" when the harness ended its ranks with a
 plain destroy_process_group()."""
 

@@ -30,11 +30,10 @@ done
 N="${1:?usage: scripts/probes/stress_exit.sh [--mode finish|preempt|config|all] [--keep] N}"
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 STRESS_DIR="${STRESS_DIR:-$(mktemp -d /tmp/stress_exit.XXXXXX)}"
-mkdir -p "$STRESS_DIR/data"
+mkdir -p "$STRESS_DIR"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONFAULTHANDLER=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python}"
-COMMON=("data.train_files=[\"$STRESS_DIR/data/train.parquet\"]" "data.val_files=[\"$STRESS_DIR/data/val.parquet\"]"
-        "trainer.val_every=0")
+COMMON=("trainer.val_every=0")
 
 # exit statuses of the ranks, as torchrun's failure summary prints them ("exitcode  : 3 (pid: 123)")
 rank_codes() { grep -oE 'exitcode *: *-?[0-9]+' "$1" | grep -oE -- '-?[0-9]+$' | sort -u | tr '\n' ' '; }

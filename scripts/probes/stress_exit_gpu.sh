@@ -27,7 +27,7 @@ for ((i = 1; i <= N; i++)); do
   torchrun --standalone --nproc_per_node="$NPROC" -m spmd_rl.ppo --config "$ROOT/configs/qwen0.5b-gsm8k.toml" \
     model.init=\"random\" model.arch=\"qwen2-0.5b\" model.tokenizer=\"char\" model.path=\"\" \
     data.synthetic_task=\"arithmetic\" data.synthetic_size=512 data.apply_chat_template=false \
-    "data.train_files=[\"$OUT/data/train.parquet\"]" "data.val_files=[]" data.train_batch_size=16 \
+    "data.train_files=[]" "data.val_files=[]" data.train_batch_size=16 \
     data.max_prompt_length=128 data.max_response_length=64 actor.ppo_mini_batch_size=16 \
     trainer.total_steps=1 trainer.val_every=0 trainer.resume=\"none\" trainer.run_dir=\"$dir\" "$@" \
     > "$OUT/run_$i.log" 2>&1

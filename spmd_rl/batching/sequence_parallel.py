@@ -32,7 +32,7 @@ its true adjoint: the gradients of a rank's slice summed over the group (`_Gathe
 an all-reduce of the [tokens] gradient, then the slice. The loss denominator counts each rank's
 (shared) rows, as without sequence parallelism (update.global_denominator): with `size` copies of
 every row in the count and `size` identical losses per group, ulysses_size = 2 gives the gradients
-of ulysses_size = 1 (tests/test_ulysses.py).
+of ulysses_size = 1 (tests/batching/test_sequence_parallel.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Bytes of a save (`measure`), from the state dict DCP is given, not from an earli
 - each rank's trainer state (trainer_state_rank{r}.pt) as torch.save writes it;
 - DCP's .metadata, about METADATA_BYTES_PER_ITEM per item written.
 That is within a few percent of the files once a model has a few hundred kB
-(tests/test_checkpoint_space.py checks 5% on 1 rank and on 2 FSDP ranks).
+(tests/checkpoint/test_checkpoint_space.py checks 5% on 1 rank and on 2 FSDP ranks).
 
 At start-up on a fresh run the optimizer has no state yet (AdamW creates it at its first step), and
 DCP's get_state_dict would create it by stepping the optimizer once (its step count would then be

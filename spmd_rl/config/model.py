@@ -107,7 +107,7 @@ class ModelConfig:
     "merged": each step the engine gets W + (alpha / r) * B @ A, computed in float32, as full weights
     in the engine's dtype: generation runs without LoRA layers, but in bf16 an update smaller than
     half a bf16 step of W is rounded away, so after small-learning-rate updates the engine keeps
-    sampling the older policy (tests/test_lora_sync.py). The measurement behind the default:
+    sampling the older policy (tests/rollout/test_lora_sync.py). The measurement behind the default:
     docs/performance.md, "LoRA: adapter or merged sync"."""
 
     def check_source(self) -> None:

@@ -10,7 +10,7 @@ for every key added to the config:
   the value, and nothing is written here;
 - otherwise OLD_BEHAVIOUR gives the value, with the reason beside it. A key added with a default
   that changes what a run does belongs here in the same change that adds it
-  (tests/test_config_compat.py checks this table against the config.toml of every run directory
+  (tests/config/test_older_configs.py checks this table against the config.toml of every run directory
   in tests/fixtures/old_runs; docs/checkpoints.md).
 """
 

@@ -1,5 +1,5 @@
 """docs/config.md: every key of every section, its default and its docstring, generated from the
-dataclasses (`python -m spmd_rl.config.reference --markdown`; tests/test_config.py keeps the file
+dataclasses (`python -m spmd_rl.config.reference --markdown`; tests/config/test_config.py keeps the file
 in step)."""
 
 from __future__ import annotations

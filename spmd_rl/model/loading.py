@@ -8,7 +8,7 @@ Under FSDP no rank holds a full copy it does not need (`build_sharded`): a rank 
 on the meta device from its config, shards it, gives the shards storage (`allocate_meta_model`),
 then the shards are filled by a checkpoint load (DCP, on resume) or by rank 0's `from_pretrained`
 weights, broadcast. Meta construction can break two things; both
-are handled and tested against `from_pretrained` (tests/test_sharded_init.py): tied embeddings
+are handled and tested against `from_pretrained` (tests/model/test_sharded_init.py): tied embeddings
 stay one Parameter through `fully_shard` and `to_empty`, and non-persistent buffers (rotary
 `inv_freq`), which no state dict holds, are computed again by transformers' own init.
 """

@@ -93,7 +93,7 @@ def fsdp_mesh(device_type: str, world: int, fsdp_size: int = 0) -> DeviceMesh:
     ("replicate", "shard") is hybrid sharding (HSDP): parameters sharded within each group of
     fsdp_size ranks, replicated across the groups. Under HSDP, FSDP2 reduce-scatters gradients in
     the shard group, then all-reduces the shards across the replicas; together they average over
-    all ranks, as plain FSDP does (update.global_denominator relies on it; tests/test_hsdp.py)."""
+    all ranks, as plain FSDP does (update.global_denominator relies on it; tests/train/test_hsdp.py)."""
     shape = fsdp_mesh_shape(world, fsdp_size)
     names = ("fsdp",) if len(shape) == 1 else ("replicate", "shard")
     return init_device_mesh(device_type, shape, mesh_dim_names=names)

@@ -9,7 +9,7 @@ threads -- the ProcessGroupGloo lives on as long as anything (FSDP modules, devi
 trainer) refers to it -- so when a worker thread is late (a loaded machine), it asks for the
 GIL while the interpreter is already finalizing. CPython then ends the thread with
 pthread_exit, whose unwinding meets the noexcept work destructor: std::terminate. See
-pytorch/pytorch#190489 and tests/test_lifecycle.py, which forces that timing.
+pytorch/pytorch#190489 and tests/runtime/test_lifecycle.py, which forces that timing.
 
 So a rank tears down in a fixed order, all of it while the interpreter is fully alive
 (spmd_rl/ppo.py's `main` owns it, on every path: finished, preempted, crashed):

@@ -44,7 +44,7 @@ ACTIVATION_BYTES_PER_HIDDEN = 39.0
 compute dtype (scaled by compute bytes / 2): Qwen2 shapes (intermediate ~5.5 x hidden) in
 transformers' modules or the compiled layer. Fitted to three update peaks of docs/performance.md,
 "Memory predicted at start-up" (bench_step's work, no checkpointing: 0.5B at 16384 and 32768
-tokens, 1.5B at 16384); tests/test_memory_plan.py keeps them and the checkpointed 1.5B runs
+tokens, 1.5B at 16384); tests/runtime/test_memory_plan.py keeps them and the checkpointed 1.5B runs
 (every layer, half) within 10%."""
 HEAD_CHUNK_ELEMENTS = 1 << 28
 """logprob_head.CHUNK_ELEMENTS (not imported: that module imports torch)."""

@@ -13,7 +13,7 @@ So micro-batches go in through pinned memory (runtime.transfer.to_device), layou
 the host's copy of the batch (Batch.host), metrics stay on the device until `MetricSums.read`, and outputs
 come back through `batch.HostColumns`. The waits left are once per mini-batch (its loss
 denominator, the gradient norm before the optimizer step) and once per update (the metrics).
-tests/test_update.py checks it on the CPU, tests/gpu/test_update_sync_gpu.py on a GPU.
+tests/train/test_update.py checks it on the CPU, tests/gpu/test_update_sync_gpu.py on a GPU.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def global_denominator(mini: Batch, loss_agg_mode: str, device: torch.device) ->
     masked out of the loss (rollout correction, overlong filtering: zeros in response_mask) leave
     it. With sequence parallelism (trainer.ulysses_size) the ranks of a group hold the same rows,
     so each row is counted once per rank of its group, and every rank's (identical) loss counts
-    in the average: the two factors cancel (spmd_rl/batching/sequence_parallel.py, tests/test_ulysses.py)."""
+    in the average: the two factors cancel (spmd_rl/batching/sequence_parallel.py, tests/batching/test_sequence_parallel.py)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     mask = mini["response_mask"]
     count = mask.sum() if loss_agg_mode == "token-mean" else (mask.sum(-1) > 0).sum()

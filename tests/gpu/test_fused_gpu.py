@@ -104,12 +104,8 @@ def test_head_weight_gradient_accumulates_in_one_float32_addmm_per_chunk_on_gpu(
     """On CUDA the head adds each chunk's weight gradient into its float32 buffer with one addmm
     (`out_dtype` float32: spmd_rl.model.logprob_head._accumulate), eager and compiled head alike, and
     the gradient is as close to the float64 formula as the CPU's matmul-and-add path gets
-    (tests/test_packing.py)."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from test_packing import head_weight_grad_error
+    (tests/batching/test_packing.py)."""
+    from tests.batching.test_packing import head_weight_grad_error
 
     from spmd_rl.model import logprob_head
 

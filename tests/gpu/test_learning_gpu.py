@@ -65,7 +65,7 @@ CASES = {"1gpu": [("1gpu", 1, [])], "2gpu": [("2gpu-fsdp0", 2, ["trainer.fsdp_si
 layers, model.lora_sync's default): the samples come from the engine, so an adapter that does not reach
 it leaves the reward at step 1's. LoRA leaves the embeddings and the tied head frozen, and at the
 small shape's initializer_range 0.02 the random head's logits cannot put enough mass on the right
-digit whatever the decoder does (tests/test_lora_e2e.py says why): the model is the small shape at
+digit whatever the decoder does (tests/e2e/test_lora_e2e.py says why): the model is the small shape at
 0.1. The setting, from CPU runs (HF engine, 32 prompts x 16, one mini-batch; last-5-step mean reward
 at step 40, from 0.01-0.03 at step 1): lr 3e-3 gave 0.73-0.85 in fp32 over three seeds and
 0.71-0.86 in bf16 with packed rows over three; 2e-3 and 5e-3, rank 32 and initializer_range 0.05

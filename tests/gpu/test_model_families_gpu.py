@@ -9,7 +9,7 @@ rope scaling, window or embedding scale the engine applies differently from tran
 tenths of a nat or more), and the loss, gradient norm and entropy are finite; tests/gpu/runs.check_run
 adds what every GPU run must show (every step logged, no NaN, free memory after sleep steady).
 The CPU side of the same families (packed = padded, weight sync into the HF engine, Gemma 3's
-windows per layer) is tests/test_model_families.py.
+windows per layer) is tests/model/test_model_families.py.
 
 Each run is small: the synthetic arithmetic prompts and the character tokenizer of the other GPU
 tests (tests/gpu/runs.random_model_dir), 8 prompts x 4 responses of 64 tokens a step, one

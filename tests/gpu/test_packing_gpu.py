@@ -73,7 +73,7 @@ def test_packed_varlen_matches_padded_on_gpu(arch):
 def test_varlen_kernel_applies_sliding_windows_as_the_cpu_reference():
     """Gemma 3's sliding-window layers on CUDA: torch's varlen kernel given window_size = (W - 1, 0)
     against the CPU path's per-sequence attention with transformers' window mask (the CPU tests'
-    reference: tests/test_model_families.py), float32 inputs in bf16 compute."""
+    reference: tests/model/test_model_families.py), float32 inputs in bf16 compute."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from spmd_rl.model import varlen_attention

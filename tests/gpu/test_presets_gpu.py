@@ -1,7 +1,7 @@
 """Every shipped GPU preset, as shipped, for 3 steps with a checkpoint, then a resume in a new
 process (what we test is what users run). scripts/gpu_check.py runs each case on the
 smallest machine it fits (for qwen7b the cards' memory decides: Preset.gpus_by_memory);
-tests/test_gpu_check_plan.py fails when a file in configs/ has no entry here (or in CPU_PRESETS),
+tests/scripts/test_gpu_check_plan.py fails when a file in configs/ has no entry here (or in CPU_PRESETS),
 so no preset ships untested.
 
 What each case changes, and only this: the model is a random-weight Hugging Face directory of the
@@ -97,7 +97,7 @@ PRESETS: dict[str, Preset] = {  # configs/<name>.toml, or <config>.toml for a va
 }
 
 CPU_PRESETS: dict[str, str] = {  # configs/<name>.toml that run on CPU, and where they are tested
-    "tiny-cpu": "tests/test_e2e.py trains it on 2 CPU ranks in every CI run",
+    "tiny-cpu": "tests/e2e/test_e2e.py trains it on 2 CPU ranks in every CI run",
 }
 
 DATA = ['model.init="pretrained"', 'model.tokenizer="char"', 'data.synthetic_task="arithmetic"',

@@ -3,7 +3,7 @@ PyTorch's varlen FlashAttention kernel, NCCL all-to-alls, bf16 compute, FSDP2, g
 checkpointing, Qwen2-1.5B shape at random weights. tests/gpu/ulysses_worker.py does the work (one
 torchrun of 2 ranks) and states the bf16 bounds: the SP run's log-probs and gradient must be as
 close to a float32 reference as the run without sequence parallelism is (within 1.5x its error),
-and the two bf16 gradients must agree (cosine > 0.99). The CPU tests (tests/test_ulysses.py) hold
+and the two bf16 gradients must agree (cosine > 0.99). The CPU tests (tests/batching/test_sequence_parallel.py) hold
 the exact comparison."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 shipped packed path (FSDP2, chunked log-prob head, compiled decoder layers and head, the on-policy
 log-probs) and the no-grad log-prob pass. torch.cuda's sync debug mode reports every call that
 makes the host wait; backward's reports reach the caller as well (checked first, with a backward
-that waits on purpose). tests/test_update.py checks the same on the CPU with a stand-in device
+that waits on purpose). tests/train/test_update.py checks the same on the CPU with a stand-in device
 tensor. Why it matters: each wait drains the GPU's queue, and the GPU idles while the host
 launches the next work (docs/performance.md, "Update MFU"; docs/performance-history.md, 2026-11-25)."""
 

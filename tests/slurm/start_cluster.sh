@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start a one-node SLURM cluster on localhost for the tests (tests/test_slurm.py).
+# Start a one-node SLURM cluster on localhost for the tests (tests/launch/test_slurm.py).
 #
 #   tests/slurm/start_cluster.sh            # state in $SPMD_RL_SLURM_DIR (default /tmp/spmd_rl_slurm)
 #   export SLURM_CONF=/tmp/spmd_rl_slurm/slurm.conf   # then sbatch/squeue/scontrol talk to it

@@ -1,0 +1,67 @@
+"""The tiny CPU job (configs/tiny-cpu.toml) under torchrun, as the tests run it: its commands, running
+them from the repository's root with this checkout's package, and reading the run's metrics.jsonl."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
+
+
+def tiny_cmd(run_dir, *overrides, nproc=2):
+    """torchrun of the tiny CPU preset for `run_dir`, a few steps, its synthetic data under
+    `<run_dir>/data`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "spmd_rl.ppo", "--config", TINY,
+            f"trainer.run_dir={run_dir}", "trainer.total_steps=2", "trainer.tensorboard=true",
+            "data.synthetic_size=256", "data.val_batch_size=64", "trainer.val_every=0", *overrides]
+
+
+def run_cmd(cmd, timeout=300, **env_vars):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **env_vars)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun_cmd(nproc, *overrides):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "spmd_rl.ppo", "--config", TINY, *overrides]
+
+
+def read_metrics(run_dir):
+    """step -> metrics, the last record of each step winning (a resumed run re-logs steps)."""
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            out.setdefault(rec["step"], {}).update(rec)
+    return out
+
+
+def kill_matching(needle):
+    """SIGKILL every process whose command line contains `needle` (torchrun's workers run in
+    process groups of their own, so killing the launcher's group is not enough)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle.encode() in f.read():
+                    os.kill(int(pid), signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            pass
+
+
+def run(cmd, timeout=600):
+    """`cmd` to its end; asserts it succeeded and returns its stdout + stderr."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_matching(next(a for a in cmd if a.startswith("trainer.run_dir=")))  # no orphaned workers
+        raise
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout + p.stderr
