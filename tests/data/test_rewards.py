@@ -79,7 +79,7 @@ def test_with_an_environment_a_source_without_scorer_is_the_environments_alone(c
     assert "data_source 'my/task' has no scorer: rollout.environment's reward is the reward" in caplog.text
     out = fn(["my/task", "synthetic/successor", "synthetic/successor"], ["7", "9", "8"], ["7", "9", "9"], [{}] * 3)
     assert out == [{"score": 0.0, "acc": 0.0}, {"score": 1.0, "acc": 1.0}, {"score": 0.0, "acc": 0.0}]
-    assert fn.sync_failures() == 0
+    assert fn.sync_failures().count == 0
     with pytest.raises(RewardError, match="or let rollout.environment give the reward"):
         RewardFunction(RewardConfig()).check_data_sources(["my/task"], environment="")
 

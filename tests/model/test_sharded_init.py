@@ -165,6 +165,7 @@ def test_unsharded_meta_model_filled_by_a_state_dict_equals_from_pretrained(tmp_
 
 def _trainer_reads_weights_on_rank_0_only(rank, world, run_dir, data_dir):
     from spmd_rl.config.run_config import load_config
+    from spmd_rl.preflight import validate
     from spmd_rl.runtime.distributed import init_distributed
     from spmd_rl.runtime.preemption import StopFlag
     from spmd_rl.trainer import Trainer
@@ -176,6 +177,7 @@ def _trainer_reads_weights_on_rank_0_only(rank, world, run_dir, data_dir):
     cfg = load_config(os.path.join(ROOT, "configs", "tiny-cpu.toml"), overrides)
     assert cfg.use_reference and cfg.use_critic
     env = init_distributed("cpu")
+    validate(cfg, env.world_size)  # as the entry point does: places the run's synthetic data
     # a flag without handlers: a rank that fails gets the other one killed by SIGTERM (which the
     # trainer's handlers would turn into a stop request, leaving it waiting in a collective)
     StopFlag._instance = StopFlag()

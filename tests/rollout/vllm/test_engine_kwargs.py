@@ -137,8 +137,8 @@ def test_config_toml_round_trip():
      "override 'rollout.engine_kwargs.a.b=2': rollout.engine_kwargs.a is 1, not a table"),
     (["rollout.engine_kwargs={a=[1979-05-27]}"],
      "rollout.engine_kwargs.a[0] = datetime.date(1979, 5, 27): a date or time is not a value here; quote it as a string"),
-    (["rollout.engine_kwarg.a=1"], "unknown config key 'rollout.engine_kwarg' (did you mean rollout.engine, "
-     "rollout.engine_kwargs?)"),
+    (["rollout.engine_kwarg.a=1"], "unknown config key 'rollout.engine_kwarg' (did you mean rollout.engine_kwargs, "
+     "rollout.engine?)"),
 ])
 def test_malformed_engine_kwargs_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:
