@@ -34,8 +34,8 @@ from typing import NoReturn
 import submitit
 from submitit.core.job_environment import JobEnvironment
 
-from spmd_rl.launcher import graceful_stop_options, node_exit_status, torchrun_supports_graceful_stop
 from spmd_rl.exit_codes import EXIT_PREEMPTED
+from spmd_rl.launcher import graceful_stop_options, node_exit_status, torchrun_supports_graceful_stop
 from spmd_rl.runtime.preemption import EXIT_STATUS_DIR_ENV, StopFlag, recorded_exit_statuses
 from spmd_rl.runtime.resume_hint import TRAINER_MODULE
 

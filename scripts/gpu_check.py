@@ -44,8 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_check_machine  # noqa: E402
 from gpu_check_machine import code_fingerprint, machine_name, visible_gpu_gib, visible_gpus  # noqa: E402
-from gpu_check_plan import (PLAN, TAIL_S, Check, Row, default_budget, expected_schedule, for_cards,  # noqa: E402
-                            schedule, split_calls)
+from gpu_check_plan import PLAN, TAIL_S, Check, Row, default_budget, expected_schedule, for_cards, schedule, split_calls  # noqa: E402
 from gpu_check_results import earlier_results, failed, step_table, table  # noqa: E402
 from gpu_check_runner import logs_tarball, prebuild, pytest_runner  # noqa: E402
 

@@ -21,23 +21,33 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.batching import sequence_parallel
-from spmd_rl.checkpoint.checkpointer import CheckpointError, Checkpointer
+from spmd_rl.checkpoint.checkpointer import Checkpointer, CheckpointError
 from spmd_rl.config.run_config import Config
 from spmd_rl.data.prompts import PromptDataset, ShardedSampler
+from spmd_rl.data.rewards import RewardFunction
+from spmd_rl.model.files import check_vocab, loading, model_vocab_size
+from spmd_rl.model.loading import (
+    ARCH_PRESETS,
+    DTYPES,
+    allocate_meta_model,
+    build_sharded,
+    count_parameters,
+    load_causal_lm,
+    load_reward_model,
+    load_value_model,
+    materialize_random_model,
+    random_model_config,
+    reward_pad_id,
+)
+from spmd_rl.model.lora import LoraSettings
+from spmd_rl.model.reward_model import RewardModel
+from spmd_rl.model.tokenizer import load_tokenizer
 from spmd_rl.preflight import memory as preflight_memory
 from spmd_rl.preflight.synthetic_data import synthetic_recipe
 from spmd_rl.runtime.distributed import DistEnv, raise_together
 from spmd_rl.runtime.memory_plan import MemoryPlan
-from spmd_rl.model.reward_model import RewardModel
-from spmd_rl.model.files import check_vocab, loading, model_vocab_size
-from spmd_rl.model.loading import (ARCH_PRESETS, DTYPES, allocate_meta_model, build_sharded, count_parameters, load_causal_lm,
-                            load_reward_model, load_value_model, materialize_random_model, random_model_config,
-                            reward_pad_id)
-from spmd_rl.model.lora import LoraSettings
-from spmd_rl.train.optim import make_optimizer, make_scheduler
-from spmd_rl.data.rewards import RewardFunction
 from spmd_rl.telemetry.startup import StartupClock
-from spmd_rl.model.tokenizer import load_tokenizer
+from spmd_rl.train.optim import make_optimizer, make_scheduler
 
 log = logging.getLogger("spmd_rl")
 

@@ -24,11 +24,10 @@ import sys
 import time
 
 from spmd_rl import preflight
+from spmd_rl.config.presets import describe_presets, resolve_config
 from spmd_rl.config.run_config import load_config
 from spmd_rl.errors import UserError, closing_message, let_rank0_report_first, report, say_last
-from spmd_rl.exit_codes import (EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_NOT_SAVED, EXIT_OK, EXIT_PREEMPTED,
-                                EXIT_USER_ERROR)
-from spmd_rl.config.presets import describe_presets, resolve_config
+from spmd_rl.exit_codes import EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_NOT_SAVED, EXIT_OK, EXIT_PREEMPTED, EXIT_USER_ERROR
 
 log = logging.getLogger("spmd_rl")
 
@@ -143,9 +142,9 @@ def _train(cfg) -> int:
     and close the trainer (steps 1-2 of the teardown); the exit status."""
     from spmd_rl.checkpoint.checkpointer import CheckpointError
     from spmd_rl.preflight.memory import OutOfMemory
+    from spmd_rl.preflight.resume import check_resume_config
     from spmd_rl.runtime import lifecycle
     from spmd_rl.runtime.distributed import init_distributed, raise_together, seed_everything, setup_logging
-    from spmd_rl.preflight.resume import check_resume_config
     from spmd_rl.runtime.run_lock import RunDirLock
     from spmd_rl.telemetry.startup import startup_clock
     from spmd_rl.trainer import Trainer

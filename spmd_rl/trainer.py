@@ -29,44 +29,44 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.algo import algorithms as algos
+from spmd_rl.algo.dynamic_sampling import collect_informative_groups
+from spmd_rl.algo.rollout_correction import actor_update_batch, mismatch_metrics
+from spmd_rl.algo.val_metrics import prompt_means, prompt_sums
+from spmd_rl.batching import sequence_parallel
+from spmd_rl.batching.batch import Batch, build_rollout_batch, response_token_ids
+from spmd_rl.batching.rank_balance import balance_ranks, mini_batch_block_rows
+from spmd_rl.build import build_data, build_engine, build_models, check_memory, resume_target
+from spmd_rl.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer, saved_world_size
+from spmd_rl.config.run_config import Config
+from spmd_rl.config.toml_io import to_toml
+from spmd_rl.data.prompts import iter_eval_batches
+from spmd_rl.data.rewards import RewardFunction, extract_answer
+from spmd_rl.exit_codes import EXIT_NOT_SAVED
 from spmd_rl.model import fused_kernels
 from spmd_rl.model.loading import count_parameters, update_flops_per_token
 from spmd_rl.model.lora import adapter_disabled
-from spmd_rl.batching import sequence_parallel
-from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
-from spmd_rl.batching.batch import Batch, build_rollout_batch, response_token_ids
-from spmd_rl.build import build_data, build_engine, build_models, check_memory, resume_target
-from spmd_rl.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer, saved_world_size
+from spmd_rl.model.reward_model import conversation
+from spmd_rl.model.tokenizer import decode_response
 from spmd_rl.preflight.memory import OutOfMemory, out_of_memory_message
-from spmd_rl.config.run_config import Config
-from spmd_rl.exit_codes import EXIT_NOT_SAVED
-from spmd_rl.config.toml_io import to_toml
-from spmd_rl.train.critic import compute_values, critic_loss_fn
-from spmd_rl.data.prompts import iter_eval_batches
+from spmd_rl.rollout.base import SamplingParams
+from spmd_rl.rollout.multiturn import MultiTurnRollout, merge_trajectory_metrics
+from spmd_rl.rollout.weight_sync import gather_adapter, iter_base_weights, iter_weights
 from spmd_rl.runtime.distributed import DistEnv, all_reduce_mean, all_reduce_metrics, all_reduce_sum
 from spmd_rl.runtime.gpu_memory import PhaseMemory, allocator_lines_held, is_out_of_memory
 from spmd_rl.runtime.memory_plan import MemoryPlan
-from spmd_rl.algo.dynamic_sampling import collect_informative_groups
-from spmd_rl.telemetry.metrics import MetricsLogger, rank_reduction, summary_line
+from spmd_rl.runtime.preemption import StopFlag
 from spmd_rl.telemetry import run_summary
+from spmd_rl.telemetry.metrics import MetricsLogger, rank_reduction, summary_line
 from spmd_rl.telemetry.progress import StepClock
 from spmd_rl.telemetry.reward_errors import RewardErrorWarning
 from spmd_rl.telemetry.samples import SampleLog
-from spmd_rl.train.offload import TrainStateOffload
-from spmd_rl.train.old_logprobs import UpdateLogprobs
-from spmd_rl.runtime.preemption import StopFlag
-from spmd_rl.batching.rank_balance import balance_ranks, mini_batch_block_rows
-from spmd_rl.model.reward_model import conversation
-from spmd_rl.data.rewards import RewardFunction, extract_answer
-from spmd_rl.rollout.base import SamplingParams
-from spmd_rl.rollout.multiturn import MultiTurnRollout, merge_trajectory_metrics
-from spmd_rl.algo.rollout_correction import actor_update_batch, mismatch_metrics
 from spmd_rl.telemetry.startup import startup_clock
 from spmd_rl.telemetry.step_profiler import phase_range, profiled_step
-from spmd_rl.model.tokenizer import decode_response
+from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
+from spmd_rl.train.critic import compute_values, critic_loss_fn
+from spmd_rl.train.offload import TrainStateOffload
+from spmd_rl.train.old_logprobs import UpdateLogprobs
 from spmd_rl.train.update import ppo_update
-from spmd_rl.algo.val_metrics import prompt_means, prompt_sums
-from spmd_rl.rollout.weight_sync import gather_adapter, iter_base_weights, iter_weights
 
 log = logging.getLogger("spmd_rl")
 

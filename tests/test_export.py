@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from spmd_rl.export import ExportError, export_checkpoint
 from spmd_rl.model.loading import ARCH_PRESETS

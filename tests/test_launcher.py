@@ -13,16 +13,15 @@ import shlex
 import signal
 import subprocess
 import sys
-import tomllib
 
 import pytest
-
-from tests.helpers import ROOT
-from tests.helpers.cpu_runs import run_cmd
+import tomllib
 
 from spmd_rl import launcher, ppo
-from spmd_rl.errors import LAUNCHER_REPORTS_ENV, closing_message, report, say_last, ConfigError
+from spmd_rl.errors import LAUNCHER_REPORTS_ENV, ConfigError, closing_message, report, say_last
 from spmd_rl.runtime import resume_hint
+from tests.helpers import ROOT
+from tests.helpers.cpu_runs import run_cmd
 
 TINY = ["--config", "tiny-cpu", "trainer.tensorboard=false", "trainer.val_every=0", "data.synthetic_size=256",
         "data.val_batch_size=64"]

@@ -15,15 +15,14 @@ import typing
 
 import pytest
 
-from tests.helpers import ROOT
-from tests.helpers.cpu_runs import run_cmd, tiny_cmd
-from tests.helpers.dist_utils import run_distributed
-
 from spmd_rl import preflight
 from spmd_rl.config.reward import RewardConfig
 from spmd_rl.config.run_config import SECTIONS, load_config
-from spmd_rl.errors import ConfigError
 from spmd_rl.data.rewards import RewardError, RewardFunction
+from spmd_rl.errors import ConfigError
+from tests.helpers import ROOT
+from tests.helpers.cpu_runs import run_cmd, tiny_cmd
+from tests.helpers.dist_utils import run_distributed
 
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
 

@@ -43,8 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from spmd_rl.checkpoint import saving  # noqa: E402
 from spmd_rl.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer  # noqa: E402
-from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
 from spmd_rl.model.loading import allocate_meta_model, apply_fsdp, random_model_config  # noqa: E402
+from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
 from spmd_rl.train.optim import make_optimizer  # noqa: E402
 
 QWEN_EOS = 151643

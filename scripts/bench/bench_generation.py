@@ -384,8 +384,8 @@ class Colocated:
     def __init__(self, cfg, model_dir: str):
         import functools
 
-        from spmd_rl.runtime.distributed import init_distributed
         from spmd_rl.rollout.vllm import engine as vllm_engine
+        from spmd_rl.runtime.distributed import init_distributed
 
         vllm_engine.to_vllm_sampling = functools.partial(vllm_engine.to_vllm_sampling, ignore_eos=True)
         env = init_distributed("cuda")
@@ -509,7 +509,6 @@ def _load(path: str):
 def run_group(args: argparse.Namespace) -> None:
     """This process's engine and variants; its JSON (rewritten after each variant) under --out."""
     import torch
-
     from bench_rollout import bandwidths
     from bench_train import matmul_peak_tflops
 

@@ -35,12 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from spmd_rl.config.rollout import RolloutConfig  # noqa: E402
 from spmd_rl.config.run_config import Config
 from spmd_rl.errors import ConfigError
-from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
-from spmd_rl.runtime.gpu_memory import GiB, PeakPoller  # noqa: E402
 from spmd_rl.model.loading import apply_fsdp, load_causal_lm, materialize_random_model, random_model_config  # noqa: E402
 from spmd_rl.rollout.base import SamplingParams  # noqa: E402
 from spmd_rl.rollout.vllm.kwargs import check_engine_kwargs  # noqa: E402
 from spmd_rl.rollout.weight_sync import iter_weight_buckets, iter_weights  # noqa: E402
+from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
+from spmd_rl.runtime.gpu_memory import GiB, PeakPoller  # noqa: E402
 
 QWEN_EOS = 151643
 
@@ -93,11 +93,11 @@ def bandwidths(world: int) -> dict:
     x = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
     y = torch.empty_like(x)
     out["copy_GBps"] = 2 * x.numel() * 2 / event_time(lambda: y.copy_(x), 10) / 1e9
-    del x, y
+    x = y = None  # free the GiB before the next pair
     x = torch.randn(2**28, device="cuda", dtype=torch.float32)  # 1 GiB
     y = torch.empty(x.shape, device="cuda", dtype=torch.bfloat16)
     out["cast_GBps"] = x.numel() * 6 / event_time(lambda: y.copy_(x), 10) / 1e9
-    del x, y
+    x = y = None
     if world > 1:
         send = torch.randn(2**27, device="cuda", dtype=torch.bfloat16)  # 256 MiB per rank
         recv = torch.empty(world * send.numel(), device="cuda", dtype=torch.bfloat16)
@@ -295,7 +295,7 @@ def main() -> None:
                                       args.reps)
     gathered = list(iter_weights(actor, torch.bfloat16, args.bucket_mb))
     sync["load_only"] = median_time(lambda: eng.load_weights(gathered), args.reps)
-    del gathered
+    gathered = None
     gc.collect()
     torch.cuda.empty_cache()
     # the last load must leave the engine right: load ours once more and check the probe

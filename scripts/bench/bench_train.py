@@ -51,15 +51,23 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from spmd_rl.train.actor import actor_loss_fn, compute_logprobs  # noqa: E402
 from spmd_rl.batching.batch import Batch  # noqa: E402
 from spmd_rl.config.actor import ActorConfig  # noqa: E402
+from spmd_rl.model.fused_kernels import compiled_graphs  # noqa: E402
+from spmd_rl.model.loading import (  # noqa: E402
+    apply_fsdp,
+    count_parameters,
+    load_causal_lm,
+    materialize_random_model,
+    random_model_config,
+    reshard,  # noqa: E402
+    set_fused_kernels,
+    set_gradient_checkpointing,
+    set_layout,
+)
 from spmd_rl.runtime.distributed import all_reduce_sum, init_distributed  # noqa: E402
 from spmd_rl.runtime.gpu_memory import GiB  # noqa: E402
-from spmd_rl.model.loading import reshard  # noqa: E402
-from spmd_rl.model.fused_kernels import compiled_graphs  # noqa: E402
-from spmd_rl.model.loading import (apply_fsdp, count_parameters, load_causal_lm, materialize_random_model,  # noqa: E402
-                            random_model_config, set_fused_kernels, set_gradient_checkpointing, set_layout)
+from spmd_rl.train.actor import actor_loss_fn, compute_logprobs  # noqa: E402
 from spmd_rl.train.optim import make_optimizer  # noqa: E402
 from spmd_rl.train.update import ppo_update  # noqa: E402
 

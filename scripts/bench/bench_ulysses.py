@@ -43,13 +43,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train import matmul_peak_tflops, rollout_batch, timed  # noqa: E402
 
 from spmd_rl.batching import sequence_parallel  # noqa: E402
-
-from spmd_rl.runtime import sp_groups
-from spmd_rl.train.actor import actor_loss_fn, compute_logprobs  # noqa: E402
 from spmd_rl.config.actor import ActorConfig  # noqa: E402
+from spmd_rl.model.loading import (  # noqa: E402
+    apply_fsdp,
+    count_parameters,
+    load_causal_lm,
+    materialize_random_model,
+    random_model_config,
+)
+from spmd_rl.runtime import sp_groups
 from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
-from spmd_rl.model.loading import (apply_fsdp, count_parameters, load_causal_lm, materialize_random_model,  # noqa: E402
-                            random_model_config)
+from spmd_rl.train.actor import actor_loss_fn, compute_logprobs  # noqa: E402
 from spmd_rl.train.optim import make_optimizer  # noqa: E402
 from spmd_rl.train.update import ppo_update  # noqa: E402
 

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
 from spmd_rl.model.loading import random_model_config  # noqa: E402
+from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
 
 
 def build_model_dir(arch: str, path: str) -> None:

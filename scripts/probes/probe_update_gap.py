@@ -41,13 +41,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(SCRIPTS), "bench"))  # bench_tra
 
 import bench_train  # noqa: E402
 
-from spmd_rl.train.actor import actor_loss_fn  # noqa: E402
 from spmd_rl.config.actor import ActorConfig  # noqa: E402
 from spmd_rl.config.algorithm import AlgorithmConfig
+from spmd_rl.model.loading import (  # noqa: E402
+    apply_fsdp,
+    count_parameters,
+    load_causal_lm,
+    materialize_random_model,
+    random_model_config,
+)
 from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
 from spmd_rl.runtime.gpu_memory import set_expandable_segments  # noqa: E402
-from spmd_rl.model.loading import (apply_fsdp, count_parameters, load_causal_lm, materialize_random_model,  # noqa: E402
-                            random_model_config)
+from spmd_rl.train.actor import actor_loss_fn  # noqa: E402
 from spmd_rl.train.old_logprobs import UpdateLogprobs  # noqa: E402
 from spmd_rl.train.optim import make_optimizer  # noqa: E402
 from spmd_rl.train.update import ppo_update  # noqa: E402
@@ -125,8 +130,8 @@ def sleeping_engine(args, env, model, model_dir: str):
 
     import bench_generation
 
-    from spmd_rl.rollout.vllm import engine as vllm_engine
     from spmd_rl.rollout.base import SamplingParams
+    from spmd_rl.rollout.vllm import engine as vllm_engine
     from spmd_rl.rollout.weight_sync import iter_weights
 
     shape = argparse.Namespace(arch=args.arch, max_tokens=512, prompts=64, samples=8)

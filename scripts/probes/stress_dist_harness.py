@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT]
 
 from dist_utils import run_distributed  # noqa: E402
-from test_update import LAYOUTS, _update_body  # noqa: E402
+from test_update import _update_body  # noqa: E402
 
 
 def main() -> int:

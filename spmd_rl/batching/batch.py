@@ -19,8 +19,8 @@ from typing import Iterator
 
 import torch
 
-from spmd_rl.runtime.distributed import all_reduce_max_int
 from spmd_rl.rollout.base import Completion
+from spmd_rl.runtime.distributed import all_reduce_max_int
 from spmd_rl.runtime.transfer import to_device
 
 

@@ -52,8 +52,16 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from spmd_rl.checkpoint import manifest as manifest_format
 from spmd_rl.checkpoint import space, writes
-from spmd_rl.checkpoint.reading import (MANIFEST, STEP_DIR, CheckpointError, complete_steps, current_rank,
-                                        current_world, pointer, verify)
+from spmd_rl.checkpoint.reading import (
+    MANIFEST,
+    STEP_DIR,
+    CheckpointError,
+    complete_steps,
+    current_rank,
+    current_world,
+    pointer,
+    verify,
+)
 from spmd_rl.checkpoint.staging import make_stager
 
 log = logging.getLogger("spmd_rl.checkpoint.checkpointer")  # the read and the write side log as the checkpointer

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from spmd_rl.config.checks import Rule, need, cannot_write
+from spmd_rl.config.checks import Rule, cannot_write, need
 from spmd_rl.errors import ConfigError  # noqa: F401
 
 if TYPE_CHECKING:

@@ -21,8 +21,8 @@ from fractions import Fraction
 from typing import Any, Callable, NamedTuple
 
 from spmd_rl.config.reward import RewardConfig
-from spmd_rl.user_import import import_object
 from spmd_rl.errors import UserError
+from spmd_rl.user_import import import_object
 
 log = logging.getLogger("spmd_rl")
 

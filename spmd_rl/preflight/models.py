@@ -136,8 +136,8 @@ def check_lora_targets(cfg: Config) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from spmd_rl.model.lora import decoder_linear_names
     from spmd_rl.model.loading import random_model_config
+    from spmd_rl.model.lora import decoder_linear_names
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(random_model_config(m.arch, m.path))

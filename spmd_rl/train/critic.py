@@ -10,9 +10,9 @@ import torch
 
 from spmd_rl.algo import algorithms as algos
 from spmd_rl.batching import sequence_parallel
-from spmd_rl.train.actor import per_token_outputs
 from spmd_rl.batching.batch import Batch
 from spmd_rl.config.critic import CriticConfig
+from spmd_rl.train.actor import per_token_outputs
 
 
 def forward_values(model: torch.nn.Module, mb: Batch) -> torch.Tensor:

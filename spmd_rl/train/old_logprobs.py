@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from spmd_rl.batching.batch import Batch, HostColumns
 from spmd_rl.algo.rollout_correction import is_weights
+from spmd_rl.batching.batch import Batch, HostColumns
 
 if TYPE_CHECKING:
     from spmd_rl.config.algorithm import AlgorithmConfig

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from spmd_rl.batching.batch import build_rollout_batch
 from spmd_rl.algo.dynamic_sampling import collect_informative_groups
-from spmd_rl.rollout.base import Completion
 from spmd_rl.algo.val_metrics import ks_for, majority_correct, pass_at_k, prompt_means, prompt_sums
+from spmd_rl.batching.batch import build_rollout_batch
+from spmd_rl.rollout.base import Completion
 
 
 def fake_round(rng: random.Random, prompts: int, n: int, p_uniform: float, first_id: int):

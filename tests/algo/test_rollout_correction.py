@@ -181,11 +181,11 @@ def test_engine_different_from_actor_weights_are_exact_ratios_and_mask_is_exact(
     exp(actor - engine) token by token, and mask exactly the tokens outside the bounds."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from spmd_rl.train.actor import compute_logprobs
     from spmd_rl.batching.batch import build_rollout_batch
     from spmd_rl.config.algorithm import AlgorithmConfig
     from spmd_rl.rollout.base import SamplingParams
     from spmd_rl.rollout.hf_engine import HFEngine
+    from spmd_rl.train.actor import compute_logprobs
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -243,9 +243,9 @@ def _masked_update_body(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import Qwen2ForCausalLM
 
-    from spmd_rl.train.actor import actor_loss_fn
     from spmd_rl.config.actor import ActorConfig
     from spmd_rl.model.loading import apply_fsdp, prepare_policy
+    from spmd_rl.train.actor import actor_loss_fn
     from spmd_rl.train.update import ppo_update
     from tests.train.test_update import make_batch, tiny_config
 

@@ -5,10 +5,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from tests.helpers.dist_utils import run_distributed
-
 from spmd_rl import preflight
 from spmd_rl.batching.batch import Batch, balanced_partition, plan_micro_batches
+from tests.helpers.dist_utils import run_distributed
 
 
 def tiny_config(**kw):
@@ -127,8 +126,8 @@ def param_grads(model):
 def test_packed_chunked_actor_equals_padded_full_logits(model_dir):
     """Log-probs, entropy and every parameter's gradient: packed rows + chunked head vs the plain
     padded batch with full logits (both float64)."""
-    from spmd_rl.train.actor import forward_logprobs
     from spmd_rl.model.loading import load_causal_lm
+    from spmd_rl.train.actor import forward_logprobs
 
     mb = ragged_batch([5, 11, 2, 8, 11])
     keep = mb["attention_mask"].bool()
@@ -149,8 +148,8 @@ def test_packed_chunked_actor_equals_padded_full_logits(model_dir):
 
 
 def test_packed_critic_values_and_gradients_equal_padded(model_dir):
-    from spmd_rl.train.critic import forward_values
     from spmd_rl.model.loading import load_value_model
+    from spmd_rl.train.critic import forward_values
 
     mb = ragged_batch([7, 3, 12, 1 + 1], seed=1)
     keep = mb["attention_mask"].bool()
@@ -217,8 +216,8 @@ def test_token_budget_micro_batch_count_is_agreed_across_ranks():
 
 
 def test_token_budget_logprobs_equal_fixed_size_logprobs(model_dir):
-    from spmd_rl.train.actor import compute_logprobs
     from spmd_rl.model.loading import load_causal_lm
+    from spmd_rl.train.actor import compute_logprobs
 
     batch = ragged_batch([3, 12, 7, 9, 2, 11, 5, 6])
     batch.tensors["response_mask"] = batch["attention_mask"].double()
@@ -265,15 +264,14 @@ def test_gradient_checkpointing_really_saves_activations_and_dropout_is_off(tmp_
     """transformers checkpoints a layer only in train() mode, so apply_fsdp must put the model there
     (the switch silently did nothing before), with every dropout zeroed so the forward stays
     deterministic. Checked by what autograd saves for backward."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from spmd_rl.train.actor import forward_logprobs
-    from spmd_rl.runtime.distributed import free_port
-    from spmd_rl.model.loading import apply_fsdp, load_causal_lm
-
     import os
 
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from spmd_rl.model.loading import apply_fsdp, load_causal_lm
+    from spmd_rl.runtime.distributed import free_port
+    from spmd_rl.train.actor import forward_logprobs
 
     torch.manual_seed(0)
     model_dir = str(tmp_path)  # a model whose config asks for attention dropout
@@ -301,8 +299,8 @@ def test_a_share_of_checkpointed_layers_saves_in_proportion_with_the_same_gradie
     """model.gradient_checkpointing_layers: with 2 of 4 layers checkpointed, autograd keeps half of
     what checkpointing all 4 saves over keeping every layer's activations; the log-probs and every
     gradient are those of no checkpointing (float64)."""
-    from spmd_rl.train.actor import forward_logprobs
     from spmd_rl.model.loading import checkpointed_layers, decoder_layers, load_causal_lm, set_gradient_checkpointing
+    from spmd_rl.train.actor import forward_logprobs
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=4)).save_pretrained(tmp_path)
@@ -335,8 +333,8 @@ def test_packed_rows_equal_padded_for_other_model_families(family):
     family must take as made: Llama and Qwen3 shapes give the padded path's log-probs (float64)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from spmd_rl.train.actor import forward_logprobs
     from spmd_rl.model.loading import prepare_policy
+    from spmd_rl.train.actor import forward_logprobs
 
     cls, config_cls = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen3": (Qwen3ForCausalLM, Qwen3Config)}[family]
     config = config_cls(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -7,10 +7,14 @@ import random
 import pytest
 import torch
 
+from spmd_rl.batching.rank_balance import (
+    block_bounds,
+    identity_placement,
+    karmarkar_karp,
+    max_over_mean,
+    plan_placement,
+)
 from tests.helpers.dist_utils import run_distributed
-
-from spmd_rl.batching.rank_balance import (block_bounds, identity_placement, karmarkar_karp, max_over_mean,
-                                  plan_placement)
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -192,10 +196,10 @@ def _update_body(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from spmd_rl.train.actor import actor_loss_fn
+    from spmd_rl.batching.rank_balance import balance_ranks
     from spmd_rl.config.actor import ActorConfig
     from spmd_rl.model.loading import apply_fsdp, prepare_policy
-    from spmd_rl.batching.rank_balance import balance_ranks
+    from spmd_rl.train.actor import actor_loss_fn
     from spmd_rl.train.update import ppo_update
 
     mesh = init_device_mesh("cpu", (world,))

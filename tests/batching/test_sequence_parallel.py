@@ -153,9 +153,9 @@ def _compare_updates(ref, got, what: str, keys=("grad_norm",)):
 
 
 def _actor_body(rank, world, model_dir, size, fsdp_size):
-    from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
     from spmd_rl.config.actor import ActorConfig
     from spmd_rl.model.loading import load_causal_lm
+    from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
 
     load = functools.partial(load_causal_lm, model_dir, torch.float64, remove_padding=True)
     batch = odd_batch(world, seed=1)
@@ -193,8 +193,8 @@ def _actor_body(rank, world, model_dir, size, fsdp_size):
 def _critic_body(rank, world, model_dir, size, fsdp_size):
     from spmd_rl.algo import algorithms as algos
     from spmd_rl.config.critic import CriticConfig
-    from spmd_rl.train.critic import compute_values, critic_loss_fn
     from spmd_rl.model.loading import load_value_model
+    from spmd_rl.train.critic import compute_values, critic_loss_fn
 
     load = functools.partial(load_value_model, model_dir, torch.float64, remove_padding=True)
     batch = odd_batch(world, seed=2)
@@ -241,10 +241,10 @@ def _replicated_kv_body(rank, world, model_dir):
     """One KV head, an SP group of 2: each rank gets a copy of it. Log-probs, entropy and the
     gradients of the sliced FSDP model against the same model unsliced on one rank."""
     from spmd_rl.batching import sequence_parallel
-    from spmd_rl.runtime import sp_groups
-    from spmd_rl.train.actor import forward_logprobs
-    from spmd_rl.runtime.distributed import fsdp_mesh
     from spmd_rl.model.loading import apply_fsdp, load_causal_lm
+    from spmd_rl.runtime import sp_groups
+    from spmd_rl.runtime.distributed import fsdp_mesh
+    from spmd_rl.train.actor import forward_logprobs
 
     sp = sp_groups.make_groups(2)
     plain = load_causal_lm(model_dir, torch.float64, remove_padding=True)
@@ -391,10 +391,9 @@ def test_long_response_preset_validates_on_2_4_and_8_gpus(tmp_path, monkeypatch)
     ulysses_size 2, a group's micro-batch holds the longest prompt + response, DAPO's switches."""
     import os
 
-    from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
     from spmd_rl.config.run_config import load_config
     from spmd_rl.errors import ConfigError
-
+    from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
     from tests.helpers import ROOT
 
     monkeypatch.setattr(vllm_kwargs, "vllm_import_problem", lambda: None)  # engine = "vllm" without vLLM here

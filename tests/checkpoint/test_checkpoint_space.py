@@ -17,12 +17,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.helpers import ROOT
-from tests.helpers.dist_utils import run_distributed
-
 from spmd_rl.checkpoint import space as space
 from spmd_rl.checkpoint.checkpointer import WRITE_THREADS, Checkpointer, ModelAndOptimizer
 from spmd_rl.checkpoint.writes import os_error
+from tests.helpers import ROOT
+from tests.helpers.dist_utils import run_distributed
 
 MB = 2**20
 
@@ -518,8 +517,8 @@ def test_the_last_save_not_written_ends_the_run_as_not_saved(monkeypatch, caplog
     checkpoint, never "finished" or "preempted" (the requeue status). Periodic saves that are not
     written (steps 2 and 4 here) change nothing: training goes on."""
     import spmd_rl.trainer as trainer_module
-    from spmd_rl.exit_codes import EXIT_NOT_SAVED
     from spmd_rl.config.run_config import Config
+    from spmd_rl.exit_codes import EXIT_NOT_SAVED
 
     cfg = Config()
     cfg.trainer.total_steps, cfg.trainer.save_every = 5, 2
@@ -572,12 +571,10 @@ def test_a_run_whose_checkpoints_do_not_fit_warns_goes_on_exits_4_and_resumes(tm
     again, the same command resumes from step 1, the latest complete checkpoint, and finishes (0).
     Under torchrun, which exits 1 for any failing rank, the rank records its own 4 where a SLURM task
     reads it (preemption.EXIT_STATUS_DIR_ENV): that task does not requeue, even after a stop signal."""
-    from tests.helpers.cpu_runs import run_cmd, tiny_cmd
-
     from launch.task import node_exit_status
-
     from spmd_rl.exit_codes import EXIT_NOT_SAVED
     from spmd_rl.runtime.preemption import EXIT_STATUS_DIR_ENV, recorded_exit_statuses
+    from tests.helpers.cpu_runs import run_cmd, tiny_cmd
 
     size = tiny_checkpoint_bytes()
     ckpt = small_filesystem.mount(int(1.6 * size))

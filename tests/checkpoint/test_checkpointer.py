@@ -15,10 +15,9 @@ import time
 import pytest
 import torch
 
-from tests.helpers.dist_utils import run_distributed
-
+from spmd_rl.checkpoint.checkpointer import MANIFEST, Checkpointer, CheckpointError, ModelAndOptimizer, verify
 from spmd_rl.exit_codes import EXIT_PREEMPTED
-from spmd_rl.checkpoint.checkpointer import MANIFEST, CheckpointError, Checkpointer, ModelAndOptimizer, verify
+from tests.helpers.dist_utils import run_distributed
 
 
 def make_model(seed: int = 0):

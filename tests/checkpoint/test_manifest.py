@@ -11,7 +11,7 @@ import pytest
 
 from spmd_rl import __version__
 from spmd_rl.checkpoint import manifest as manifest_format
-from spmd_rl.checkpoint.checkpointer import CheckpointError, Checkpointer, run_dir_of, saved_world_size
+from spmd_rl.checkpoint.checkpointer import Checkpointer, CheckpointError, run_dir_of, saved_world_size
 from spmd_rl.export import main as export
 from tests.checkpoint.test_checkpointer import save_steps
 from tests.checkpoint.test_old_checkpoint import OLD_RUNS

@@ -9,7 +9,6 @@ from spmd_rl.config.reference import field_docs, markdown_reference
 from spmd_rl.config.run_config import Config, load_config
 from spmd_rl.errors import ConfigError
 from spmd_rl.model.files import ModelFilesError
-
 from tests.helpers import ROOT
 
 
@@ -95,8 +94,8 @@ def test_a_single_value_is_a_list_of_one_and_anything_list_like_shows_the_syntax
     assert cfg.data.train_files == ["a.parquet", "b.parquet"] and cfg.rollout.stop_token_ids == [5, 6]
     for override in ["data.train_files=[a.parquet]", "data.train_files=a.parquet,b.parquet"]:
         with pytest.raises(ConfigError, match=re.escape(
-                f"is not a list: write a TOML list, quoted for the shell: data.train_files='[\"a.parquet\", "
-                f"\"b.parquet\"]'")):
+                "is not a list: write a TOML list, quoted for the shell: data.train_files='[\"a.parquet\", "
+                "\"b.parquet\"]'")):
             load_config(None, [override])
     with pytest.raises(ConfigError, match=re.escape("rollout.stop_token_ids='[1, 2]'")):
         load_config(None, ["rollout.stop_token_ids=5,6"])
@@ -307,8 +306,8 @@ def test_lora_without_peft_is_one_user_error(tmp_path, monkeypatch):
     (["model.lora_rank=8"], ["model.lora_rank=8", "model.lora_alpha=64"], "model.lora_alpha changed (32.0 -> 64.0)"),
 ])
 def test_a_resume_with_another_lora_adapter_is_refused(tmp_path, old, new, needle):
-    from spmd_rl.preflight.resume import check_resume_config
     from spmd_rl.config.toml_io import to_toml
+    from spmd_rl.preflight.resume import check_resume_config
 
     (tmp_path / "config.toml").write_text(to_toml(load_config(None, [f"trainer.run_dir={tmp_path}", *old])))
     (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)

@@ -9,10 +9,10 @@ import pytest
 from spmd_rl import preflight
 from spmd_rl.config.older_configs import OLD_BEHAVIOUR
 from spmd_rl.config.presets import resolve_config
-from spmd_rl.preflight.resume import check_resume_config, config_changes, flatten
 from spmd_rl.config.run_config import Config, load_config
 from spmd_rl.config.toml_io import to_dict, to_toml, tomllib
 from spmd_rl.errors import ConfigError
+from spmd_rl.preflight.resume import check_resume_config, config_changes, flatten
 from tests.checkpoint.test_old_checkpoint import OLD_RUNS, written_by
 
 # What differs between each fixture's config.toml and today's config for the command that wrote it,

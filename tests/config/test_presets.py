@@ -8,16 +8,15 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
-
 from spmd_rl.errors import ConfigError
+from tests.helpers import ROOT
 
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
 
 
 def test_presets_are_found_by_name_and_listed(tmp_path, monkeypatch):
-    from spmd_rl.ppo import main
     from spmd_rl.config.presets import describe_presets, resolve_config
+    from spmd_rl.ppo import main
 
     monkeypatch.chdir(tmp_path)  # not the repository root: configs/X.toml is not a relative path here
     assert resolve_config("tiny-cpu.toml") == resolve_config("tiny-cpu") == TINY

@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from spmd_rl.config.reward import RewardConfig
 from spmd_rl.data.prompts import DataError, PromptDataset, ShardedSampler, iter_eval_batches
 from spmd_rl.data.rewards import RewardFunction
-from spmd_rl.config.reward import RewardConfig
 from spmd_rl.data.synthetic import write_synthetic
 from spmd_rl.model.tokenizer import build_char_tokenizer
 from tests.helpers import ROOT
@@ -235,7 +235,7 @@ def test_synthetic_data_loads_and_is_scorable(tok, tmp_path, task):
 def test_synthetic_data_never_replaces_a_file(tmp_path):
     """write_synthetic refuses an existing file unless told to replace it; a run's own data is written
     once, kept on a restart (the same bytes), and its recipe recorded beside it."""
-    from spmd_rl.data.synthetic import recorded_recipe, recipe, run_data_files, write_run_data
+    from spmd_rl.data.synthetic import recipe, recorded_recipe, run_data_files, write_run_data
 
     (tmp_path / "val.parquet").write_text("mine")
     with pytest.raises(FileExistsError, match="val.parquet exists"):

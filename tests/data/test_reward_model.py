@@ -10,15 +10,14 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
+from spmd_rl.config.run_config import load_config
+from spmd_rl.model.files import ModelFilesError
+from spmd_rl.model.reward_model import RewardModelError, conversation, plan_forwards, render
+from spmd_rl.model.tokenizer import build_char_tokenizer
+from spmd_rl.preflight import models as model_checks
 from tests.helpers import ROOT
 from tests.helpers.cpu_runs import run_cmd, tiny_cmd
 from tests.helpers.dist_utils import run_distributed
-
-from spmd_rl.config.run_config import load_config
-from spmd_rl.preflight import models as model_checks
-from spmd_rl.model.reward_model import RewardModelError, conversation, plan_forwards, render
-from spmd_rl.model.files import ModelFilesError
-from spmd_rl.model.tokenizer import build_char_tokenizer
 
 TEXTS = [("384", "5"), ("12", "3 and more"), ("7", ""), ("what is 2+2?", "4\n#### 4"), ("99", "0")]
 
@@ -106,8 +105,8 @@ def test_plan_forwards_sorts_by_length_and_keeps_the_budget():
 def _score_worker(rank, world, path, per_rank, max_tokens, template):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from spmd_rl.model.reward_model import RewardModel
     from spmd_rl.model.loading import build_sharded, load_reward_model, reward_pad_id
+    from spmd_rl.model.reward_model import RewardModel
 
     tok = AutoTokenizer.from_pretrained(path)
     load = functools.partial(load_reward_model, path, torch.float32, reward_pad_id(path, tok))

@@ -6,8 +6,15 @@ import sys
 import pytest
 
 from spmd_rl.config.reward import RewardConfig
-from spmd_rl.data.rewards import (RewardError, RewardFunction, extract_first_integer, extract_gsm8k_answer,
-                             load_custom_reward, score_gsm8k, score_synthetic)
+from spmd_rl.data.rewards import (
+    RewardError,
+    RewardFunction,
+    extract_first_integer,
+    extract_gsm8k_answer,
+    load_custom_reward,
+    score_gsm8k,
+    score_synthetic,
+)
 
 
 @pytest.mark.parametrize("text,strict,flexible", [

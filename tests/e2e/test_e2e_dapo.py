@@ -2,12 +2,11 @@
 pass@k validation: every step trains on exactly data.train_batch_size informative groups although
 many groups are uniform, and a run resumed mid-way draws the same data and samples."""
 
+import os
+import re
 import shutil
 
 import pytest
-
-import os
-import re
 
 from tests.e2e.test_e2e import documented_metrics
 from tests.helpers import ROOT

@@ -32,12 +32,12 @@ def test_the_tiny_models_frozen_head_bounds_its_logits_and_tiny_lora_does_not():
     frozen, a logit is at most |E_t| x |final norm's output| (RMSNorm at weight 1: sqrt(hidden)), about
     1.3 at tiny's initializer range and about 6 at tiny-lora's; the warning is given for the one only."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     from spmd_rl.build import tiny_lora_problem
     from spmd_rl.config.run_config import load_config
     from spmd_rl.model.loading import random_model_config
     from tests.helpers.cpu_runs import TINY
-    from transformers import AutoModelForCausalLM
 
     bounds = {}
     for arch in ("tiny", "tiny-lora"):
@@ -119,10 +119,9 @@ def test_lora_with_packing_token_budgets_and_gradient_checkpointing(tmp_path, mo
     the chunked log-prob head; the adapter trains and the engine samples the actor's policy: with the
     adapter sync, given the base at the first step only and the adapter at every step; merged, given
     every weight at every step."""
-    from tests.helpers.cpu_runs import TINY
-
     from spmd_rl.ppo import main
     from spmd_rl.rollout.hf_engine import HFEngine
+    from tests.helpers.cpu_runs import TINY
 
     calls = {"load_weights": 0, "load_adapter": 0}
     for method in calls:
@@ -174,9 +173,8 @@ def run_in_process(tmp_path, steps, *overrides):
     """One rank in this process, `steps` steps of the tiny preset with LoRA, no validation; the metrics
     and the log. Every step the engine sampled the actor's policy and the adapter got a gradient (the
     entropy bonus gives one where every reward of a step is 0, as often at random weights)."""
-    from tests.helpers.cpu_runs import TINY
-
     from spmd_rl.ppo import main
+    from tests.helpers.cpu_runs import TINY
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)

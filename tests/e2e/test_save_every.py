@@ -7,10 +7,9 @@ import signal
 import subprocess
 import time
 
+from spmd_rl.exit_codes import EXIT_PREEMPTED
 from tests.helpers import ROOT
 from tests.helpers.cpu_runs import run_cmd, tiny_cmd
-
-from spmd_rl.exit_codes import EXIT_PREEMPTED
 
 
 def test_save_every_minus_one_writes_no_checkpoint_at_the_end(tmp_path):

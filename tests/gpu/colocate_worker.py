@@ -40,14 +40,19 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from spmd_rl.model.loading import reshard  # noqa: E402  (the trainer's own: checked by root_sharded below)
 from spmd_rl.config.run_config import Config  # noqa: E402
+from spmd_rl.model.loading import (  # noqa: E402
+    build_sharded,
+    load_causal_lm,
+    materialize_random_model,
+    random_model_config,
+    reshard,  # noqa: E402  (the trainer's own: checked by root_sharded below)
+)
+from spmd_rl.rollout.base import SamplingParams  # noqa: E402
+from spmd_rl.rollout.vllm import sleep as vllm_sleep  # noqa: E402
+from spmd_rl.rollout.weight_sync import iter_weights  # noqa: E402
 from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
 from spmd_rl.runtime.gpu_memory import GiB  # noqa: E402
-from spmd_rl.model.loading import build_sharded, load_causal_lm, materialize_random_model, random_model_config  # noqa: E402
-from spmd_rl.rollout.vllm import sleep as vllm_sleep  # noqa: E402
-from spmd_rl.rollout.base import SamplingParams  # noqa: E402
-from spmd_rl.rollout.weight_sync import iter_weights  # noqa: E402
 
 QWEN_EOS = 151643  # <|endoftext|> of the Qwen2 tokenizer
 
@@ -139,7 +144,7 @@ def main() -> None:
     args = ap.parse_args()
 
     env = init_distributed("cuda")
-    rank, world, dev = env.rank, env.world_size, env.device
+    rank, world = env.rank, env.world_size
     res: dict = {"rank": rank, "world": world, "arch": args.arch, "tp": args.tp,
                  "expandable_segments": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "ok": False}
     os.makedirs(args.out, exist_ok=True)

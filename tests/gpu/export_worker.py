@@ -29,9 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from spmd_rl.checkpoint.checkpointer import ModelAndOptimizer  # noqa: E402
 from spmd_rl.config.run_config import load_config  # noqa: E402
-from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
 from spmd_rl.model.loading import DTYPES, apply_fsdp, load_causal_lm  # noqa: E402
 from spmd_rl.rollout.weight_sync import iter_weights  # noqa: E402
+from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
 
 
 def disk_logprobs(cfg, model_dir: str, seqs):

@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from spmd_rl.config.run_config import Config  # noqa: E402
-from spmd_rl.model.lora import LoraSettings, adapter_disabled  # noqa: E402
 from spmd_rl.model.loading import build_sharded, load_causal_lm  # noqa: E402
+from spmd_rl.model.lora import LoraSettings, adapter_disabled  # noqa: E402
 from spmd_rl.rollout.weight_sync import gather_adapter, iter_base_weights, iter_weights  # noqa: E402
 from spmd_rl.runtime.distributed import fsdp_mesh, init_distributed  # noqa: E402
 
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    env = init_distributed("cuda")
+    init_distributed("cuda")  # the process group the engine joins
     from spmd_rl.rollout.vllm.engine import VLLMEngine
 
     cfg = Config()

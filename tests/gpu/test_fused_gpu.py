@@ -32,8 +32,8 @@ def test_fused_kernels_match_the_unfused_path_on_gpu(env):
     from transformers import AutoModelForCausalLM
 
     from spmd_rl.model import fused_kernels
-    from spmd_rl.train.actor import forward_logprobs
     from spmd_rl.model.loading import apply_fsdp, prepare_policy, random_model_config
+    from spmd_rl.train.actor import forward_logprobs
 
     dev = env.device
     config = random_model_config("qwen2-0.5b")
@@ -105,9 +105,8 @@ def test_head_weight_gradient_accumulates_in_one_float32_addmm_per_chunk_on_gpu(
     (`out_dtype` float32: spmd_rl.model.logprob_head._accumulate), eager and compiled head alike, and
     the gradient is as close to the float64 formula as the CPU's matmul-and-add path gets
     (tests/batching/test_packing.py)."""
-    from tests.batching.test_packing import head_weight_grad_error
-
     from spmd_rl.model import logprob_head
+    from tests.batching.test_packing import head_weight_grad_error
 
     for fused in ("none", "compile"):
         err = head_weight_grad_error("cuda", fused)

@@ -50,7 +50,6 @@ assumption broke, not the update.
 from __future__ import annotations
 
 import pytest
-
 from runs import SMALL_ON_VLLM, check_run, keep_logs, read_metrics, skip_reason, summary, train_side_by_side
 
 pytestmark = pytest.mark.gpu

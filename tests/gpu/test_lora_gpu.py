@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from runs import REPO, random_model_dir, skip_reason
 
 pytestmark = pytest.mark.gpu

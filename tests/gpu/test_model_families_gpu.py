@@ -32,7 +32,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 from runs import check_run, keep_logs, random_model_dir, read_metrics, skip_reason, summary, train
 
 pytestmark = pytest.mark.gpu

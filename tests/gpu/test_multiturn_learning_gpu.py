@@ -31,7 +31,6 @@ above the no-environment run's last 5 steps. Wall time: the pair side by side to
 from __future__ import annotations
 
 import pytest
-
 from runs import SMALL_ON_VLLM, check_run, keep_logs, skip_reason, summary, train_side_by_side
 
 pytestmark = pytest.mark.gpu

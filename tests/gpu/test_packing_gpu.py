@@ -30,8 +30,8 @@ def test_packed_varlen_matches_padded_on_gpu(arch):
         pytest.skip("needs CUDA")
     from transformers import AutoModelForCausalLM
 
-    from spmd_rl.train.actor import forward_logprobs
     from spmd_rl.model.loading import prepare_policy, random_model_config
+    from spmd_rl.train.actor import forward_logprobs
 
     dev = torch.device("cuda")
     config = random_model_config(arch)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from runs import REPO, card_gib, check_run, expected_saves, keep_logs, random_model_dir, skip_reason, summary, train
 
 from spmd_rl.config.run_config import load_config
-from runs import REPO, card_gib, check_run, expected_saves, keep_logs, random_model_dir, skip_reason, summary, train
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,6 @@ import math
 
 import pytest
 import torch
-
 from runs import check_run, keep_logs, model_root, random_model_dir, skip_reason, summary, train
 from test_presets_gpu import PRESETS, preset_overrides
 

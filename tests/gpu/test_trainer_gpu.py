@@ -24,7 +24,6 @@ and a resume each, are tests/gpu/test_presets_gpu.py.
 from __future__ import annotations
 
 import pytest
-
 from runs import check_run, keep_logs, random_model_dir, skip_reason, summary, train
 from test_presets_gpu import preset_overrides
 

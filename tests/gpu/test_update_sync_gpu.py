@@ -61,11 +61,11 @@ def test_the_sync_counter_sees_forward_and_backward_waits():
 def test_update_waits_as_often_over_8_micro_batches_as_over_1(env, fused):
     from bench_train import rollout_batch
 
-    from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
     from spmd_rl.batching.batch import plan_micro_batches
     from spmd_rl.config.actor import ActorConfig
     from spmd_rl.config.algorithm import AlgorithmConfig
     from spmd_rl.model.loading import apply_fsdp, prepare_policy, random_model_config
+    from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
     from spmd_rl.train.old_logprobs import UpdateLogprobs
     from spmd_rl.train.optim import make_optimizer
     from spmd_rl.train.update import ppo_update

@@ -32,13 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from spmd_rl.batching import sequence_parallel  # noqa: E402
-
-from spmd_rl.runtime import sp_groups
-from spmd_rl.train.actor import actor_loss_fn, compute_logprobs  # noqa: E402
 from spmd_rl.batching.batch import Batch  # noqa: E402
 from spmd_rl.config.actor import ActorConfig  # noqa: E402
-from spmd_rl.runtime.distributed import all_reduce_sum, init_distributed  # noqa: E402
 from spmd_rl.model.loading import apply_fsdp, prepare_policy, random_model_config  # noqa: E402
+from spmd_rl.runtime import sp_groups
+from spmd_rl.runtime.distributed import all_reduce_sum, init_distributed  # noqa: E402
+from spmd_rl.train.actor import actor_loss_fn, compute_logprobs  # noqa: E402
 from spmd_rl.train.update import ppo_update  # noqa: E402
 
 ROWS = 4

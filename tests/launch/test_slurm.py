@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from launch.jobs import FINAL_STATES, job_info, wait_finished, wait_for
-from launch.slurm import LaunchSpec, executor_parameters, main as launch_main, parse_args, submit
+from launch.slurm import LaunchSpec, executor_parameters, parse_args, submit
+from launch.slurm import main as launch_main
 from launch.task import node_exit_status, rendezvous_port
 from tests.helpers import ROOT
 

@@ -11,14 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from tests.helpers import ROOT
-
 from spmd_rl import preflight
 from spmd_rl.build import check_tokenizer_vocab
 from spmd_rl.config.run_config import load_config
 from spmd_rl.model.files import ModelFilesError, check_vocab, loading, safetensors_problem
 from spmd_rl.model.loading import ARCH_PRESETS, load_causal_lm, load_value_model
 from spmd_rl.model.tokenizer import build_char_tokenizer, load_tokenizer
+from tests.helpers import ROOT
 
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
 

@@ -10,16 +10,16 @@ import logging
 
 import pytest
 import torch
-from tests.helpers.dist_utils import run_distributed
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from spmd_rl import preflight
-from spmd_rl.model import fused_kernels
-from spmd_rl.train.actor import forward_logprobs
 from spmd_rl.batching.batch import Batch
 from spmd_rl.errors import ConfigError
+from spmd_rl.model import fused_kernels
 from spmd_rl.model.loading import prepare_policy
+from spmd_rl.train.actor import forward_logprobs
 from tests.config.test_config import valid_cfg
+from tests.helpers.dist_utils import run_distributed
 
 
 def tiny_model(seed=0):
@@ -179,8 +179,8 @@ def test_compiled_layer_on_cuda_is_one_graph_with_the_varlen_kernel(monkeypatch)
 
 
 def _layer_symbols_under_fsdp_body(rank, world, base):
-    from spmd_rl.runtime.distributed import fsdp_mesh
     from spmd_rl.model.loading import apply_fsdp
+    from spmd_rl.runtime.distributed import fsdp_mesh
 
     symbols = []
 

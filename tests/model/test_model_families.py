@@ -23,9 +23,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config
 
-from tests.helpers.dist_utils import run_distributed
-
 from spmd_rl.batching.batch import Batch, build_rollout_batch
+from tests.helpers.dist_utils import run_distributed
 
 
 def family_config(family: str):
@@ -103,11 +102,11 @@ def test_gemma3_packed_hidden_states_equal_transformers_padded_forward_per_layer
 def test_packed_attention_refuses_what_it_cannot_run_in_one_line(monkeypatch):
     """Sliding windows where the CUDA kernel takes none (torch 2.10/2.11's varlen_attn), soft-capped
     attention (Gemma 2): refused at validation, model.remove_padding named."""
-    from spmd_rl.preflight import models as model_checks
     from spmd_rl.config.run_config import config_from_dict
     from spmd_rl.errors import ConfigError
     from spmd_rl.model import varlen_attention
     from spmd_rl.model.loading import check_packable
+    from spmd_rl.preflight import models as model_checks
 
     cfg = config_from_dict({"model": {"init": "random", "arch": "gemma3-1b", "remove_padding": True}})
     model_checks.check_packed_attention(cfg)  # on CPU the per-sequence path applies the window
@@ -277,9 +276,9 @@ def test_qwen3_keep_thinking_template_renders_single_turn_prompts_as_qwen3s_own(
 
 
 def test_chat_template_key_refuses_a_file_it_cannot_read_in_one_line():
-    from spmd_rl.preflight import models as model_checks
     from spmd_rl.config.run_config import config_from_dict
     from spmd_rl.errors import ConfigError
+    from spmd_rl.preflight import models as model_checks
 
     for value in ("no_such_template", "/nowhere/t.jinja"):
         with pytest.raises(ConfigError, match="rollout.chat_template = .*cannot read") as e:

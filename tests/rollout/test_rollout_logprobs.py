@@ -11,15 +11,14 @@ import types
 import pytest
 import torch
 
-from tests.helpers.dist_utils import run_distributed
-
 from spmd_rl import preflight
+from spmd_rl.algo.rollout_correction import mismatch_metrics
 from spmd_rl.batching.batch import build_rollout_batch
 from spmd_rl.config.run_config import Config
 from spmd_rl.errors import ConfigError
 from spmd_rl.rollout.base import Completion, SamplingParams
-from spmd_rl.algo.rollout_correction import mismatch_metrics
 from tests.config.test_config import valid_cfg
+from tests.helpers.dist_utils import run_distributed
 
 
 def config(**changes) -> Config:
@@ -177,8 +176,8 @@ def test_mismatch_metrics_are_token_means_over_every_ranks_rows():
 
 
 def test_the_correction_refuses_rows_without_logprobs():
-    from spmd_rl.config.algorithm import AlgorithmConfig
     from spmd_rl.algo.rollout_correction import actor_update_batch
+    from spmd_rl.config.algorithm import AlgorithmConfig
 
     batch, _ = rollout_rows(2, prompts=2, n=2, asks=[True, False])
     with pytest.raises(RuntimeError, match="needs every row's rollout log-probs"):

@@ -64,8 +64,7 @@ def _reshard_body(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from spmd_rl.model.loading import reshard
-    from spmd_rl.model.loading import apply_fsdp
+    from spmd_rl.model.loading import apply_fsdp, reshard
 
     model = apply_fsdp(Qwen2ForCausalLM(tiny(True)), init_device_mesh("cpu", (world,)), torch.float32)
     with torch.no_grad():

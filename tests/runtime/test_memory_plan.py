@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, LlamaConfig, Qwen2Config
 
-from tests.helpers import ROOT
-from spmd_rl.preflight import memory as mc
 from spmd_rl.config.run_config import load_config
 from spmd_rl.errors import UserError, report
 from spmd_rl.model.loading import ARCH_PRESETS
+from spmd_rl.preflight import memory as mc
 from spmd_rl.runtime import memory_plan as mp
+from tests.helpers import ROOT
 
 GiB = 2**30
 H100_TOTAL = 79.2 * GiB  # what torch.cuda.mem_get_info reports on an 80 GB H100
@@ -311,8 +311,8 @@ def test_the_optimizer_step_holds_adamws_temporary_and_the_offloaded_moments(tmp
 def test_host_memory_line_for_the_engine_kept_at_sleep_level_1(tmp_path):
     """LoRA's adapter sync keeps vLLM's bf16 weights in pinned host memory while training (sleep level 1):
     the start-up says how much per node, and warns where it nears what the node has; level 2 keeps none."""
-    from spmd_rl.preflight.memory import host_memory_line
     from spmd_rl.config.run_config import load_config
+    from spmd_rl.preflight.memory import host_memory_line
 
     base = ['model.init="random"', 'model.path=""', 'model.arch="qwen2-7b"', 'model.tokenizer="char"',
             "trainer.save_every=-1"]
@@ -334,8 +334,8 @@ def test_host_memory_line_counts_offloaded_state_and_checkpoint_staging(tmp_path
     run, and an asynchronous save keeps a staging copy of the trained models' parameters and moments:
     PPO at 7B on 4 ranks of one node, counted by hand from the shape's parameter counts (the offloaded
     part, 44.6 GiB, is what PPO at 7B on four H100s measured as memory/offloaded_gb: 44.58)."""
-    from spmd_rl.preflight.memory import host_memory_line
     from spmd_rl.config.run_config import load_config
+    from spmd_rl.preflight.memory import host_memory_line
 
     base = ['model.init="random"', 'model.path=""', 'model.arch="qwen2-7b"', 'model.tokenizer="char"',
             'algorithm.adv_estimator="gae"', "rollout.offload_train_states=true"]

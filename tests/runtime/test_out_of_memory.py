@@ -15,7 +15,6 @@ from __future__ import annotations
 import glob
 import os
 import subprocess
-import sys
 import weakref
 
 import pytest

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from spmd_rl.runtime.distributed import free_port
 from spmd_rl.exit_codes import EXIT_PREEMPTED
+from spmd_rl.runtime.distributed import free_port
 from spmd_rl.runtime.preemption import REQUEUE_SIGNALS, StopFlag
 from tests.helpers import ROOT as REPO
 
@@ -78,8 +78,12 @@ def test_a_sigterm_alone_never_interrupts(stop):
 
 
 def test_exit_status_and_closing_lines_are_recorded_per_rank(tmp_path, monkeypatch):
-    from spmd_rl.runtime.preemption import (EXIT_STATUS_DIR_ENV, record_exit_status, recorded_exit_statuses,
-                                            recorded_messages)
+    from spmd_rl.runtime.preemption import (
+        EXIT_STATUS_DIR_ENV,
+        record_exit_status,
+        recorded_exit_statuses,
+        recorded_messages,
+    )
 
     monkeypatch.setenv(EXIT_STATUS_DIR_ENV, str(tmp_path))
     for rank, code, message in ((0, 2, "error: actor.lr = -1.0 must be > 0\n"), (1, 2, None)):

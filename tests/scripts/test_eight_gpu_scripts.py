@@ -18,8 +18,8 @@ from tests.helpers import ROOT
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
 from runs import expected_saves  # noqa: E402
-from spmd_rl import preflight
 
+from spmd_rl import preflight
 
 SHIPPED = os.path.join(ROOT, "scripts", "bench", "shipped_7b.sh")
 WEAK = os.path.join(ROOT, "scripts", "bench", "weak_scaling.sh")
@@ -58,8 +58,8 @@ def parse(argv: list[str]) -> tuple[int, str, list[str]]:
 
 def loaded(argv: list[str], monkeypatch):
     """The command's config, validated for its ranks on one node, and its start-up memory plan on 80 GB cards."""
-    from spmd_rl.preflight.memory import check_memory
     from spmd_rl.config.run_config import load_config
+    from spmd_rl.preflight.memory import check_memory
     from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
 
     monkeypatch.setattr(vllm_kwargs, "vllm_import_problem", lambda: None)  # no vLLM on the CI machine
@@ -72,8 +72,8 @@ def loaded(argv: list[str], monkeypatch):
 
 
 def flat(cfg) -> dict:
-    from spmd_rl.preflight.resume import flatten
     from spmd_rl.config.toml_io import to_dict
+    from spmd_rl.preflight.resume import flatten
 
     return flatten(to_dict(cfg))
 

@@ -20,8 +20,8 @@ import gpu_check_machine  # noqa: E402
 import gpu_check_plan  # noqa: E402
 import gpu_check_results  # noqa: E402
 from test_presets_gpu import CPU_PRESETS, PRESETS, preset_overrides  # noqa: E402
-from spmd_rl import preflight
 
+from spmd_rl import preflight
 
 CONFIGS = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".toml"))
 
@@ -159,13 +159,13 @@ def test_family_runs_validate_and_fit_one_80_gb_gpu(family, monkeypatch, tmp_pat
     a valid config on one GPU and predicted to fit an 80 GB card, with the shape of the family's own
     config class (not a Qwen2 read of it)."""
     import torch
+    from test_model_families_gpu import FAMILIES, RUN, family_overrides
     from transformers import AutoModelForCausalLM
 
-    from spmd_rl.preflight.memory import check_memory, model_shape
     from spmd_rl.config.run_config import load_config
     from spmd_rl.model.loading import preset_config
+    from spmd_rl.preflight.memory import check_memory, model_shape
     from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
-    from test_model_families_gpu import FAMILIES, RUN, family_overrides
 
     monkeypatch.setattr(vllm_kwargs, "vllm_import_problem", lambda: None)  # no vLLM on the CI machine
     overrides = [a for a in family_overrides("unused") if not a.startswith(("model.path=", "model.init="))]

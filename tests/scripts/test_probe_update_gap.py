@@ -16,14 +16,13 @@ sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))
 
 
 def _body(rank, world, base):
+    import probe_update_gap
     import torch
 
-    import probe_update_gap
-
-    from spmd_rl.runtime.distributed import init_distributed
     from spmd_rl.model.loading import apply_fsdp, load_causal_lm, materialize_random_model, random_model_config
-    from spmd_rl.rollout.vllm import engine as vllm_engine
     from spmd_rl.rollout.base import Completion
+    from spmd_rl.rollout.vllm import engine as vllm_engine
+    from spmd_rl.runtime.distributed import init_distributed
 
     calls = []
 

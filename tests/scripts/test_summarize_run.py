@@ -80,8 +80,8 @@ def test_runs_with_and_without_the_old_logprob_pass_share_a_table(tmp_path):
 def shipped_7b_line(gpus: int, tmp_path, *overrides: str) -> tuple[str, dict[str, float]]:
     """The start-up memory line of configs/qwen7b.toml (with `overrides`) on `gpus` 80 GB cards, as the
     trainer logs it, and its phases' GiB."""
-    from spmd_rl.preflight.memory import plan_for
     from spmd_rl.config.run_config import load_config
+    from spmd_rl.preflight.memory import plan_for
 
     cfg = load_config(str(REPO / "configs" / "qwen7b.toml"), ['model.init="random"', 'model.arch="qwen2-7b"',
                                                               'model.path=""', f'trainer.run_dir="{tmp_path}"',

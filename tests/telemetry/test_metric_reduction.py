@@ -7,9 +7,10 @@ from tests.helpers.dist_utils import run_distributed
 
 
 def _body(rank, world):
+    import torch
+
     from spmd_rl.runtime.distributed import all_reduce_metrics
     from spmd_rl.telemetry.metrics import rank_reduction
-    import torch
 
     mine = {"memory/update_actor_peak_gb": [30.0, 60.0, 45.0][rank],
             "memory/generate_device_gb": [70.0, 50.0, 60.0][rank],

@@ -3,8 +3,6 @@ clock), the end-of-run summary from metrics.jsonl, and the warning on a share of
 
 import json
 
-import pytest
-
 from spmd_rl.config.reward import RewardConfig
 from spmd_rl.data.rewards import RewardFunction, ScoringErrors
 from spmd_rl.telemetry import progress, run_summary

@@ -12,11 +12,10 @@ import time
 import pytest
 import torch
 
-from tests.helpers.dist_utils import run_distributed
-
 from spmd_rl import preflight
-from spmd_rl.telemetry import step_profiler
 from spmd_rl.errors import ConfigError
+from spmd_rl.telemetry import step_profiler
+from tests.helpers.dist_utils import run_distributed
 
 
 def test_phase_table_matches_the_phases_wall_time(tmp_path):

@@ -109,11 +109,11 @@ def grads_at_each_micro_batch(model, loss_fn):
 def _layouts_body(rank, world, model_dir, root, reference):
     import torch.distributed as dist
 
-    from spmd_rl.train.actor import actor_loss_fn
     from spmd_rl.checkpoint.checkpointer import Checkpointer, ModelAndOptimizer
     from spmd_rl.config.actor import ActorConfig
-    from spmd_rl.runtime.distributed import all_reduce_mean, fsdp_mesh
     from spmd_rl.model.loading import apply_fsdp, build_sharded, load_causal_lm
+    from spmd_rl.runtime.distributed import all_reduce_mean, fsdp_mesh
+    from spmd_rl.train.actor import actor_loss_fn
     from spmd_rl.train.optim import make_optimizer
     from spmd_rl.train.update import ppo_update
 

@@ -15,13 +15,12 @@ import os
 import pytest
 import torch
 
-from tests.helpers import ROOT
-from tests.helpers.dist_utils import run_distributed
-
 from spmd_rl import preflight
 from spmd_rl.batching.batch import Batch
 from spmd_rl.config.run_config import Config
 from spmd_rl.train.old_logprobs import UpdateLogprobs
+from tests.helpers import ROOT
+from tests.helpers.dist_utils import run_distributed
 
 TINY = os.path.join(ROOT, "configs", "tiny-cpu.toml")
 
@@ -95,8 +94,8 @@ def test_start_up_line_names_the_path():
 
 def test_masks_cannot_be_deferred_to_the_update():
     """actor_update_batch without old log-probs (the shortcut) refuses a correction that changes the mask."""
-    from spmd_rl.config.algorithm import AlgorithmConfig
     from spmd_rl.algo.rollout_correction import actor_update_batch
+    from spmd_rl.config.algorithm import AlgorithmConfig
     from tests.train.test_update import make_batch
 
     batch = make_batch()
@@ -130,11 +129,11 @@ def _update(batch, policy_loss, is_level, shortcut, pass_tokens):
     log-probs from a pass of `pass_tokens`-token micro-batches, or from the update's forward."""
     from transformers import Qwen2ForCausalLM
 
-    from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
+    from spmd_rl.algo.rollout_correction import actor_update_batch
     from spmd_rl.config.actor import ActorConfig
     from spmd_rl.config.algorithm import AlgorithmConfig
     from spmd_rl.model.loading import prepare_policy
-    from spmd_rl.algo.rollout_correction import actor_update_batch
+    from spmd_rl.train.actor import actor_loss_fn, compute_logprobs
     from spmd_rl.train.update import ppo_update
     from tests.train.test_update import tiny_config
 
@@ -201,10 +200,10 @@ def test_rows_seen_twice_are_an_error():
     after an optimizer step) cannot hand back old log-probs."""
     from transformers import Qwen2ForCausalLM
 
-    from spmd_rl.train.actor import actor_loss_fn
     from spmd_rl.config.actor import ActorConfig
     from spmd_rl.config.algorithm import AlgorithmConfig
     from spmd_rl.model.loading import prepare_policy
+    from spmd_rl.train.actor import actor_loss_fn
     from spmd_rl.train.update import ppo_update
     from tests.train.test_update import tiny_config
 

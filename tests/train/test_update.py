@@ -6,9 +6,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from tests.helpers.dist_utils import run_distributed
-
 from spmd_rl.batching.batch import Batch
+from tests.helpers.dist_utils import run_distributed
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -72,9 +71,9 @@ LAYOUTS = {"padded-full-logits": (False, False, 0), "packed-chunked-token-budget
 def _update_body(rank, world, layout):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from spmd_rl.train.actor import actor_loss_fn
     from spmd_rl.config.actor import ActorConfig
     from spmd_rl.model.loading import apply_fsdp, prepare_policy
+    from spmd_rl.train.actor import actor_loss_fn
     from spmd_rl.train.update import ppo_update
 
     remove_padding, chunked, max_tokens = LAYOUTS[layout]
@@ -109,8 +108,8 @@ def test_distributed_micro_batched_update_matches_full_batch_reference(layout):
 def _fsdp_logprobs_body(rank, world, model_dir):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from spmd_rl.train.actor import compute_logprobs
     from spmd_rl.model.loading import apply_fsdp, load_causal_lm
+    from spmd_rl.train.actor import compute_logprobs
 
     mesh = init_device_mesh("cpu", (world,))
     batch = make_batch(seed=1)
@@ -201,10 +200,10 @@ def test_update_reads_device_values_once_whatever_its_micro_batches(device_stand
     the device once per update (the metrics, MetricSums.read), never per micro-batch: no read in the
     layout, the model, the loss or the on-policy log-probs, which on a GPU would each wait for the
     queued forward and backward and leave the GPU idle while the host launches the next work."""
-    from spmd_rl.train.actor import actor_loss_fn
     from spmd_rl.config.actor import ActorConfig
     from spmd_rl.config.algorithm import AlgorithmConfig
     from spmd_rl.model.loading import prepare_policy
+    from spmd_rl.train.actor import actor_loss_fn
     from spmd_rl.train.old_logprobs import UpdateLogprobs
     from spmd_rl.train.update import ppo_update
 
@@ -251,10 +250,10 @@ def test_log_prob_pass_and_critic_update_read_no_device_value_per_micro_batch(de
     """The no-grad log-prob pass (actor.compute_logprobs: old and reference log-probs) reads nothing
     from the device until its queued copies have all landed (HostColumns.result); the critic's update
     reads once, as the actor's. Its log-probs equal the plain padded model's."""
-    from spmd_rl.train.actor import compute_logprobs
     from spmd_rl.config.critic import CriticConfig
-    from spmd_rl.train.critic import critic_loss_fn
     from spmd_rl.model.loading import load_value_model, prepare_policy
+    from spmd_rl.train.actor import compute_logprobs
+    from spmd_rl.train.critic import critic_loss_fn
     from spmd_rl.train.update import ppo_update
 
     batch = make_batch(rows=8)

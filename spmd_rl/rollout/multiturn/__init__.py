@@ -22,8 +22,13 @@ from spmd_rl.rollout.base import Completion, RolloutEngine, SamplingParams
 from spmd_rl.rollout.multiturn.bridge import Bridge
 from spmd_rl.rollout.multiturn.environment import TOOL_METRICS, Environment, StepResult, ToolEnvironment
 from spmd_rl.rollout.multiturn.faults import FAULT_METRICS, FaultLog
-from spmd_rl.rollout.multiturn.loop import (Setting, merge_trajectory_metrics, new_trajectories, run_lockstep,
-                                            trajectory_metrics)
+from spmd_rl.rollout.multiturn.loop import (
+    Setting,
+    merge_trajectory_metrics,
+    new_trajectories,
+    run_lockstep,
+    trajectory_metrics,
+)
 from spmd_rl.rollout.multiturn.parsers import PARSERS, CallError, ToolCall
 from spmd_rl.rollout.multiturn.tools import ToolRunner, load_tools
 from spmd_rl.runtime.distributed import all_gather_union

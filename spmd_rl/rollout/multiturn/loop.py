@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
-from spmd_rl.runtime.distributed import all_reduce_max_int
+from spmd_rl.model.tokenizer import decode_response
 from spmd_rl.rollout.base import Completion, RolloutEngine, SamplingParams
 from spmd_rl.rollout.multiturn.bridge import Bridge, TemplateError
 from spmd_rl.rollout.multiturn.deadline import Outcome, call_all
 from spmd_rl.rollout.multiturn.environment import BadStepResult, Environment, check_step_result
 from spmd_rl.rollout.multiturn.faults import FaultLog
-from spmd_rl.model.tokenizer import decode_response
+from spmd_rl.runtime.distributed import all_reduce_max_int
 
 STOP_REASONS = ("answer", "max_turns", "length", "bridge_overflow", "env_error", "env_timeout")
 """Why a trajectory ended: the episode was over ("answer": the model answered without a tool call,

@@ -63,11 +63,11 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.model.loading import DTYPES
-from spmd_rl.runtime.gpu_memory import engine_build_allocator, expandable_segments_requested, set_expandable_segments
-from spmd_rl.rollout.vllm import sleep as vllm_sleep
 from spmd_rl.rollout.base import Completion, SamplingParams
+from spmd_rl.rollout.vllm import sleep as vllm_sleep
 from spmd_rl.rollout.vllm.model_inspection import in_process_inspection
 from spmd_rl.rollout.vllm.outputs import completion, logprob_request, paused_gc, supports_flat_logprobs
+from spmd_rl.runtime.gpu_memory import engine_build_allocator, expandable_segments_requested, set_expandable_segments
 
 log = logging.getLogger(__name__)
 

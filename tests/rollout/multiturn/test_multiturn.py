@@ -3,27 +3,23 @@ from a tools chat template, tool failures, budgets, environments, the lockstep l
 the config's refusals. Engines are doubles replaying scripted tokens where the point is the layout."""
 
 import json
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from tests.helpers.dist_utils import run_distributed
-
 from spmd_rl.batching.batch import build_rollout_batch, response_token_ids
-from spmd_rl.preflight import user_code
 from spmd_rl.config.run_config import config_from_dict
-from spmd_rl.errors import ConfigError
 from spmd_rl.data.prompts import PromptRecord
+from spmd_rl.errors import ConfigError
+from spmd_rl.preflight import user_code
 from spmd_rl.rollout.base import Completion, SamplingParams
 from spmd_rl.rollout.multiturn import MultiTurnRollout
 from spmd_rl.rollout.multiturn.bridge import Bridge, TemplateError
 from spmd_rl.rollout.multiturn.parsers import CallError, HermesParser, ToolCall
-from spmd_rl.rollout.multiturn.tools import ToolRunner, load_tools
+from tests.helpers.dist_utils import run_distributed
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
@@ -361,9 +357,9 @@ def test_masked_loss_packed_equals_padded_and_bridge_tokens_do_not_count(tmp_pat
     packed and padded, and equal the reference computed from the model tokens alone."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from spmd_rl.train.actor import forward_logprobs
     from spmd_rl.algo.algorithms import agg_loss
     from spmd_rl.model.loading import load_causal_lm
+    from spmd_rl.train.actor import forward_logprobs
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=48,
@@ -442,10 +438,9 @@ def test_merged_metrics_of_two_calls_are_those_of_all_their_trajectories():
 def _dynamic_sampling_body(rank, world, base):
     import spmd_rl.algo.dynamic_sampling as ds
     import spmd_rl.rollout.multiturn as mt
+    from spmd_rl.trainer import PhaseTimer
     from tests.e2e.test_multiturn_e2e import HIDDEN
     from tests.train.test_old_logprobs import _trainer
-
-    from spmd_rl.trainer import PhaseTimer
 
     rounds, keys = [], set()
     original = mt.trajectory_metrics

@@ -12,15 +12,23 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.helpers import multiturn_tools
-from tests.helpers.dist_utils import run_distributed
-from tests.rollout.multiturn.test_multiturn import IM_END, IM_START, Record, ScriptedEngine, call, chatml_tokenizer, rollout_cfg, tools_cfg
-
 from spmd_rl.data.prompts import PromptDataset, PromptRecord
 from spmd_rl.rollout.base import Completion, SamplingParams
 from spmd_rl.rollout.multiturn import MultiTurnRollout
 from spmd_rl.rollout.multiturn.bridge import Bridge
 from spmd_rl.rollout.multiturn.tools import ToolRunner, load_tools
+from tests.helpers import multiturn_tools
+from tests.helpers.dist_utils import run_distributed
+from tests.rollout.multiturn.test_multiturn import (
+    IM_END,
+    IM_START,
+    Record,
+    ScriptedEngine,
+    call,
+    chatml_tokenizer,
+    rollout_cfg,
+    tools_cfg,
+)
 
 
 class SameTurnEngine:

@@ -16,8 +16,8 @@ import types
 import pytest
 import torch.distributed as dist
 
-from spmd_rl.runtime import gpu_memory
 from spmd_rl.config.run_config import load_config
+from spmd_rl.runtime import gpu_memory
 from spmd_rl.runtime.distributed import free_port
 
 

@@ -8,16 +8,16 @@ vllm/entrypoints/llm.py). Where vLLM is installed, the last test checks them aga
 
 import logging
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 from spmd_rl import preflight
-from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
 from spmd_rl.config.run_config import Config, config_from_dict, load_config
 from spmd_rl.config.toml_io import to_dict, to_toml
 from spmd_rl.errors import ConfigError
 from spmd_rl.preflight.resume import check_resume_config, config_changes
+from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
 from spmd_rl.rollout.vllm.engine import engine_kwargs, step_capture_sizes
 from spmd_rl.rollout.vllm.kwargs import FIXED, ROLLOUT_KEYS, check_engine_kwargs
 

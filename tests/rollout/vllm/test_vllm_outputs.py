@@ -14,10 +14,9 @@ import pytest
 import torch.distributed as dist
 
 from spmd_rl.config.run_config import load_config
-from spmd_rl.runtime.distributed import free_port
-from spmd_rl.rollout.vllm import outputs as vo
 from spmd_rl.rollout.base import SamplingParams
-
+from spmd_rl.rollout.vllm import outputs as vo
+from spmd_rl.runtime.distributed import free_port
 
 # --------------------------------------------------------------------------- stand-ins for vLLM 0.26
 
