@@ -120,19 +120,9 @@ def test_lora_with_packing_token_budgets_and_gradient_checkpointing(tmp_path, mo
     adapter sync, given the base at the first step only and the adapter at every step; merged, given
     every weight at every step."""
     from spmd_rl.ppo import main
-    from spmd_rl.rollout.hf_engine import HFEngine
     from tests.helpers.cpu_runs import TINY
 
-    calls = {"load_weights": 0, "load_adapter": 0}
-    for method in calls:
-        original = getattr(HFEngine, method)
-
-        def counted(self, *args, _original=original, _method=method):
-            calls[_method] += 1
-            return _original(self, *args)
-
-        monkeypatch.setattr(HFEngine, method, counted)
-
+    calls = count_engine_loads(monkeypatch)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)
     run_dir = tmp_path / "run"
