@@ -96,6 +96,17 @@ ARCH_PRESETS: dict[str, dict] = {
                       tie_word_embeddings=True, max_position_embeddings=32768, query_pre_attn_scalar=256,
                       sliding_window=512, sliding_window_pattern=6, rope_theta=1000000.0,
                       rope_local_base_freq=10000.0, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh"),
+    # Mixture of experts (docs/moe.md). "qwen3-moe-tiny": the CPU default job's size with 8 experts, top-2,
+    # in every layer. "qwen3-30b-a3b": Qwen/Qwen3-30B-A3B's config.json (48 layers, 128 experts, top-8).
+    "qwen3-moe-tiny": dict(model_type="qwen3_moe", vocab_size=64, hidden_size=64, intermediate_size=128,
+                           moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           tie_word_embeddings=True, max_position_embeddings=512),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1000000.0,
+                          rms_norm_eps=1e-6),
 }
 
 
