@@ -11,7 +11,10 @@ A random-weight model of the preset shape is written once to --model-root (no hu
       VLLMEngine.load_weights) at several bucket sizes, the naive per-tensor `full_tensor()` sync,
       gather-only and load-only splits, against a floor = bytes moved / bandwidth measured in the
       same run (fp32->bf16 cast + all_gather + copy into the engine's parameters);
-  (c) sleep and wake seconds; (d) peak device memory (driver view, polled) per phase.
+  (c) sleep and wake seconds; (d) peak device memory (driver view, polled) per phase;
+  (e) the long tail: --prompts x --samples requests of the plain LLM, each of its own length from
+      --length-profile (length_profile.py; EOS ignored), stepped by hand: generation wall, the share
+      of it after 90% of the requests finished, tokens/s ("none" skips it).
 --engine-kwargs hands more vllm.LLM arguments to both engines (as rollout.engine_kwargs) to compare
 vLLM settings: give each variant its own --out. Prints a short table last (rank 0) and writes JSON to
 --out/bench_<arch>_tp<K>_w<W>.json.
@@ -32,6 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import length_profile  # noqa: E402  (scripts/bench/: the script's own directory)
 from spmd_rl.config.rollout import RolloutConfig  # noqa: E402
 from spmd_rl.config.run_config import Config
 from spmd_rl.errors import ConfigError
@@ -139,6 +143,9 @@ def main() -> None:
                     help='more vllm.LLM arguments for both engines, as rollout.engine_kwargs (checked the same way), '
                          'e.g. \'{"async_scheduling": true}\'')
     ap.add_argument("--skip-plain", action="store_true")
+    ap.add_argument("--length-profile", default=length_profile.DEFAULT,
+                    help="per-request lengths of the tail run (e): lognormal:mean=M,sigma=S,cap=C, uniform:N, "
+                         "hist:FILE, or none; the engines' max_model_len fits the cap")
     ap.add_argument("--model-root", default="/tmp/spmd_rl_models")
     ap.add_argument("--out", default="/tmp/bench_rollout")
     args = ap.parse_args()
@@ -148,6 +155,10 @@ def main() -> None:
         ap.error(f"--engine-kwargs is not JSON: {e}")
     if not isinstance(extra, dict):
         ap.error(f"--engine-kwargs must be a JSON object, got {args.engine_kwargs}")
+    try:
+        profile = None if args.length_profile == "none" else length_profile.parse(args.length_profile)
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
     try:  # as a run's config check: no argument of ours replaced, every name one vllm.LLM takes
         check_engine_kwargs(RolloutConfig(engine="vllm", engine_kwargs=extra))
     except ConfigError as e:
@@ -180,7 +191,8 @@ def main() -> None:
     r.cudagraph_capture_sizes = [int(s) for s in args.capture_sizes.split(",") if s] if not args.eager else []
     r.weight_sync_bucket_mb = args.bucket_mb
     r.temperature, r.n = args.temperature, args.samples
-    cfg.data.max_prompt_length, cfg.data.max_response_length = args.prompt_len, args.max_tokens
+    cfg.data.max_prompt_length = args.prompt_len
+    cfg.data.max_response_length = max(args.max_tokens, profile.cap if profile else 0)
     r.engine_kwargs = extra  # both engines get them (engine_kwargs)
 
     from vllm import LLM
@@ -221,6 +233,16 @@ def main() -> None:
             runs["plain_seeded"].append(timed_generate(lambda: llm.generate(requests, seeded, use_tqdm=False)))
         res["plain_gen"], res["plain_seeded_gen"] = summarize_runs(runs["plain"]), summarize_runs(runs["plain_seeded"])
         say("plain", res["plain_gen"], "seeded", res["plain_seeded_gen"])
+        if profile is not None:  # (e) the same prompts, each sample its own request of its own length
+            poller.phase("plain_tail")
+            tail_prompts = [p for p in P for _ in range(args.samples)]
+            lengths = length_profile.draw(profile, len(tail_prompts), seed=replica)
+            params = [to_vllm_sampling(SamplingParams(temperature=args.temperature, max_new_tokens=n), [QWEN_EOS],
+                                       seed=j, ignore_eos=True) for j, n in enumerate(lengths)]
+            llm.reset_prefix_cache()
+            start, finishes = length_profile.timed_run(llm, tail_prompts, params)
+            res["plain_tail"] = {"profile": args.length_profile, **length_profile.tail_report(start, finishes, lengths)}
+            say("tail", res["plain_tail"])
         poller.phase("plain_shutdown")
         shutdown_llm(llm)
         del llm
