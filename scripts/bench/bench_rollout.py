@@ -36,6 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import length_profile  # noqa: E402  (scripts/bench/: the script's own directory)
+
 from spmd_rl.config.rollout import RolloutConfig  # noqa: E402
 from spmd_rl.config.run_config import Config
 from spmd_rl.errors import ConfigError
