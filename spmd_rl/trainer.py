@@ -49,6 +49,7 @@ from spmd_rl.model.reward_model import conversation
 from spmd_rl.model.tokenizer import decode_response
 from spmd_rl.preflight.memory import OutOfMemory, out_of_memory_message
 from spmd_rl.rollout.base import SamplingParams
+from spmd_rl.rollout import partial
 from spmd_rl.rollout.multiturn import MultiTurnRollout, merge_trajectory_metrics
 from spmd_rl.rollout.weight_sync import gather_adapter, iter_base_weights, iter_weights
 from spmd_rl.runtime.distributed import DistEnv, all_reduce_mean, all_reduce_metrics, all_reduce_sum
@@ -135,6 +136,7 @@ class Trainer:
         with self.startup("engine"):
             self.engine, self.engine_dtype, self.engine_replica = build_engine(cfg, env, models.model_dir,
                                                                               models.model_key, self.tokenizer)
+        self.partial = partial.from_config(cfg, env.world_size, self.device)  # rollout.partial_rollouts
         self.engine_has_base = False  # LoRA's adapter sync: the base goes in at the first sync only
         self.kl_ctrl = (algos.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.target_kl, cfg.algorithm.kl_horizon)
                         if cfg.algorithm.kl_ctrl == "adaptive" else algos.FixedKLController(cfg.algorithm.kl_coef))
@@ -167,6 +169,8 @@ class Trainer:
         False: it is not written (skipped for lack of disk space, or its write failed: the
         checkpointer logged why, and the previous complete checkpoint stays the latest); True: it
         is complete (`wait`) or being written in the background."""
+        if self.partial is not None:  # the carried-over groups are not saved: a resume goes on without them
+            self.partial.drop_all()
         t0 = time.perf_counter()
         path = self.checkpointer.save(self.step, self._stateful(), self._trainer_state())
         if path is None or (wait and not self.checkpointer.wait()):
@@ -255,10 +259,13 @@ class Trainer:
     def generate(self, records, train: bool, timer: PhaseTimer, round_: int = 0) -> Batch:
         self.sync_weights(timer)
         with timer("generate"):
-            prompts = [rec.prompt_ids for rec in records]
             # every rank calls generate, also with no prompts: a TP group gathers its prompts collectively
-            if self.multi_turn is None:
-                completions = self.engine.generate(prompts, self._sampling(train, round_))
+            if train and self.partial is not None:  # the step's complete groups, carried-over ones first
+                records, completions, partial_metrics = self.partial.step(
+                    self.engine, records, self.step, lambda k: self._sampling(train, k))
+                timer.metrics.update(partial_metrics)  # already reduced over ranks
+            elif self.multi_turn is None:
+                completions = self.engine.generate([rec.prompt_ids for rec in records], self._sampling(train, round_))
             else:
                 completions, turn_metrics = self.multi_turn.generate(self.engine, records, self._sampling(train, round_),
                                                                      self.cfg.data.max_response_length)
@@ -272,6 +279,7 @@ class Trainer:
                 self.train_offload.reload()
         if not records:
             return None
+        prompts = [rec.prompt_ids for rec in records]
         meta = {"data_source": [r.data_source for r in records], "ground_truth": [r.ground_truth for r in records],
                 "extra_info": [r.extra_info for r in records], "index": [r.index for r in records]}
         if self.reward_model is not None or self.multi_turn is not None:  # a conversation starts with the data's prompt
@@ -322,7 +330,9 @@ class Trainer:
         """This rank's scored rollouts of the step: the next prompts, or with DAPO dynamic sampling
         as many rounds of them as it takes to get enough informative groups."""
         def draw(round_: int) -> Batch:
-            batch = self.generate([self.train_data[i] for i in self.sampler.next_batch()], True, timer, round_)
+            draws = 1 if self.partial is None else self.partial.batches_to_draw()  # collective
+            batch = self.generate([self.train_data[i] for _ in range(draws) for i in self.sampler.next_batch()], True,
+                                  timer, round_)
             with timer("reward"):
                 self.score(batch, timer=timer)
             return batch

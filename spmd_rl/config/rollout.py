@@ -15,6 +15,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("bfloat16", "float16", "float32"),
     "sleep_level": ("0", "1", "2"),
     "calculate_log_probs": ("auto", "on", "off"),
+    "stale_policy": ("drop", "wait"),
 }
 """Each key that takes one of a few values: its values (checked by Config.check_choices)."""
 
@@ -123,6 +124,24 @@ class RolloutConfig:
     generate call (its first, then every k-th; all n responses of it) asks for them anyway, so the
     mismatch metrics (rollout/logprob_diff_*, rollout/mismatch_kl) are measured on those rows only;
     1 = every prompt, 0 = none (the metrics are then not logged). Validation never asks."""
+    partial_rollouts: bool = False
+    """Partial rollouts (spmd_rl/rollout/partial.py): a step's generation stops once each rank has its
+    prompts' worth of complete groups; the unfinished responses keep their tokens and log-probs and go
+    on in the next steps under newer weights. Turn it on when response lengths have a long tail (a
+    step waits for its longest response); with algorithm.rollout_is to correct for the older
+    policies (docs/training.md, "Partial rollouts"). Needs every response's log-probs; not with
+    multi-turn or algorithm.dynamic_sampling."""
+    partial_chunk_tokens: int = 256
+    """Partial rollouts: tokens per unfinished response per engine call; after each call the ranks
+    check whether the step's groups are complete. Smaller cuts closer to the batch, at one more
+    prefill of every running response per call."""
+    max_staleness: int = 1
+    """Partial rollouts: most policy versions (optimizer steps) between a group's first token and
+    the update that trains it."""
+    stale_policy: str = "drop"
+    """Partial rollouts: a group that would train older than max_staleness is dropped ("drop",
+    counted in rollout/stale_dropped), or finished within the step that reaches the bound ("wait":
+    no sample is lost, the step waits for it)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """vLLM: more keyword arguments of `vllm.LLM`, passed after the project's own (verl's
     `actor_rollout_ref.rollout.engine_kwargs.vllm`): a TOML table, e.g. `[rollout.engine_kwargs]`
@@ -189,6 +208,15 @@ class RolloutConfig:
               "together: put the tools' work into the environment's step, or drop one of them")
         need(self.max_turns >= 1, f"rollout.max_turns = {self.max_turns} must be >= 1")
 
+    def check_partial(self, dynamic_sampling: bool) -> None:
+        """What partial rollouts cannot carry over yet: episodes mid-way, dynamic sampling's rounds."""
+        if not self.partial_rollouts:
+            return
+        need(not self.multi_turn, "rollout.partial_rollouts does not carry multi-turn episodes over yet: turn off "
+             "rollout.partial_rollouts, or rollout.tools / rollout.environment")
+        need(not dynamic_sampling, "rollout.partial_rollouts and algorithm.dynamic_sampling cannot be used together "
+             "yet: turn one of them off")
+
     def check_sampling(self) -> None:
         need(self.n >= 1, "rollout.n must be >= 1")
         need(self.temperature > 0, "rollout.temperature must be > 0 for training rollouts")
@@ -231,6 +259,8 @@ class RolloutConfig:
             ("max_tool_response_tokens", self.max_tool_response_tokens >= 0, ">= 0 (0 = no limit)"),
             ("tool_pool_size", self.tool_pool_size >= 1, ">= 1"),
             ("logprob_sample_every", self.logprob_sample_every >= 0, ">= 0 (0 = no mismatch metrics)"),
+            ("partial_chunk_tokens", self.partial_chunk_tokens >= 1, ">= 1"),
+            ("max_staleness", self.max_staleness >= 1, ">= 1"),
         ]
 
     def check_logprobs(self, readers: list[str]) -> None:

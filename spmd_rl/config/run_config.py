@@ -167,8 +167,10 @@ class Config:
         """The settings that read every response's rollout log-probs (the engine's log-prob of
         each sampled token), as `key = value`; the mismatch metrics make do with a sample."""
         alg = self.algorithm
-        return [f"algorithm.{k} = {getattr(alg, k)!r}" for k in ("rollout_is", "rollout_mask", "rollout_reject_sequences")
-                if getattr(alg, k)]
+        readers = [f"algorithm.{k} = {getattr(alg, k)!r}"
+                   for k in ("rollout_is", "rollout_mask", "rollout_reject_sequences") if getattr(alg, k)]
+        # a carried-over response keeps the log-probs of the policy that sampled each token
+        return readers + (["rollout.partial_rollouts = true"] if self.rollout.partial_rollouts else [])
 
     def rollout_logprobs_plan(self) -> tuple[int, str]:
         """(SamplingParams.logprobs_every of the training rollouts: 1 = every prompt asks the engine

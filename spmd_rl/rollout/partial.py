@@ -1,0 +1,164 @@
+"""Partial rollouts: a step's generation stops once enough prompt groups are complete; the rest carry over.
+
+With `rollout.partial_rollouts` on, a step does not wait for its longest response. Each rank keeps a
+pool of prompt groups in flight: the groups carried over from earlier steps (oldest first), then the
+step's new prompts. The engine generates in rounds of `rollout.partial_chunk_tokens` tokens per
+unfinished response (a round resumes a response as a new request whose prompt is prompt + the tokens
+so far, with the tokens it has left; vLLM rebuilds the KV cache by prefill, prefix caching helps).
+After each round the ranks agree, by counts alone, whether every rank has its batch: the step's
+prompts per rank in complete groups (all n samples done: GRPO's advantages need the whole group),
+and, under stale_policy "wait", every group at the staleness bound complete. Never by clocks: in
+lockstep SPMD every rank (and tensor-parallel group) must make the same number of engine calls.
+
+Every response token keeps the policy version that sampled it (the number of optimizer steps behind
+the weights it was sampled with) and its behaviour log-prob under those weights: the rollout log-probs
+that rollout correction (spmd_rl/algo/rollout_correction.py, algorithm.rollout_is / rollout_mask)
+compares with the current actor. A group trains at most `rollout.max_staleness` versions after its
+first token: "drop" drops a group that would be older (counted in rollout/stale_dropped), "wait"
+finishes a group at the bound within its step. Groups train oldest first, so long responses are not
+starved.
+
+The pool holds about two steps' prompts: the first step draws two batches of prompts, later steps one
+(more where drops left a rank short), the same number on every rank. A checkpoint does not hold the
+carried groups: a save drops them (rollout/dropped_at_save), in a run that goes on as in one resumed
+from it, so both continue alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from spmd_rl.rollout.base import Completion, SamplingParams
+from spmd_rl.runtime.distributed import all_reduce_sum
+
+
+@dataclass
+class Response:
+    """One sample of a group, as far as it got: its tokens, their behaviour log-probs and versions."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    """"" while it runs; then "stop" or "length" (Completion.finish_reason)."""
+
+    def completion(self) -> Completion:
+        return Completion(list(self.tokens), list(self.logprobs), self.finish_reason)
+
+
+@dataclass
+class Group:
+    """A prompt and its n responses; `born`: the policy version of the step that started it."""
+
+    record: object  # data.prompts.PromptRecord
+    born: int
+    responses: list[Response]
+
+    @property
+    def complete(self) -> bool:
+        return all(r.finish_reason for r in self.responses)
+
+
+class PartialRollouts:
+    """One rank's groups in flight and the step's cut (the module docstring)."""
+
+    def __init__(self, n: int, per_rank: int, max_response_length: int, chunk_tokens: int, max_staleness: int,
+                 stale_policy: str, device: torch.device):
+        self.n, self.per_rank, self.max_len = n, per_rank, max_response_length
+        self.chunk, self.max_staleness, self.stale_policy = chunk_tokens, max_staleness, stale_policy
+        self.device = device
+        self.carried: list[Group] = []
+        self.dropped_at_save = 0
+
+    def batches_to_draw(self) -> int:
+        """How many batches of new prompts this step draws: enough to bring the pool of the rank with
+        the fewest carried groups to two batches (collective: every rank draws the same number)."""
+        short = torch.tensor([max(0, 2 * self.per_rank - len(self.carried))], dtype=torch.float64, device=self.device)
+        short = int(all_reduce_sum(short, op=torch.distributed.ReduceOp.MAX).item())
+        return max(1, -(-short // self.per_rank))
+
+    def drop_all(self) -> None:
+        """At a checkpoint: the carried groups are not saved."""
+        self.dropped_at_save += len(self.carried)
+        self.carried = []
+
+    def step(self, engine, records: list, version: int,
+             sampling: Callable[[int], SamplingParams]) -> tuple[list, list[list[Completion]], dict[str, float]]:
+        """Generate until every rank has `per_rank` complete groups (collective), and return this
+        step's records, their completions (behaviour log-probs per token) and the metrics, reduced over
+        ranks. `version`: the policy version of the engine's weights now; `sampling(round)`: the
+        round's sampling settings (its seed)."""
+        pool, dropped = [], 0
+        for g in sorted(self.carried, key=lambda g: g.born):  # oldest first
+            if version - g.born > self.max_staleness:  # only "drop" lets a group get this old
+                dropped += 1
+            else:
+                pool.append(g)
+        pool += [Group(rec, version, [Response() for _ in range(self.n)]) for rec in records]
+        rounds = 0
+        while not self._agreed(pool, version):
+            self._round(engine, pool, version, sampling(rounds))
+            rounds += 1
+        done = [g for g in pool if g.complete][:self.per_rank]  # oldest first: pool order
+        chosen = set(map(id, done))
+        self.carried = [g for g in pool if id(g) not in chosen]
+        metrics = self._metrics(done, version, dropped, rounds)
+        return [g.record for g in done], [[r.completion() for r in g.responses] for g in done], metrics
+
+    def _must_finish(self, g: Group, version: int) -> bool:
+        return self.stale_policy == "wait" and version - g.born >= self.max_staleness
+
+    def _agreed(self, pool: list[Group], version: int) -> bool:
+        """Whether every rank has its batch (collective: one all-reduce of a count)."""
+        ready = sum(g.complete for g in pool) >= self.per_rank and all(
+            g.complete for g in pool if self._must_finish(g, version))
+        running = any(not g.complete for g in pool)
+        flag = torch.tensor([0.0 if (ready or not running) else 1.0], dtype=torch.float64, device=self.device)
+        return all_reduce_sum(flag, op=torch.distributed.ReduceOp.MAX).item() == 0.0
+
+    def _round(self, engine, pool: list[Group], version: int, sampling: SamplingParams) -> None:
+        """One engine call: every unfinished response (carried groups first) for up to chunk_tokens
+        more tokens. Every rank calls, also with none to run (a tensor-parallel group gathers)."""
+        running = [(g, r) for g in pool for r in g.responses if not r.finish_reason]
+        prompts = [list(g.record.prompt_ids) + r.tokens for g, r in running]
+        limits = [min(self.chunk, self.max_len - len(r.tokens)) for _, r in running]
+        one = SamplingParams(1, sampling.temperature, sampling.top_p, sampling.top_k, self.chunk,
+                             list(sampling.stop_token_ids), sampling.seed, logprobs_every=1)
+        outs = engine.generate(prompts, one, max_new_tokens=limits, asks_logprobs=[True] * len(prompts))
+        for (_, r), limit, (c,) in zip(running, limits, outs):
+            r.tokens += c.token_ids
+            r.logprobs += c.logprobs
+            r.versions += [version] * len(c.token_ids)
+            if c.finish_reason == "stop" or len(r.tokens) >= self.max_len:
+                r.finish_reason = c.finish_reason if c.finish_reason == "stop" else "length"
+
+    def _metrics(self, done: list[Group], version: int, dropped: int, rounds: int) -> dict[str, float]:
+        """rollout/staleness_mean and _max over the trained tokens (versions behind the weights that
+        train them), rollout/staleness_share_k (k = 0..max_staleness: a histogram), stale_dropped,
+        dropped_at_save, carried_groups (after the cut, summed over ranks), rounds (engine calls)."""
+        ages = torch.tensor([version - v for g in done for r in g.responses for v in r.versions], dtype=torch.float64)
+        hist = [float((ages == k).sum()) for k in range(self.max_staleness + 1)]
+        sums = torch.tensor([float(ages.sum()), float(len(ages)), dropped, self.dropped_at_save, len(self.carried),
+                             *hist], dtype=torch.float64, device=self.device)
+        sums = all_reduce_sum(sums)
+        top = all_reduce_sum(torch.tensor([float(ages.max()) if len(ages) else 0.0], dtype=torch.float64,
+                                          device=self.device), op=torch.distributed.ReduceOp.MAX)
+        self.dropped_at_save = 0
+        tokens = max(sums[1].item(), 1.0)
+        out = {"rollout/staleness_mean": sums[0].item() / tokens, "rollout/staleness_max": top.item(),
+               "rollout/stale_dropped": sums[2].item(), "rollout/dropped_at_save": sums[3].item(),
+               "rollout/carried_groups": sums[4].item(), "rollout/partial_rounds": float(rounds)}
+        out.update({f"rollout/staleness_share_{k}": sums[5 + k].item() / tokens for k in range(len(hist))})
+        return out
+
+
+def from_config(cfg, world_size: int, device: torch.device) -> PartialRollouts | None:
+    """The trainer's partial rollouts (rollout.partial_rollouts), or None when off."""
+    r = cfg.rollout
+    if not r.partial_rollouts:
+        return None
+    return PartialRollouts(r.n, cfg.data.train_batch_size // world_size, cfg.data.max_response_length,
+                           r.partial_chunk_tokens, r.max_staleness, r.stale_policy, device)

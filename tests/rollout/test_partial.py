@@ -1,0 +1,140 @@
+"""spmd_rl/rollout/partial.py on a scripted engine: the cut by complete groups, the versions and
+behaviour log-probs every token keeps, the rollout-correction weights they give, the staleness bound
+under "drop" and "wait", and two ranks cutting in lockstep."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from spmd_rl.algo.rollout_correction import is_weights
+from spmd_rl.batching.batch import build_rollout_batch
+from spmd_rl.data.prompts import PromptRecord
+from spmd_rl.rollout.base import Completion, SamplingParams
+from spmd_rl.rollout.partial import PartialRollouts
+from tests.helpers.dist_utils import run_distributed
+
+STOP = 99
+
+
+class ScriptedEngine:
+    """Prompt [g] samples response s of group g to LENGTHS[g][s] tokens (token 7, then STOP at the
+    end when that is shorter than the limit); each token's log-prob is -0.1 x (version + 1), version
+    being the weights the test "synced" last. Counts its calls."""
+
+    def __init__(self, lengths: dict[int, list[int]]):
+        self.lengths, self.version, self.calls = lengths, 0, 0
+
+    def generate(self, prompts, sampling, max_new_tokens=None, asks_logprobs=None):
+        assert sampling.n == 1 and all(asks_logprobs)
+        self.calls += 1
+        out = []
+        for prompt, limit in zip(prompts, max_new_tokens):
+            g, so_far = prompt[0], len(prompt) - 2  # prompt = [g, s] + the tokens so far
+            target = self.lengths[g][prompt[1]]
+            n = min(limit, target - so_far)
+            stops = so_far + n == target
+            tokens = [7] * (n - 1) + [STOP if stops else 7]
+            out.append([Completion(tokens, [-0.1 * (self.version + 1)] * n, "stop" if stops else "length")])
+        return out
+
+
+def records(*groups):
+    return [PromptRecord(g, [g], "t", "0") for g in groups]
+
+
+def run_step(pr, engine, recs, version):
+    engine.version = version
+    return pr.step(engine, recs, version, lambda k: SamplingParams(seed=k))
+
+
+class TwoSamples(PartialRollouts):
+    """Sample s of a group sees the prompt [g, s], so the scripted engine knows which sample it runs."""
+
+    def _round(self, engine, pool, version, sampling):
+        super()._round(_Tagged(engine, pool), pool, version, sampling)
+
+
+class _Tagged:
+    def __init__(self, engine, pool):
+        self.engine, self.pool = engine, pool
+
+    def generate(self, prompts, sampling, max_new_tokens=None, asks_logprobs=None):
+        running = [(g, s) for g in self.pool for s, r in enumerate(g.responses) if not r.finish_reason]
+        tagged = [[g.record.prompt_ids[0], s] + p[1:] for (g, s), p in zip(running, prompts)]
+        return self.engine.generate(tagged, sampling, max_new_tokens, asks_logprobs)
+
+
+LENGTHS = {0: [2, 2], 1: [8, 8], 2: [2, 4], 3: [4, 4], 4: [2, 2], 5: [2, 2], 6: [2, 2], 7: [2, 2]}
+
+
+def new(policy="drop"):
+    return TwoSamples(n=2, per_rank=2, max_response_length=8, chunk_tokens=2, max_staleness=1, stale_policy=policy,
+                      device=torch.device("cpu"))
+
+
+def test_versions_logprobs_and_correction_weights_are_exact():
+    pr, eng = new(), ScriptedEngine(LENGTHS)
+    recs, comps, m = run_step(pr, eng, records(0, 1, 2, 3), version=0)
+    # after two rounds groups 0, 2, 3 are complete: the first two in pool order train, 1 (4 tokens) and 3 carry
+    assert [r.index for r in recs] == [0, 2] and eng.calls == 2 and m["rollout/partial_rounds"] == 2
+    assert [[len(c.token_ids) for c in cs] for cs in comps] == [[2, 2], [2, 4]]
+    assert [g.record.index for g in pr.carried] == [1, 3] and pr.carried[0].responses[0].versions == [0] * 4
+    assert m["rollout/staleness_max"] == 0 and m["rollout/carried_groups"] == 2
+
+    recs, comps, m = run_step(pr, eng, records(4, 5), version=1)
+    # one round: group 1 reaches 6 tokens; 3 (carried complete, oldest) and 4 train, 1 and 5 carry
+    assert [r.index for r in recs] == [3, 4] and eng.calls == 3
+    assert comps[0][0].logprobs == pytest.approx([-0.1] * 4) and comps[1][0].logprobs == pytest.approx([-0.2] * 2)
+    assert m["rollout/staleness_mean"] == pytest.approx(8 / 12) and m["rollout/staleness_max"] == 1
+    assert m["rollout/staleness_share_1"] == pytest.approx(8 / 12) and m["rollout/staleness_share_0"] == pytest.approx(4 / 12)
+    carried = pr.carried[0].responses[0]
+    assert carried.versions == [0, 0, 0, 0, 1, 1] and carried.logprobs == pytest.approx([-0.1] * 4 + [-0.2] * 2)
+
+    # the actor now (version 1) gives -0.2 to every token: token-level TIS = exp(actor - behaviour)
+    batch = build_rollout_batch([r.prompt_ids for r in recs], comps, 0)
+    mask = batch["response_mask"]
+    w = is_weights(torch.full_like(mask, -0.2) * mask, batch["rollout_logprobs"], mask, "token", 2.0)
+    assert w[mask > 0][:8].tolist() == pytest.approx([math.exp(-0.1)] * 8)  # group 3: one version old
+    assert w[mask > 0][8:].tolist() == pytest.approx([1.0] * 4)  # group 4: sampled by this policy
+
+    # version 2: group 1 (first token at version 0) would train 2 versions old: dropped, counted
+    recs, _, m = run_step(pr, eng, records(6, 7), version=2)
+    assert [r.index for r in recs] == [5, 6] and m["rollout/stale_dropped"] == 1
+    assert m["rollout/staleness_max"] <= 1
+
+
+def test_wait_finishes_the_groups_at_the_bound():
+    pr, eng = new("wait"), ScriptedEngine(LENGTHS)
+    run_step(pr, eng, records(0, 1, 2, 3), version=0)
+    recs, comps, m = run_step(pr, eng, records(4, 5), version=1)
+    # group 1 is at the bound: the step runs until its 8 tokens are done (two more rounds), and it trains first
+    assert [r.index for r in recs] == [1, 3] and m["rollout/partial_rounds"] == 2 and m["rollout/stale_dropped"] == 0
+    assert comps[0][0].logprobs == pytest.approx([-0.1] * 4 + [-0.2] * 4)
+    assert m["rollout/staleness_max"] == 1
+    _, _, m = run_step(pr, eng, records(6, 7), version=2)
+    assert m["rollout/stale_dropped"] == 0 and m["rollout/staleness_max"] <= 1
+
+
+def test_a_save_drops_the_carried_groups_and_counts_them():
+    pr, eng = new(), ScriptedEngine(LENGTHS)
+    run_step(pr, eng, records(0, 1, 2, 3), version=0)
+    pr.drop_all()
+    assert pr.carried == [] and pr.batches_to_draw() == 2
+    _, _, m = run_step(pr, eng, records(4, 5, 6, 7), version=1)
+    assert m["rollout/dropped_at_save"] == 2 and m["rollout/staleness_max"] == 0
+
+
+def _lockstep(rank, world):
+    # rank 0's groups finish in one round, rank 1's need four: both make the same engine calls
+    eng = ScriptedEngine({0: [2, 2], 1: [2, 2], 2: [8, 8], 3: [8, 8]})
+    pr = new()
+    recs, _, m = run_step(pr, eng, records(0, 1) if rank == 0 else records(2, 3), version=0)
+    assert eng.calls == 4 and m["rollout/partial_rounds"] == 4 and len(recs) == 2
+    assert pr.batches_to_draw() == 2
+
+
+def test_two_ranks_cut_in_lockstep():
+    run_distributed(_lockstep, 2)
