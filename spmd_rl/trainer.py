@@ -48,8 +48,8 @@ from spmd_rl.model.lora import adapter_disabled
 from spmd_rl.model.reward_model import conversation
 from spmd_rl.model.tokenizer import decode_response
 from spmd_rl.preflight.memory import OutOfMemory, out_of_memory_message
-from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.rollout import partial
+from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.rollout.multiturn import MultiTurnRollout, merge_trajectory_metrics
 from spmd_rl.rollout.weight_sync import gather_adapter, iter_base_weights, iter_weights
 from spmd_rl.runtime.distributed import DistEnv, all_reduce_mean, all_reduce_metrics, all_reduce_sum

@@ -22,3 +22,17 @@ def test_the_first_failing_check_speaks(tmp_path, overrides, first):
     with pytest.raises(ConfigError) as e:
         preflight.validate(valid_cfg(tmp_path, overrides), world_size=1)
     assert str(e.value).startswith(first), str(e.value)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (['rollout.environment="my_env:Env"'], "rollout.partial_rollouts does not carry multi-turn episodes over yet"),
+    (["algorithm.dynamic_sampling=true"], "rollout.partial_rollouts and algorithm.dynamic_sampling cannot"),
+    (['rollout.calculate_log_probs="off"'], "rollout.calculate_log_probs = 'off' but rollout.partial_rollouts"),
+    (['rollout.stale_policy="keep"'], "rollout.stale_policy"),
+    (["rollout.max_staleness=0"], "rollout.max_staleness"),
+])
+def test_partial_rollouts_refuse_what_they_cannot_carry(tmp_path, overrides, words):
+    with pytest.raises(ConfigError) as e:
+        preflight.validate(valid_cfg(tmp_path, ["rollout.partial_rollouts=true", *overrides]), world_size=1)
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    preflight.validate(valid_cfg(tmp_path, overrides[:0] + ["rollout.partial_rollouts=true"]), world_size=1)
