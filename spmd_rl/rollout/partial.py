@@ -15,7 +15,8 @@ the weights it was sampled with) and its behaviour log-prob under those weights:
 that rollout correction (spmd_rl/algo/rollout_correction.py, algorithm.rollout_is / rollout_mask)
 compares with the current actor. A group trains at most `rollout.max_staleness` versions after its
 first token: "drop" drops a group that would be older (counted in rollout/stale_dropped), "wait"
-finishes a group at the bound within its step. Groups train oldest first, so long responses are not
+finishes a group at the bound within its step. A group's age counts from its first token (a prompt
+drawn but not yet started does not age). Groups train oldest first, so long responses are not
 starved.
 
 The pool holds about two steps' prompts: the first step draws two batches of prompts, later steps one
@@ -51,11 +52,14 @@ class Response:
 
 @dataclass
 class Group:
-    """A prompt and its n responses; `born`: the policy version of the step that started it."""
+    """A prompt and its n responses."""
 
     record: object  # data.prompts.PromptRecord
-    born: int
     responses: list[Response]
+
+    def born(self, version: int) -> int:
+        """The policy version of its first token (`version`, the current one, before it has any)."""
+        return min((r.versions[0] for r in self.responses if r.versions), default=version)
 
     @property
     def complete(self) -> bool:
@@ -92,12 +96,12 @@ class PartialRollouts:
         ranks. `version`: the policy version of the engine's weights now; `sampling(round)`: the
         round's sampling settings (its seed)."""
         pool, dropped = [], 0
-        for g in sorted(self.carried, key=lambda g: g.born):  # oldest first
-            if version - g.born > self.max_staleness:  # only "drop" lets a group get this old
+        for g in sorted(self.carried, key=lambda g: g.born(version)):  # oldest first
+            if version - g.born(version) > self.max_staleness:  # only "drop" lets a group get this old
                 dropped += 1
             else:
                 pool.append(g)
-        pool += [Group(rec, version, [Response() for _ in range(self.n)]) for rec in records]
+        pool += [Group(rec, [Response() for _ in range(self.n)]) for rec in records]
         rounds = 0
         while not self._agreed(pool, version):
             self._round(engine, pool, version, sampling(rounds))
@@ -109,7 +113,7 @@ class PartialRollouts:
         return [g.record for g in done], [[r.completion() for r in g.responses] for g in done], metrics
 
     def _must_finish(self, g: Group, version: int) -> bool:
-        return self.stale_policy == "wait" and version - g.born >= self.max_staleness
+        return self.stale_policy == "wait" and version - g.born(version) >= self.max_staleness
 
     def _agreed(self, pool: list[Group], version: int) -> bool:
         """Whether every rank has its batch (collective: one all-reduce of a count)."""

@@ -138,3 +138,13 @@ def _lockstep(rank, world):
 
 def test_two_ranks_cut_in_lockstep():
     run_distributed(_lockstep, 2)
+
+
+def test_a_group_ages_from_its_first_token():
+    pr, eng = new(), ScriptedEngine({g: [2, 2] for g in range(8)})
+    run_step(pr, eng, records(4, 5, 6, 7), version=0)  # all done in one round: 6 and 7 carry, complete
+    recs, _, m = run_step(pr, eng, records(0, 1), version=1)  # 6, 7 train; 0 and 1 carry without a token
+    assert [r.index for r in recs] == [6, 7] and m["rollout/partial_rounds"] == 0
+    assert [g.born(3) for g in pr.carried] == [3, 3]  # not started: as young as the step that starts them
+    recs, _, m = run_step(pr, eng, records(2, 3), version=3)
+    assert [r.index for r in recs] == [0, 1] and m["rollout/stale_dropped"] == 0 and m["rollout/staleness_max"] == 0
