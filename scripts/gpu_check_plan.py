@@ -105,6 +105,8 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
     Check("lora", ("tests/gpu/test_lora_gpu.py", f"{TRAINER_TEST}[lora-1gpu-adapter]",
                    f"{TRAINER_TEST}[lora-1gpu-merged]"), secs=390, archs=("qwen2-0.5b",)),
     Check("learning-lora", (f"{LEARNING_TEST}[lora-1gpu]",), secs=100, small=True),
+    # partial rollouts: cut responses resumed as new vLLM requests, the learning check with them on
+    Check("learning-partial", (f"{LEARNING_TEST}[partial-1gpu]",), secs=100, small=True),
     # (their 7-8B models drawn on their GPU, in seconds: the CPU prebuild of a 7B shape took ~4 minutes;
     # secs: the four LoRA rows side by side on 4xH100, 2026-11-26: lora 381 s, the presets 417-454 s)
     Check("preset-7b-lora", (f"{PRESET_TEST}[qwen7b-lora]",), secs=470),
