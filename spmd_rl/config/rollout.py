@@ -129,7 +129,7 @@ class RolloutConfig:
     prompts' worth of complete groups; the unfinished responses keep their tokens and log-probs and go
     on in the next steps under newer weights. Turn it on when response lengths have a long tail (a
     step waits for its longest response); with algorithm.rollout_is to correct for the older
-    policies (docs/training.md, "Partial rollouts"). Needs every response's log-probs; not with
+    policies (docs/training.md, "Long-tailed response lengths"). Needs every response's log-probs; not with
     multi-turn or algorithm.dynamic_sampling."""
     partial_chunk_tokens: int = 256
     """Partial rollouts: tokens per unfinished response per engine call; after each call the ranks
