@@ -25,6 +25,7 @@ from spmd_rl.checkpoint.checkpointer import Checkpointer, CheckpointError
 from spmd_rl.config.run_config import Config
 from spmd_rl.data.prompts import PromptDataset, ShardedSampler
 from spmd_rl.data.rewards import RewardFunction
+from spmd_rl.model import routing
 from spmd_rl.model.files import check_vocab, loading, model_vocab_size
 from spmd_rl.model.loading import (
     ARCH_PRESETS,
@@ -187,6 +188,8 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
 
     def sharded(load, from_checkpoint: bool, gradient_checkpointing: float = m.checkpointed_share()):
         model = build_sharded(load, env.mesh, compute, from_checkpoint, gradient_checkpointing, m.fsdp_forward_prefetch)
+        if a.router_replay == "engine":  # MoE: forwards given the engine's routes route by them (no-op if dense)
+            routing.install(model)
         return sequence_parallel.apply(model, env.sp)  # trainer.ulysses_size: each rank takes a slice of a row
 
     def policy_model(dtype, lora=None):
@@ -303,4 +306,5 @@ def build_engine(cfg: Config, env: DistEnv, model_dir: str, model_key: str, toke
     lora = LoraSettings.of(m, dtype) if m.adapter_sync else None
     model = allocate_meta_model(load_causal_lm(model_dir, dtype, m.attn_implementation, key=model_key,
                                                weights=False, lora=lora), device)
-    return Rollout(HFEngine(model, tokenizer.pad_token_id, [eos], device), dtype, env.rank)
+    return Rollout(HFEngine(model, tokenizer.pad_token_id, [eos], device,
+                            return_routes=cfg.actor.router_replay == "engine"), dtype, env.rank)

@@ -42,7 +42,7 @@ from spmd_rl.config.toml_io import to_toml
 from spmd_rl.data.prompts import iter_eval_batches
 from spmd_rl.data.rewards import RewardFunction, extract_answer
 from spmd_rl.exit_codes import EXIT_NOT_SAVED
-from spmd_rl.model import fused_kernels
+from spmd_rl.model import fused_kernels, routing
 from spmd_rl.model.loading import count_parameters, update_flops_per_token
 from spmd_rl.model.lora import adapter_disabled
 from spmd_rl.model.reward_model import conversation
@@ -397,6 +397,10 @@ class Trainer:
         metrics = all_reduce_metrics(metrics, self.device, rank_reduction)
         metrics.update(self.global_metrics(batch, timer.metrics))
         metrics.update(mismatch_metrics(batch, self.device))  # over the rows that carry the engine's log-probs
+        if routing.state_of(self.actor) is not None:  # actor.router_replay = "engine" on an MoE model
+            replayed, counted = all_reduce_sum(torch.tensor(routing.replayed_share(batch), dtype=torch.float64,
+                                                            device=self.device)).tolist()
+            metrics["routing/replayed_share"] = replayed / max(counted, 1.0)
         metrics.update({**sample_metrics, **balance_metrics, **corr_metrics})  # already reduced over ranks
         metrics["reward/errors"] = float(reward_errors.count)
         warning = self.reward_warning.check(self.step, reward_errors)  # reward.warn_error_share

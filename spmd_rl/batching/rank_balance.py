@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from spmd_rl.batching.batch import Batch
 from spmd_rl.config.run_config import Config
+from spmd_rl.model import routing
 
 Placement = list[list[tuple[int, int]]]
 """placement[r] = the (source rank, source row) of every row rank r holds, in order."""
@@ -211,7 +212,7 @@ def identity_placement(lengths: list[list[int]]) -> Placement:
 
 def exchange_rows(batch: Batch, placement: Placement, width: int, pad_id: int) -> Batch:
     """Collective: this rank's rows of `placement`, every tensor and meta field, per-token tensors
-    right-padded to `width` columns (input_ids with `pad_id`, others with 0) before they travel.
+    right-padded to `width` columns (input_ids with `pad_id`, the others with 0 or `_PAD`'s value) before they travel.
 
     Tensors go by all_to_all_single (gloo and NCCL), one field at a time: beyond its batch a rank
     holds one field's send copy and its received rows (about twice that field), not the world's
@@ -229,13 +230,17 @@ def exchange_rows(batch: Batch, placement: Placement, width: int, pad_id: int) -
     tensors = {}
     for key, value in batch.tensors.items():
         if _per_token(value, batch):
-            value = _pad_columns(value, width, pad_id if key == "input_ids" else 0)
+            value = _pad_columns(value, width, _PAD.get(key, 0) if key != "input_ids" else pad_id)
         received = _all_to_all_rows(value[index.to(value.device)], send_counts, recv_counts)
         tensors[key] = received[to_mine.to(received.device)]
     metas: list = [None] * world
     dist.all_gather_object(metas, batch.meta)
     meta = {k: [metas[s][k][i] for s, i in mine] for k in batch.meta}
     return Batch(tensors, meta).trimmed()  # rows from a wider rank may have left columns of padding only
+
+
+_PAD = {routing.BATCH_KEY: routing.NO_ROUTE}
+"""Per-token fields whose padding is not 0 (input_ids': the pad token)."""
 
 
 def _per_token(t: torch.Tensor, batch: Batch) -> bool:

@@ -16,6 +16,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "kl_loss_type": ("k1", "k2", "k3", "low_var_kl", "abs"),
     "policy_loss": ("vanilla", "ppo", "gspo", "cispo"),
+    "router_replay": ("engine", "off"),
 }
 """Each key that takes one of a few values: its values (checked by Config.check_choices)."""
 
@@ -145,6 +146,14 @@ class ActorConfig(TrainedModel):
     """GSPO: sequence ratio clip above 1 (the GSPO paper's 4e-4)."""
     cispo_clip_ratio_high: float = 4.0
     """CISPO: the IS weight is capped at 1 + this (no lower cap, as MiniMax-M1)."""
+    router_replay: str = "engine"
+    """Mixture-of-experts models: which experts the training forwards (old log-probs, update,
+    reference) send each token to. "engine" (rollout routing replay, R3): the experts the rollout
+    engine chose for it, weighted by the trainer's own router probabilities at them (so the router
+    still learns); a token the engine returned no routing for routes as the trainer decides
+    (metric routing/replayed_share). It keeps the trainer's and the engine's token probabilities
+    close, which MoE RL runs need to stay stable. "off": the trainer's own routing. On a dense
+    model either is a no-op. docs/moe.md, "Routing replay"."""
 
     def check_loss(self) -> None:
         """The policy loss's clip ratios and the optimizer's betas."""

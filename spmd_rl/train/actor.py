@@ -14,6 +14,7 @@ from spmd_rl.algo import algorithms as algos
 from spmd_rl.batching import sequence_parallel
 from spmd_rl.batching.batch import Batch, HostColumns, iter_micro_batches
 from spmd_rl.config.actor import ActorConfig
+from spmd_rl.model import routing
 from spmd_rl.model.loading import reshard
 
 if TYPE_CHECKING:
@@ -27,12 +28,15 @@ def forward_logprobs(model: torch.nn.Module, mb: Batch, temperature: float, with
     loaded by `models.load_causal_lm`: packed or padded input as it was loaded for, log-probs
     from its hidden states (spmd_rl.model.logprob_head). A model set up for sequence parallelism
     (sequence_parallel.apply) takes this rank's slice of the packed row; every rank of its group
-    gets the whole micro-batch's columns."""
+    gets the whole micro-batch's columns. A micro-batch with the engine's `routes` routes its tokens
+    by them (actor.router_replay; spmd_rl.model.routing)."""
     if not hasattr(model, "spmd_chunked_logprobs"):
         raise TypeError("forward_logprobs needs a model from models.load_causal_lm or models.prepare_policy")
     layout = sequence_parallel.make_layout(mb, model)
-    logp, entropy = model(**layout.inputs, use_cache=False, logprob_targets=layout.targets, temperature=temperature,
-                          with_entropy=with_entropy, entropy_grad=entropy_grad)
+    routes = layout.token_rows(mb[routing.BATCH_KEY]) if routing.BATCH_KEY in mb else None
+    with routing.replay(model, routes):
+        logp, entropy = model(**layout.inputs, use_cache=False, logprob_targets=layout.targets,
+                              temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
     return layout.to_columns(logp), None if entropy is None else layout.to_columns(entropy)
 
 
