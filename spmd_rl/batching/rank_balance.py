@@ -255,12 +255,17 @@ def _pad_columns(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
 def _all_to_all_rows(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
     """Rows to each rank by `send_counts`, from each by `recv_counts`, on the tensor's device.
     NCCL moves CUDA tensors only (a CPU batch makes the round trip through the current GPU);
-    bool travels as uint8, which every backend reduces and copies."""
+    bool travels as uint8, which every backend reduces and copies, and int16 (the routes) as its
+    bytes, which neither NCCL nor gloo takes as such."""
     device, dtype = rows.device, rows.dtype
     comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else device
     x = rows.to(comm, torch.uint8 if dtype == torch.bool else dtype).contiguous()
+    if dtype == torch.int16:
+        x = x.view(torch.uint8)  # the last dimension's bytes
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
     dist.all_to_all_single(out, x, recv_counts, send_counts)
+    if dtype == torch.int16:
+        out = out.view(torch.int16)
     return out.to(device, dtype)
 
 
