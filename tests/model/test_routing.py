@@ -266,3 +266,40 @@ def test_a_dense_model_has_no_routers():
     from tests.model.test_model_families import family_model
 
     assert routing.install(family_model("qwen3")) == 0
+
+
+def test_replay_through_a_peft_wrapped_model():
+    """LoRA: the routers sit under PEFT's wrapper (base_model.model.model.layers.<i>.mlp.gate); the
+    replayed forward is the reference's (the adapter starts at zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = moe_model()
+    mb = ragged_batch([6, 10], base.config.vocab_size)
+    routes = own_routes(base, mb)
+    perturb_routers(base)
+    want = reference_logprobs(copy.deepcopy(base), mb, routes).detach()
+    peft = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert routing.install(peft) == 2 and [layer for layer, _ in routing.routers(peft)] == [0, 1]
+    with torch.no_grad(), routing.replay(peft, PaddedLayout(mb["input_ids"], mb["attention_mask"]).token_rows(routes)):
+        logits = peft(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits
+    logp = F.pad(torch.log_softmax(logits, -1)[:, :-1].gather(-1, mb["input_ids"][:, 1:, None])[..., 0], (1, 0))
+    keep = mb["attention_mask"].bool()
+    keep[:, 0] = False
+    torch.testing.assert_close(logp[keep], want[keep], rtol=0, atol=1e-10)
+
+
+def test_a_multi_turn_trajectory_keeps_the_latest_turns_routes():
+    """Each turn's engine call fed the prompt, the earlier turns and the bridges: its routes cover
+    them, so the trajectory's are the latest turn's."""
+    from spmd_rl.rollout.multiturn.loop import Trajectory
+
+    t = Trajectory(prompt=[1, 2], row={})
+    first = torch.zeros(4, 2, 2, dtype=torch.int16)
+    t.add_model_turn(Completion([3, 4], None, "stop", routes=first))
+    t.add_bridge([5, 6])
+    second = torch.ones(8, 2, 2, dtype=torch.int16)
+    t.add_model_turn(Completion([7, 8], None, "stop", routes=second))
+    c = t.completion()
+    assert c.routes is second and c.token_ids == [3, 4, 5, 6, 7, 8]
+    batch = build_rollout_batch([t.prompt], [[c]], pad_id=0)
+    assert routing.replayed_share(batch) == (7, 7)  # the bridge tokens 5, 6 replayed too
