@@ -107,6 +107,12 @@ ARCH_PRESETS: dict[str, dict] = {
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                           tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1000000.0,
                           rms_norm_eps=1e-6),
+    # its layers cut to 4: the real experts, router and attention shapes for the GPU tests (tests/gpu/test_moe_gpu.py)
+    "qwen3-30b-a3b-4layers": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                  moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                  norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=32,
+                                  num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                                  max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6),
 }
 
 
