@@ -223,9 +223,17 @@ def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "
         head.weight.zero_()
         if getattr(head, "bias", None) is not None:
             head.bias.zero_()
+    head.register_forward_hook(_not_a_view)
     set_layout(model, remove_padding)
     set_fused_kernels(model, fused_kernels)
     return model
+
+
+def _not_a_view(module: torch.nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+    """The value head's output, copied where it is a view (nn.Linear on [batch, tokens, hidden] returns a view
+    of its 2-D product): the critic returns it, and FSDP2 warns at a view among its root's outputs, since an
+    in-place op on one would drop its backward hook. One float per token."""
+    return out.clone() if out._base is not None else out
 
 
 def load_reward_model(path: str, dtype: torch.dtype, pad_token_id: int, attn_implementation: str = "sdpa",
