@@ -10,7 +10,8 @@ setting before the next (a candidate earlier on the first setting comes first wh
    checkpointed layer runs its forward twice;
 2. the optimizer offload: off, then on: two host<->device copies of the moments per optimizer step;
 3. the update's token budget: largest first (fewer micro-batches, each with its launches and idle
-   time), from the tokens one GPU holds of a mini-batch down to the longest sequence, halving;
+   time), from the tokens one GPU holds of a mini-batch (at most BUDGET_MAX) down to the longest
+   sequence, halving;
 4. the log-prob pass's token budget: likewise, from the tokens one GPU holds of the whole step.
 
 A candidate fits when every training phase of its plan (the updates and the log-prob pass) stays
@@ -62,6 +63,11 @@ NO_GPU_VALUES: dict[str, Any] = {
 MARGIN = 0.10
 """The share of the device a chosen candidate's training phases leave free: the plan is within about
 10% of measured peaks (tests/runtime/test_memory_plan.py)."""
+
+BUDGET_MAX = 32768
+"""The largest token budget "auto" picks: the largest at which the plan's activation terms were checked
+against measured peaks (docs/performance.md, "Memory peaks per preset"). Above it the plan is untested,
+and a budget past what fills the GPU adds no speed."""
 
 CHECKPOINT_SHARES = (0.25, 0.5, 0.75, 1.0)
 """model.gradient_checkpointing_layers tried where "auto" turns checkpointing on, fewest first."""
@@ -118,7 +124,8 @@ def budget_options(cfg: Config, world_size: int, key: str, rows: int) -> list[di
     if not cfg.model.remove_padding:
         return [{key: 0}]
     sp, longest = max(cfg.trainer.ulysses_size, 1), cfg.data.max_prompt_length + cfg.data.max_response_length
-    return [{key: b} for b in budget_ladder(math.ceil(rows * longest / sp), math.ceil(longest / sp))]
+    top = min(math.ceil(rows * longest / sp), BUDGET_MAX)
+    return [{key: b} for b in budget_ladder(top, math.ceil(longest / sp))]
 
 
 def update_options(cfg: Config, world_size: int) -> list[dict[str, Any]]:
