@@ -101,6 +101,9 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
     Check("families", ("tests/gpu/test_model_families_gpu.py",), secs=230,
           archs=("qwen3-0.6b", "llama3.2-1b", "gemma3-1b")),
     Check("reward-model", ("tests/gpu/test_reward_model_gpu.py",), secs=120, archs=("qwen2-0.5b",)),
+    # a mixture of experts (Qwen3-30B-A3B's layers, 4 of them) through vLLM's fused-MoE kernels, 3 steps
+    # (secs: an estimate; needs the vLLM bundle with its MoE kernels: scripts/gpu_check.sh)
+    Check("moe", ("tests/gpu/test_moe_gpu.py",), secs=240, archs=("qwen3-30b-a3b-4layers",)),
     # LoRA: the adapter's sync into vLLM both ways (0.5B), its learning check, the one-GPU 7-8B presets
     Check("lora", ("tests/gpu/test_lora_gpu.py", f"{TRAINER_TEST}[lora-1gpu-adapter]",
                    f"{TRAINER_TEST}[lora-1gpu-merged]"), secs=390, archs=("qwen2-0.5b",)),

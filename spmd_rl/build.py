@@ -1,6 +1,7 @@
 """Start-up: what a Trainer composes, built in the same order on every rank (the collectives inside,
 a barrier after writing synthetic data and the models' sharded loading, meet in that order).
 
+    choose_speed_settings(cfg, env)                  # "auto" settings: before anything reads them (entry point)
     checkpointer = Checkpointer(...); resume = resume_target(checkpointer, cfg.trainer.resume)
     plan = check_memory(cfg, env)                    # each GPU's predicted peak: logged, refused if over
     with clock("data"):
@@ -44,6 +45,7 @@ from spmd_rl.model.lora import LoraSettings
 from spmd_rl.model.reward_model import RewardModel
 from spmd_rl.model.tokenizer import load_tokenizer
 from spmd_rl.preflight import memory as preflight_memory
+from spmd_rl.preflight import speed_settings
 from spmd_rl.preflight.synthetic_data import synthetic_recipe
 from spmd_rl.runtime.distributed import DistEnv, raise_together
 from spmd_rl.runtime.memory_plan import MemoryPlan
@@ -87,6 +89,23 @@ def resume_target(checkpointer: Checkpointer, resume: str) -> str | None:
             f"trainer.resume = 'none' but {checkpointer.root} already holds checkpoints; starting "
             "fresh would overwrite them. Use trainer.resume=auto to continue, or a new trainer.run_dir.")
     return checkpointer.find_resume(resume)
+
+
+def choose_speed_settings(cfg: Config, env: DistEnv) -> str | None:
+    """The speed settings set to "auto", chosen by the memory plan for the smallest GPU of the run
+    (spmd_rl/preflight/speed_settings.py) and written into `cfg`; their start-up line (None: no key
+    is "auto"). Collective; the entry point calls it before the resume check and anything else that
+    reads these keys."""
+    if not speed_settings.auto_keys(cfg):
+        return None
+    total = None
+    if env.device.type == "cuda":
+        smallest = torch.tensor([float(torch.cuda.mem_get_info(env.device)[1])], dtype=torch.float64, device=env.device)
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+        total = smallest.item()
+    choices = []
+    raise_together(lambda: choices.append(speed_settings.resolve(cfg, env.world_size, total)))
+    return choices[0].line()
 
 
 def check_memory(cfg: Config, env: DistEnv) -> MemoryPlan | None:

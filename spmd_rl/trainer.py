@@ -140,8 +140,8 @@ class Trainer:
                         if cfg.algorithm.kl_ctrl == "adaptive" else algos.FixedKLController(cfg.algorithm.kl_coef))
         if env.is_main:
             with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
-                f.write(to_toml(cfg))
-            self.metrics.log_text("config", to_toml(cfg))
+                f.write(to_toml(cfg, cfg.toml_notes()))
+            self.metrics.log_text("config", to_toml(cfg, cfg.toml_notes()))
         with self.startup("checkpoint_load"):
             self._resume()
         # the bytes of a save, keep_last, the peak on disk, the free space: one line, a warning if they do not fit

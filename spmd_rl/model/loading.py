@@ -107,6 +107,12 @@ ARCH_PRESETS: dict[str, dict] = {
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                           tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1000000.0,
                           rms_norm_eps=1e-6),
+    # its layers cut to 4: the real experts, router and attention shapes for the GPU tests (tests/gpu/test_moe_gpu.py)
+    "qwen3-30b-a3b-4layers": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                  moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                  norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=32,
+                                  num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                                  max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6),
 }
 
 
@@ -217,9 +223,17 @@ def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "
         head.weight.zero_()
         if getattr(head, "bias", None) is not None:
             head.bias.zero_()
+    head.register_forward_hook(_not_a_view)
     set_layout(model, remove_padding)
     set_fused_kernels(model, fused_kernels)
     return model
+
+
+def _not_a_view(module: torch.nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+    """The value head's output, copied where it is a view (nn.Linear on [batch, tokens, hidden] returns a view
+    of its 2-D product): the critic returns it, and FSDP2 warns at a view among its root's outputs, since an
+    in-place op on one would drop its backward hook. One float per token."""
+    return out.clone() if out._base is not None else out
 
 
 def load_reward_model(path: str, dtype: torch.dtype, pad_token_id: int, attn_implementation: str = "sdpa",

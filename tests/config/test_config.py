@@ -246,6 +246,10 @@ LORA = ["model.lora_rank=8"]
     ([*LORA, 'model.lora_target_modules=["q_proj", "qkv"]'],
      "model.lora_target_modules names 'qkv', not a linear layer of the decoder of model.arch = 'tiny': it has "
      "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (or [] for all of them)"),
+    ([*LORA, 'model.arch="qwen3-moe-tiny"', 'model.lora_target_modules=["q_proj", "gate_up_proj"]'],
+     "model.lora_target_modules names 'gate_up_proj', not a linear layer of the decoder of model.arch = "
+     "'qwen3-moe-tiny' (gate_up_proj: the mixture of experts' fused expert weights, which LoRA does not adapt here: "
+     "docs/moe.md): it has k_proj, o_proj, q_proj, v_proj (or [] for all of them)"),
     ([*LORA, 'model.lora_target_modules=["lm_head"]'], "model.lora_target_modules names lm_head: the embeddings and "
      "the LM head are not adapted"),
     (["model.lora_rank=600"], "model.lora_rank = 600 is above the largest rank vLLM's LoRA layers take (512) for "

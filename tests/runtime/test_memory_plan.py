@@ -18,6 +18,7 @@ from spmd_rl.config.run_config import load_config
 from spmd_rl.errors import UserError, report
 from spmd_rl.model.loading import ARCH_PRESETS
 from spmd_rl.preflight import memory as mc
+from spmd_rl.preflight import speed_settings
 from spmd_rl.runtime import memory_plan as mp
 from tests.helpers import ROOT
 
@@ -364,6 +365,7 @@ def test_the_host_memory_line_is_logged_once_per_node_with_the_adapter_sync(monk
     monkeypatch.setattr(build, "raise_together", lambda fn: fn())
     cfg = load_config(os.path.join(ROOT, "configs", "qwen7b-lora.toml"),
                       ['model.init="random"', 'model.path=""', 'model.arch="qwen2-7b"', 'model.tokenizer="char"'])
+    speed_settings.resolve(cfg, 8, None)  # the preset's "auto" settings, as the entry point chooses them on CPU
     for local_rank, logged in ((0, True), (1, False)):
         caplog.clear()
         env = type("Env", (), {"device": torch.device("cpu"), "world_size": 8, "local_rank": local_rank,

@@ -194,6 +194,21 @@ def inner_model(llm) -> torch.nn.Module:
     return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
 
+def unset_parameters(model: torch.nn.Module, loaded: set[str]) -> list[str]:
+    """The engine parameters that `model.load_weights` did not report as loaded (`loaded`: its return).
+
+    vLLM 0.26's fused-MoE layer reports its experts one module level short: `MoERunner.load_weights`
+    (at `...mlp.experts`) returns the names of its `routed_experts` child (`w13_weight`), so the loader
+    reports `...mlp.experts.w13_weight` for the parameter `...mlp.experts.routed_experts.w13_weight`.
+    A parameter also counts as loaded when its name with the module level just above it removed was
+    reported: that level, never any other, so an expert weight the stream lacked is still found."""
+    def reported(name: str) -> bool:
+        parts = name.split(".")
+        return name in loaded or (len(parts) > 2 and ".".join(parts[:-2] + parts[-1:]) in loaded)
+
+    return sorted(n for n, _ in model.named_parameters() if not reported(n))
+
+
 def shutdown_llm(llm) -> None:
     """Free a (non-sleep-mode) engine's GPU memory in-process, keeping torch's default process
     group alive. vLLM's own shutdown ends with `destroy_process_group()`, which would also take
@@ -423,7 +438,7 @@ class VLLMEngine:
             weights = ((base_layer_name(name, wrapped), t) for name, t in weights)
         loaded = model.load_weights(weights)
         if strict and isinstance(loaded, set):
-            missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+            missing = unset_parameters(model, loaded)
             if missing:
                 raise RuntimeError(f"load_weights left {len(missing)} engine parameters unset, e.g. {missing[:5]}")
         self._weights_valid = True
