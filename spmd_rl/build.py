@@ -31,6 +31,7 @@ from spmd_rl.model.files import check_vocab, loading, model_vocab_size
 from spmd_rl.model.loading import (
     ARCH_PRESETS,
     DTYPES,
+    active_parameters,
     allocate_meta_model,
     build_sharded,
     count_parameters,
@@ -244,7 +245,10 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
         critic_sched = make_scheduler(critic_opt, c.warmup_steps, cfg.trainer.total_steps)
     reward_model = build_reward_model(cfg, env)
     clock.end()
-    log.info("models ready: actor %.1fM parameters%s%s%s%s, %s", n_params / 1e6, lora_note(cfg, actor),
+    active = active_parameters(actor)
+    log.info("models ready: actor %.1fM parameters%s%s%s%s%s, %s", n_params / 1e6,
+             f" ({active / 1e6:.1f}M active per token: a mixture of experts, whose MFU counts these)"
+             if active != n_params else "", lora_note(cfg, actor),
              ", reference" if ref is not None else "", ", critic" if critic is not None else "",
              f", reward model from {cfg.reward_model.path}" if reward_model is not None else "",
              (f"the base from {model_dir}, the adapter left for the checkpoint" if m.use_lora else

@@ -43,7 +43,7 @@ from spmd_rl.data.prompts import iter_eval_batches
 from spmd_rl.data.rewards import RewardFunction, extract_answer
 from spmd_rl.exit_codes import EXIT_NOT_SAVED
 from spmd_rl.model import fused_kernels, routing
-from spmd_rl.model.loading import count_parameters, update_flops_per_token
+from spmd_rl.model.loading import active_parameters, update_flops_per_token
 from spmd_rl.model.lora import adapter_disabled
 from spmd_rl.model.reward_model import conversation
 from spmd_rl.model.tokenizer import decode_response
@@ -486,7 +486,9 @@ class Trainer:
         peak = self.peak_flops()
         if peak and "time/update_actor" in times:
             # Training FLOPs per token (6N; 4N + 2 x the adapter with LoRA), per epoch, over the update's time.
-            per_token = update_flops_per_token(self.n_params, count_parameters(self.actor, trained_only=True))
+            # A mixture of experts counts the parameters a token runs through (active_parameters).
+            per_token = update_flops_per_token(active_parameters(self.actor),
+                                               active_parameters(self.actor, trained_only=True))
             flops = per_token * s[3].item() * self.cfg.actor.ppo_epochs / env.world_size
             out["perf/mfu_update_actor"] = flops / times["time/update_actor"] / peak
         return out

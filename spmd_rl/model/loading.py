@@ -441,6 +441,16 @@ def count_parameters(model: torch.nn.Module, trained_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trained_only)
 
 
+def active_parameters(model: torch.nn.Module, trained_only: bool = False) -> int:
+    """count_parameters, with a mixture of experts' expert weights (fused, under `.experts.`) counted at the
+    share a token runs through (top-k of the experts): the N of 6N for a mixture. A dense model's count."""
+    config = getattr(model, "config", None)
+    experts = next((getattr(config, k, 0) for k in ("num_experts", "num_local_experts") if getattr(config, k, 0)), 0)
+    share = getattr(config, "num_experts_per_tok", 0) / experts if experts else 1.0
+    return round(sum(p.numel() * (share if ".experts." in name else 1.0) for name, p in model.named_parameters()
+                     if p.requires_grad or not trained_only))
+
+
 def update_flops_per_token(n_params: int, n_trained: int) -> float:
     """Training FLOPs per token of a decoder with `n_params` parameters of which `n_trained` are trained:
     2 per parameter forward, 2 backward for the input's gradient (every layer passes it on), and 2 more

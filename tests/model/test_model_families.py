@@ -428,3 +428,19 @@ def test_llama3_multi_turn_with_the_calculator_equals_a_full_render(tmp_path):
                                                            return_dict=False)
     assert [t for t, m in zip(c.token_ids, c.mask) if m] == turns[0] + turns[1]
     assert "<|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|>" in tok.decode(c.token_ids)
+
+
+def test_a_mixtures_active_parameters_count_the_routed_share_of_its_experts():
+    """The N of MFU's 6N for a mixture: the fused expert weights at top-k / experts (the memory plan's
+    formula, spmd_rl/runtime/memory_plan.py, as the independent count), trained-only too."""
+    from spmd_rl.model.loading import active_parameters, count_parameters, preset_config
+    from spmd_rl.runtime.memory_plan import shape_from_config
+
+    config = preset_config("qwen3-moe-tiny")
+    model = AutoModelForCausalLM.from_config(config)
+    assert active_parameters(model) == shape_from_config(config.to_dict()).active_parameters() < count_parameters(model)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".experts." in name)
+    assert active_parameters(model, trained_only=True) == 2 * 2 * 3 * 64 * 32  # 2 layers, top-2 of 8 experts
+    dense = family_model("qwen3", torch.float32)
+    assert active_parameters(dense) == count_parameters(dense)
