@@ -275,7 +275,19 @@ def _from_dir(auto_cls, path: str, dtype: torch.dtype, attn_implementation: str,
         model, info = auto_cls.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
                                                output_loading_info=True, **config_kw)
     check_no_missing_weights(info, path, key, what, new)
+    warn_experts_loop(model)
     return model
+
+
+def warn_experts_loop(model: torch.nn.Module) -> None:
+    """One warning where a mixture of experts would run its experts as a Python loop over them
+    (transformers' "eager" experts) instead of grouped GEMMs ("grouped_mm", its default where the
+    model supports it)."""
+    config = model.config
+    implementation = getattr(config, "_experts_implementation", None)
+    if any(getattr(config, k, 0) for k in ("num_experts", "num_local_experts")) and implementation != "grouped_mm":
+        log.warning("%s runs its experts as %r, a loop over the experts, not grouped GEMMs: training is slower "
+                    "(docs/moe.md)", type(model).__name__, implementation)
 
 
 def set_layout(model: torch.nn.Module, remove_padding: bool) -> None:

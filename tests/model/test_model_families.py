@@ -444,3 +444,25 @@ def test_a_mixtures_active_parameters_count_the_routed_share_of_its_experts():
     assert active_parameters(model, trained_only=True) == 2 * 2 * 3 * 64 * 32  # 2 layers, top-2 of 8 experts
     dense = family_model("qwen3", torch.float32)
     assert active_parameters(dense) == count_parameters(dense)
+
+
+def test_a_mixtures_experts_run_as_grouped_gemms_equal_to_the_loop_over_experts(tmp_path, caplog):
+    """The actor (load_causal_lm) of a mixture runs transformers' grouped GEMMs, whose output equals the
+    eager loop over experts (float32); a model left on the loop is named in one warning."""
+    import logging
+
+    from spmd_rl.model.loading import load_causal_lm, preset_config, warn_experts_loop
+
+    AutoModelForCausalLM.from_config(preset_config("qwen3-moe-tiny")).save_pretrained(tmp_path)
+    actor = load_causal_lm(str(tmp_path), torch.float32, chunked_logprobs=False)
+    assert actor.config._experts_implementation == "grouped_mm"
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, experts_implementation="eager")
+    ids = torch.randint(0, 64, (3, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        grouped = type(actor).forward(actor, input_ids=ids).logits
+        torch.testing.assert_close(grouped, eager(input_ids=ids).logits, rtol=0, atol=1e-5)
+    with caplog.at_level(logging.WARNING, logger="spmd_rl"):
+        warn_experts_loop(actor)
+        assert "loop over the experts" not in caplog.text
+        warn_experts_loop(eager)
+    assert "Qwen3MoeForCausalLM runs its experts as 'eager', a loop over the experts" in caplog.text
