@@ -417,3 +417,19 @@ def test_the_host_memory_line_is_logged_once_per_node_with_the_adapter_sync(monk
         with caplog.at_level(logging.INFO, logger="spmd_rl"):
             build.check_memory(cfg, env)
         assert ("held for the run (vLLM weights asleep (sleep level 1)" in caplog.text) == logged, caplog.text
+
+
+def test_the_30b_a3b_lora_preset_is_predicted_to_fit_four_80_gb_gpus_and_not_one(tmp_path):
+    """configs/qwen3-30b-a3b-lora.toml with its "auto" speed settings chosen: its plan fits four H100s; on
+    one (the engine at TP=1) the 61 GB base alone leaves no room, and the plan says so."""
+    model_dir = tmp_path / "Qwen3-30B-A3B"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(preset_config("qwen3-30b-a3b").to_dict()))
+    preset = os.path.join(ROOT, "configs", "qwen3-30b-a3b-lora.toml")
+    four = load_config(preset, [f'model.path="{model_dir}"'])
+    speed_settings.resolve(four, 4, H100_TOTAL)
+    assert mc.plan_for(four, 4, H100_TOTAL).fits
+    one = load_config(preset, [f'model.path="{model_dir}"', "rollout.tensor_parallel_size=1"])
+    speed_settings.resolve(one, 1, H100_TOTAL)
+    plan = mc.plan_for(one, 1, H100_TOTAL)
+    assert not plan.fits and plan.peak.total > H100_TOTAL
