@@ -52,7 +52,7 @@ class ModelConfig:
     gradient_checkpointing: bool | Auto = False
     """Recompute activations in backward (saves memory on long responses). "auto": off where the
     memory plan predicts the update fits without it, else on (the speed settings chosen at start:
-    docs/performance.md, "Speed settings chosen at start"); without a GPU, false."""
+    docs/training.md, "Speed settings chosen at start"); without a GPU, false."""
     gradient_checkpointing_layers: float | Auto = 1.0
     """With `gradient_checkpointing`: the share of the decoder layers that recompute, spread evenly
     over the stack (0.5: every other layer); the others keep their activations for backward. Less
