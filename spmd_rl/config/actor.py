@@ -124,7 +124,7 @@ class ActorConfig(TrainedModel):
     idle GPU time, so fewer, larger ones are faster (docs/performance.md, "Why the defaults are
     what they are"). The presets' values are measured for 80 GB GPUs; the start-up memory line
     predicts the peak of a budget before anything loads. "auto": the largest the memory plan
-    predicts to fit, up to the tokens of one GPU's mini-batch (docs/performance.md, "Speed settings
+    predicts to fit, up to the tokens of one GPU's mini-batch (docs/training.md, "Speed settings
     chosen at start"); 0 without model.remove_padding or without a GPU."""
     logprob_max_token_len_per_gpu: int | Auto = 0
     """Token budget of the no-grad log-prob passes (old log-probs, reference) per micro-batch;
