@@ -208,7 +208,7 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
 
     def sharded(load, from_checkpoint: bool, gradient_checkpointing: float = m.checkpointed_share()):
         model = build_sharded(load, env.mesh, compute, from_checkpoint, gradient_checkpointing, m.fsdp_forward_prefetch)
-        if a.router_replay == "engine":  # MoE: forwards given the engine's routes route by them (no-op if dense)
+        if a.router_replay == "engine" or a.router_aux_loss_coef > 0:  # MoE: replay and router logits (no-op if dense)
             routing.install(model)
         return sequence_parallel.apply(model, env.sp)  # trainer.ulysses_size: each rank takes a slice of a row
 

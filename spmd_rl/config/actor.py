@@ -162,8 +162,16 @@ class ActorConfig(TrainedModel):
     close, which MoE RL runs need to stay stable. "off": the trainer's own routing. On a dense
     model either is a no-op. docs/moe.md, "Routing replay"."""
 
+    router_aux_loss_coef: float = 0.0
+    """Mixture-of-experts models: the weight of the router's load-balancing loss (transformers' own,
+    over every MoE layer's router probabilities of the micro-batch's real tokens) added to the policy
+    loss; logged as actor/router_aux_loss. 0 (default, as in RL recipes): off, and no router logits are
+    kept. Pre-training used about 0.001. Refused on a dense model. docs/moe.md."""
+
     def check_loss(self) -> None:
         """The policy loss's clip ratios and the optimizer's betas."""
+        need(self.router_aux_loss_coef >= 0, f"actor.router_aux_loss_coef = {self.router_aux_loss_coef} must be >= 0 "
+             "(0: off)")
         for side in ("low", "high"):  # 0 freezes the policy on that side: ratio 1 is already clipped
             need(getattr(self, f"clip_ratio_{side}") > 0, f"actor.clip_ratio_{side} = {getattr(self, f'clip_ratio_{side}')} "
                   f"must be > 0: with 0 the clipped loss has no gradient on that side, so the policy can never move "

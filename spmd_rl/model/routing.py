@@ -55,6 +55,8 @@ class RoutingState:
     captured: dict[int, torch.Tensor] | None = None
     """While capturing: layer -> [tokens, top_k] of the routers' own choices."""
     checked: set[int] = field(default_factory=set)
+    logits: list[torch.Tensor] | None = None
+    """While `router_logits` collects: every router's logits of the forward, in call order."""
 
 
 def is_router(module: torch.nn.Module) -> bool:
@@ -114,6 +116,32 @@ def replay(model: torch.nn.Module, routes: torch.Tensor | None) -> Iterator[None
         yield
     finally:
         state.routes = None
+
+
+@contextlib.contextmanager
+def router_logits(model: torch.nn.Module, on: bool = True) -> Iterator[list[torch.Tensor]]:
+    """The routers' logits ([tokens, experts] each, with their graph) of the block's forwards, in call
+    order, in the list yielded (empty where `on` is false or the model has no routers installed)."""
+    out: list[torch.Tensor] = []
+    state = state_of(model)
+    if state is None or not on:
+        yield out
+        return
+    state.logits = out
+    try:
+        yield out
+    finally:
+        state.logits = None
+
+
+def load_balancing_loss(logits: list[torch.Tensor], top_k: int, real: torch.Tensor) -> torch.Tensor:
+    """transformers' load-balancing loss (load_balancing_loss_func: experts x sum over experts of the share
+    of routed copies x the mean router probability) over the layers' `logits` at the `real` tokens
+    ([tokens] bool: padding left out)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    mask = real.reshape(1, -1).long()
+    return load_balancing_loss_func(tuple(logits), logits[0].shape[-1], top_k, mask)
 
 
 class Captured:
@@ -185,6 +213,8 @@ def _weights(router: torch.nn.Module, logits: torch.Tensor, experts: torch.Tenso
 def _routed_forward(original, layer: int, state: RoutingState):
     def forward(self, hidden_states, *args, **kwargs):
         out = original(self, hidden_states, *args, **kwargs)
+        if state.logits is not None and isinstance(out, tuple):
+            state.logits.append(out[0])
         if state.routes is None and state.captured is None:
             return out
         if not (isinstance(out, tuple) and len(out) == 3):

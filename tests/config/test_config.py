@@ -320,3 +320,19 @@ def test_a_resume_with_another_lora_adapter_is_refused(tmp_path, old, new, needl
     assert needle in str(e.value) and "\n" not in str(e.value)
     lr_only = load_config(None, [f"trainer.run_dir={tmp_path}", *old, "actor.lr=1e-4"])
     assert check_resume_config(lr_only) == {"actor.lr": (1e-6, 1e-4)}
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["actor.router_aux_loss_coef=0.001"], "actor.router_aux_loss_coef = 0.001 balances a mixture of experts' "
+     "routers, and model.arch = 'tiny' is a dense model: set it to 0"),
+    (['model.arch="qwen3-moe-tiny"', "actor.router_aux_loss_coef=-1"], "actor.router_aux_loss_coef = -1.0 must be >= 0"),
+])
+def test_router_aux_loss_refusals(tmp_path, overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        preflight.validate(valid_cfg(tmp_path, overrides), world_size=1)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_router_aux_loss_on_a_mixture_is_accepted(tmp_path):
+    preflight.validate(valid_cfg(tmp_path, ['model.arch="qwen3-moe-tiny"', "actor.router_aux_loss_coef=0.001"]),
+                       world_size=1)

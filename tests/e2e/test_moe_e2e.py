@@ -40,3 +40,18 @@ def test_moe_learns_exports_and_resumes_on_another_world_size(tmp_path):
     assert "resuming a checkpoint of 2 ranks on 1" in out
     m = read_metrics(run_dir)
     assert m[82]["reward/mean"] >= 0 and max(m[s]["rollout/logprob_diff_max"] for s in (81, 82)) < 1e-4
+
+
+def test_the_router_aux_loss_is_logged_and_changes_the_update(tmp_path):
+    """actor.router_aux_loss_coef > 0: actor/router_aux_loss is logged every step, and the run's update differs
+    from one without it."""
+    runs = {}
+    for coef in (0.0, 0.1):
+        run_dir = tmp_path / f"aux{coef}"
+        run(torchrun_cmd(2, f"trainer.run_dir={run_dir}", 'model.arch="qwen3-moe-tiny"', "trainer.total_steps=3",
+                         "trainer.tensorboard=false", "trainer.val_every=0", f"actor.router_aux_loss_coef={coef}"))
+        runs[coef] = read_metrics(run_dir)
+    aux = [runs[0.1][s]["actor/router_aux_loss"] for s in (1, 2, 3)]
+    assert all(1.5 < a < 4 for a in aux), aux  # transformers' loss is top-k (2) where experts are used evenly
+    assert "actor/router_aux_loss" not in runs[0.0][1]
+    assert runs[0.1][3]["actor/grad_norm"] != runs[0.0][3]["actor/grad_norm"]

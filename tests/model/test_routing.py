@@ -303,3 +303,44 @@ def test_a_multi_turn_trajectory_keeps_the_latest_turns_routes():
     assert c.routes is second and c.token_ids == [3, 4, 5, 6, 7, 8]
     batch = build_rollout_batch([t.prompt], [[c]], pad_id=0)
     assert routing.replayed_share(batch) == (7, 7)  # the bridge tokens 5, 6 replayed too
+
+
+# --------------------------------------------------------------------------- the router's load-balancing loss
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_router_aux_loss_is_transformers_own_over_the_real_tokens(packed):
+    """actor.router_aux_loss_coef's term, from a padded or packed forward, equals what transformers' model
+    computes itself (output_router_logits: its aux_loss, padding masked) on the same rows."""
+    reference = moe_model()
+    mb = ragged_batch([7, 3, 5], reference.config.vocab_size)
+    with torch.no_grad():
+        expected = reference(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                             output_router_logits=True).aux_loss
+    model = prepare_policy(moe_model(), remove_padding=packed, chunked_logprobs=packed)
+    routing.install(model)
+    aux = []
+    forward_logprobs(model, mb, 1.0, router_aux=aux)
+    assert len(aux) == 1
+    torch.testing.assert_close(aux[0].detach(), expected, rtol=1e-6, atol=0)  # its softmax is float32
+    assert aux[0].requires_grad  # it trains the routers
+
+
+def test_without_the_aux_loss_no_router_logits_are_kept():
+    model = prepare_policy(moe_model(), remove_padding=True)
+    routing.install(model)
+    seen = []
+    state = routing.state_of(model)
+    original = state.__class__.__setattr__
+
+    def watch(self, name, value):
+        if name == "logits" and value is not None:
+            seen.append(value)
+        original(self, name, value)
+
+    state.__class__.__setattr__ = watch
+    try:
+        forward_logprobs(model, ragged_batch([4, 6], model.config.vocab_size), 1.0)
+    finally:
+        state.__class__.__setattr__ = original
+    assert seen == [] and not model.config.output_router_logits
