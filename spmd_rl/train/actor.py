@@ -106,8 +106,9 @@ def actor_loss_fn(model: torch.nn.Module, cfg: ActorConfig, temperature: float,
             metrics["kl_loss"] = kl_loss.detach()
         if aux:  # a mean over the micro-batch, weighted by its share of the mini-batch's denominator
             share = (mask.sum() if cfg.loss_agg_mode == "token-mean" else (mask.sum(-1) > 0).sum()) / denom
-            loss = loss + cfg.router_aux_loss_coef * share * aux[0]
-            metrics["router_aux_loss"] = aux[0].detach()
+            aux_loss = share * aux[0]  # logged as added: a "loss" metric is summed over micro-batches
+            loss = loss + cfg.router_aux_loss_coef * aux_loss
+            metrics["router_aux_loss"] = aux_loss.detach()
         return loss, metrics
 
     return loss_fn

@@ -326,6 +326,34 @@ def test_the_router_aux_loss_is_transformers_own_over_the_real_tokens(packed):
     assert aux[0].requires_grad  # it trains the routers
 
 
+def test_the_logged_router_aux_loss_is_the_term_the_loss_adds():
+    """actor/router_aux_loss is, as every metric ending in "loss" (update.LossFn: summed over the
+    micro-batches), the micro-batch's share of the mini-batch times its value: what the loss adds over
+    the coefficient. Two micro-batches of a mini-batch then log transformers' aux loss of each, weighted by
+    their tokens, not their sum."""
+    from spmd_rl.config.actor import ActorConfig
+    from spmd_rl.train.actor import actor_loss_fn
+
+    model = prepare_policy(moe_model(), remove_padding=True)
+    routing.install(model)
+    halves = [ragged_batch([7, 3], model.config.vocab_size, seed=0), ragged_batch([5], model.config.vocab_size, seed=1)]
+    for mb in halves:
+        mb["advantages"] = torch.ones_like(mb["response_mask"])
+        mb["old_logprobs"] = torch.zeros_like(mb["response_mask"])
+    denom = float(sum(mb["response_mask"].sum() for mb in halves))
+    logged, expected = 0.0, 0.0
+    for mb in halves:
+        off, _ = actor_loss_fn(model, ActorConfig(), 1.0)(mb, denom)
+        on, metrics = actor_loss_fn(model, ActorConfig(router_aux_loss_coef=0.5), 1.0)(mb, denom)
+        with torch.no_grad():
+            aux = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                        output_router_logits=True).aux_loss
+        share = float(mb["response_mask"].sum()) / denom
+        torch.testing.assert_close((on - off).detach().double(), 0.5 * share * aux.double(), rtol=1e-6, atol=1e-9)
+        logged, expected = logged + metrics["router_aux_loss"].double(), expected + share * aux.double()
+    torch.testing.assert_close(logged, expected, rtol=1e-6, atol=1e-9)
+
+
 def test_without_the_aux_loss_no_router_logits_are_kept():
     model = prepare_policy(moe_model(), remove_padding=True)
     routing.install(model)
