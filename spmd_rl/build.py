@@ -1,6 +1,7 @@
 """Start-up: what a Trainer composes, built in the same order on every rank (the collectives inside,
 a barrier after writing synthetic data and the models' sharded loading, meet in that order).
 
+    choose_speed_settings(cfg, env)                  # "auto" settings: before anything reads them (entry point)
     checkpointer = Checkpointer(...); resume = resume_target(checkpointer, cfg.trainer.resume)
     plan = check_memory(cfg, env)                    # each GPU's predicted peak: logged, refused if over
     with clock("data"):
@@ -25,10 +26,12 @@ from spmd_rl.checkpoint.checkpointer import Checkpointer, CheckpointError
 from spmd_rl.config.run_config import Config
 from spmd_rl.data.prompts import PromptDataset, ShardedSampler
 from spmd_rl.data.rewards import RewardFunction
+from spmd_rl.model import routing
 from spmd_rl.model.files import check_vocab, loading, model_vocab_size
 from spmd_rl.model.loading import (
     ARCH_PRESETS,
     DTYPES,
+    active_parameters,
     allocate_meta_model,
     build_sharded,
     count_parameters,
@@ -43,6 +46,7 @@ from spmd_rl.model.lora import LoraSettings
 from spmd_rl.model.reward_model import RewardModel
 from spmd_rl.model.tokenizer import load_tokenizer
 from spmd_rl.preflight import memory as preflight_memory
+from spmd_rl.preflight import speed_settings
 from spmd_rl.preflight.synthetic_data import synthetic_recipe
 from spmd_rl.runtime.distributed import DistEnv, raise_together
 from spmd_rl.runtime.memory_plan import MemoryPlan
@@ -86,6 +90,23 @@ def resume_target(checkpointer: Checkpointer, resume: str) -> str | None:
             f"trainer.resume = 'none' but {checkpointer.root} already holds checkpoints; starting "
             "fresh would overwrite them. Use trainer.resume=auto to continue, or a new trainer.run_dir.")
     return checkpointer.find_resume(resume)
+
+
+def choose_speed_settings(cfg: Config, env: DistEnv) -> str | None:
+    """The speed settings set to "auto", chosen by the memory plan for the smallest GPU of the run
+    (spmd_rl/preflight/speed_settings.py) and written into `cfg`; their start-up line (None: no key
+    is "auto"). Collective; the entry point calls it before the resume check and anything else that
+    reads these keys."""
+    if not speed_settings.auto_keys(cfg):
+        return None
+    total = None
+    if env.device.type == "cuda":
+        smallest = torch.tensor([float(torch.cuda.mem_get_info(env.device)[1])], dtype=torch.float64, device=env.device)
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+        total = smallest.item()
+    choices = []
+    raise_together(lambda: choices.append(speed_settings.resolve(cfg, env.world_size, total)))
+    return choices[0].line()
 
 
 def check_memory(cfg: Config, env: DistEnv) -> MemoryPlan | None:
@@ -187,6 +208,8 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
 
     def sharded(load, from_checkpoint: bool, gradient_checkpointing: float = m.checkpointed_share()):
         model = build_sharded(load, env.mesh, compute, from_checkpoint, gradient_checkpointing, m.fsdp_forward_prefetch)
+        if a.router_replay == "engine" or a.router_aux_loss_coef > 0:  # MoE: replay and router logits (no-op if dense)
+            routing.install(model)
         return sequence_parallel.apply(model, env.sp)  # trainer.ulysses_size: each rank takes a slice of a row
 
     def policy_model(dtype, lora=None):
@@ -222,7 +245,10 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
         critic_sched = make_scheduler(critic_opt, c.warmup_steps, cfg.trainer.total_steps)
     reward_model = build_reward_model(cfg, env)
     clock.end()
-    log.info("models ready: actor %.1fM parameters%s%s%s%s, %s", n_params / 1e6, lora_note(cfg, actor),
+    active = active_parameters(actor)
+    log.info("models ready: actor %.1fM parameters%s%s%s%s%s, %s", n_params / 1e6,
+             f" ({active / 1e6:.1f}M active per token: a mixture of experts, whose MFU counts these)"
+             if active != n_params else "", lora_note(cfg, actor),
              ", reference" if ref is not None else "", ", critic" if critic is not None else "",
              f", reward model from {cfg.reward_model.path}" if reward_model is not None else "",
              (f"the base from {model_dir}, the adapter left for the checkpoint" if m.use_lora else
@@ -303,4 +329,5 @@ def build_engine(cfg: Config, env: DistEnv, model_dir: str, model_key: str, toke
     lora = LoraSettings.of(m, dtype) if m.adapter_sync else None
     model = allocate_meta_model(load_causal_lm(model_dir, dtype, m.attn_implementation, key=model_key,
                                                weights=False, lora=lora), device)
-    return Rollout(HFEngine(model, tokenizer.pad_token_id, [eos], device), dtype, env.rank)
+    return Rollout(HFEngine(model, tokenizer.pad_token_id, [eos], device,
+                            return_routes=cfg.actor.router_replay == "engine"), dtype, env.rank)

@@ -114,7 +114,7 @@ def _resume_lines(cfg, trainer_args: list[str]) -> list[str]:
 def _check(cfg) -> int:
     """--check: the checks a run makes before its models load, on every rank; one line each
     (rank 0), then `check: OK`. Loads the tokenizer and the data, no model weights."""
-    from spmd_rl.build import build_data, check_memory
+    from spmd_rl.build import build_data, check_memory, choose_speed_settings
     from spmd_rl.data.rewards import RewardFunction
     from spmd_rl.runtime.distributed import init_distributed
 
@@ -122,6 +122,9 @@ def _check(cfg) -> int:
     say = print if env.is_main else (lambda line: None)
     try:
         say(f"config: valid for {env.world_size} rank(s); run directory {cfg.run_dir}")
+        speed = choose_speed_settings(cfg, env)
+        if speed:
+            say(speed)
         reward = RewardFunction(cfg.reward)
         say(f"reward: {cfg.reward.custom_function or 'built-in scorers'} loaded")
         plan = check_memory(cfg, env)
@@ -140,6 +143,7 @@ def _check(cfg) -> int:
 def _train(cfg) -> int:
     """Lock the run directory, check a resumed config, set up, train, export (trainer.export_hf_dir)
     and close the trainer (steps 1-2 of the teardown); the exit status."""
+    from spmd_rl.build import choose_speed_settings
     from spmd_rl.checkpoint.checkpointer import CheckpointError
     from spmd_rl.preflight.memory import OutOfMemory
     from spmd_rl.preflight.resume import check_resume_config
@@ -163,6 +167,9 @@ def _train(cfg) -> int:
             checkpoint_lock = RunDirLock(cfg.checkpoint_dir, key="trainer.checkpoint_dir")
             raise_together(checkpoint_lock.acquire if env.is_main else None)
         setup_logging(env.rank, os.path.join(cfg.run_dir, "trainer.log"))
+        speed = choose_speed_settings(cfg, env)  # "auto" settings: before the resume check and the trainer read them
+        if speed and env.is_main:
+            log.info(speed)
         check_resume_config(cfg, env.is_main)
         seed_everything(cfg.trainer.seed + env.rank)
         # Built in place, so that a constructor failing half-way still leaves us what it started.

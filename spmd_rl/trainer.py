@@ -42,8 +42,8 @@ from spmd_rl.config.toml_io import to_toml
 from spmd_rl.data.prompts import iter_eval_batches
 from spmd_rl.data.rewards import RewardFunction, extract_answer
 from spmd_rl.exit_codes import EXIT_NOT_SAVED
-from spmd_rl.model import fused_kernels
-from spmd_rl.model.loading import count_parameters, update_flops_per_token
+from spmd_rl.model import fused_kernels, routing
+from spmd_rl.model.loading import active_parameters, update_flops_per_token
 from spmd_rl.model.lora import adapter_disabled
 from spmd_rl.model.reward_model import conversation
 from spmd_rl.model.tokenizer import decode_response
@@ -142,8 +142,8 @@ class Trainer:
                         if cfg.algorithm.kl_ctrl == "adaptive" else algos.FixedKLController(cfg.algorithm.kl_coef))
         if env.is_main:
             with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
-                f.write(to_toml(cfg))
-            self.metrics.log_text("config", to_toml(cfg))
+                f.write(to_toml(cfg, cfg.toml_notes()))
+            self.metrics.log_text("config", to_toml(cfg, cfg.toml_notes()))
         with self.startup("checkpoint_load"):
             self._resume()
         # the bytes of a save, keep_last, the peak on disk, the free space: one line, a warning if they do not fit
@@ -407,6 +407,10 @@ class Trainer:
         metrics = all_reduce_metrics(metrics, self.device, rank_reduction)
         metrics.update(self.global_metrics(batch, timer.metrics))
         metrics.update(mismatch_metrics(batch, self.device))  # over the rows that carry the engine's log-probs
+        if routing.state_of(self.actor) is not None:  # actor.router_replay = "engine" on an MoE model
+            replayed, counted = all_reduce_sum(torch.tensor(routing.replayed_share(batch), dtype=torch.float64,
+                                                            device=self.device)).tolist()
+            metrics["routing/replayed_share"] = replayed / max(counted, 1.0)
         metrics.update({**sample_metrics, **balance_metrics, **corr_metrics})  # already reduced over ranks
         metrics["reward/errors"] = float(reward_errors.count)
         warning = self.reward_warning.check(self.step, reward_errors)  # reward.warn_error_share
@@ -492,7 +496,9 @@ class Trainer:
         peak = self.peak_flops()
         if peak and "time/update_actor" in times:
             # Training FLOPs per token (6N; 4N + 2 x the adapter with LoRA), per epoch, over the update's time.
-            per_token = update_flops_per_token(self.n_params, count_parameters(self.actor, trained_only=True))
+            # A mixture of experts counts the parameters a token runs through (active_parameters).
+            per_token = update_flops_per_token(active_parameters(self.actor),
+                                               active_parameters(self.actor, trained_only=True))
             flops = per_token * s[3].item() * self.cfg.actor.ppo_epochs / env.world_size
             out["perf/mfu_update_actor"] = flops / times["time/update_actor"] / peak
         return out

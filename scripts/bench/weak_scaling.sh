@@ -22,9 +22,13 @@ if [ "${DRY:-0}" != 1 ]; then  # a dry run prints every count asked; a real one 
   for k in $COUNTS; do [ "$k" -le "$visible" ] || echo "left out: $k GPUs ($visible visible)"; done
   COUNTS=$(for k in $COUNTS; do [ "$k" -le "$visible" ] && echo "$k"; done)
 fi
+# The speed settings fixed, not "auto": sharded over more GPUs the state leaves more room, and "auto" would take
+# larger token budgets, changing the work per GPU this compares (the 1.5B preset's values on one 80 GB GPU).
+FIXED_SPEED="model.gradient_checkpointing=false actor.max_token_len_per_gpu=16384 actor.logprob_max_token_len_per_gpu=32768"
 for k in $COUNTS; do
   GPUS=$k TAG=gpus$k bash scripts/bench/bench_step.sh "$OUT" qwen2-1.5b after "${STEPS:-4}" \
-      data.train_batch_size=$((64 * k)) actor.ppo_mini_batch_size=$((64 * k)) trainer.save_every=-1 "$@"
+      data.train_batch_size=$((64 * k)) actor.ppo_mini_batch_size=$((64 * k)) trainer.save_every=-1 \
+      $FIXED_SPEED "$@"
 done
 [ "${DRY:-0}" = 1 ] && exit 0
 runs=()

@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch
 
+from spmd_rl.model import routing
 from spmd_rl.rollout.base import Completion
 from spmd_rl.runtime.distributed import all_reduce_max_int
 from spmd_rl.runtime.transfer import to_device
@@ -123,7 +124,9 @@ def build_rollout_batch(prompts: list[list[int]], completions: list[list[Complet
     Environment rewards (`Completion.reward`) go to meta["env_reward"] (None where none was given), a
     trajectory's messages (`Completion.messages`) to meta["messages"].
     `has_rollout_logprobs` marks the rows whose completion came with the engine's log-probs
-    (SamplingParams.logprobs_every); `rollout_logprobs` is 0 on the others."""
+    (SamplingParams.logprobs_every); `rollout_logprobs` is 0 on the others. When any completion
+    carries the engine's routing (`Completion.routes`), `routes` holds every row's
+    (routing.rows_of_routes)."""
     rows, logps, masks, groups, finished = [], [], [], [], []
     for g, (p, comps) in enumerate(zip(prompts, completions)):
         for c in comps:
@@ -153,14 +156,15 @@ def build_rollout_batch(prompts: list[list[int]], completions: list[list[Complet
         row_meta["env_reward"] = [c.reward for comps in completions for c in comps]
     if any(c.messages is not None for comps in completions for c in comps):
         row_meta["messages"] = [c.messages for comps in completions for c in comps]
-    return Batch(
-        dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-             rollout_logprobs=rollout_logprobs, has_rollout_logprobs=torch.tensor([lp is not None for lp in logps]),
-             prompt_lens=prompt_lens, response_lens=torch.tensor([len(r) for _, r in rows], dtype=torch.long),
-             group_ids=torch.tensor(groups, dtype=torch.long),
-             finished=torch.tensor(finished, dtype=torch.bool)),
-        row_meta,
-    )
+    tensors = dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+                   rollout_logprobs=rollout_logprobs, has_rollout_logprobs=torch.tensor([lp is not None for lp in logps]),
+                   prompt_lens=prompt_lens, response_lens=torch.tensor([len(r) for _, r in rows], dtype=torch.long),
+                   group_ids=torch.tensor(groups, dtype=torch.long),
+                   finished=torch.tensor(finished, dtype=torch.bool))
+    routes = [c.routes for comps in completions for c in comps]
+    if any(r is not None for r in routes):
+        tensors[routing.BATCH_KEY] = routing.rows_of_routes(routes, length)
+    return Batch(tensors, row_meta)
 
 
 def response_token_ids(batch: Batch, i: int) -> list[int]:

@@ -37,6 +37,11 @@ class PaddedLayout:
         """[b, L] per-position outputs -> [b, L] columns (column t = output at position t - 1)."""
         return F.pad(out[:, :-1], (1, 0))
 
+    def token_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, L, ...] per-token values (aligned with input_ids) -> [b * L, ...] in the order the
+        model's token-wise layers see its tokens (rows flattened; routing replay's routes)."""
+        return x.reshape(-1, *x.shape[2:])
+
 
 class PackedLayout:
     """`host_mask`: the micro-batch's attention mask on the CPU (Batch.host), when `attention_mask`
@@ -62,6 +67,10 @@ class PackedLayout:
         """[1, T] per-position outputs -> [b, L] columns; a sequence's first token gets 0."""
         shifted = torch.roll(out[0], 1).masked_fill(self.cols == 0, 0)
         return shifted.new_zeros(self.shape).index_put((self.rows, self.cols), shifted)
+
+    def token_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, L, ...] per-token values -> [T, ...], the packed row's tokens in order."""
+        return x[self.rows, self.cols]
 
 
 def empty_mask(device: torch.device) -> torch.Tensor:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from spmd_rl.batching.batch import Batch
 from spmd_rl.config.run_config import Config
+from spmd_rl.model import routing
 
 Placement = list[list[tuple[int, int]]]
 """placement[r] = the (source rank, source row) of every row rank r holds, in order."""
@@ -211,7 +212,7 @@ def identity_placement(lengths: list[list[int]]) -> Placement:
 
 def exchange_rows(batch: Batch, placement: Placement, width: int, pad_id: int) -> Batch:
     """Collective: this rank's rows of `placement`, every tensor and meta field, per-token tensors
-    right-padded to `width` columns (input_ids with `pad_id`, others with 0) before they travel.
+    right-padded to `width` columns (input_ids with `pad_id`, the others with 0 or `_PAD`'s value) before they travel.
 
     Tensors go by all_to_all_single (gloo and NCCL), one field at a time: beyond its batch a rank
     holds one field's send copy and its received rows (about twice that field), not the world's
@@ -229,13 +230,17 @@ def exchange_rows(batch: Batch, placement: Placement, width: int, pad_id: int) -
     tensors = {}
     for key, value in batch.tensors.items():
         if _per_token(value, batch):
-            value = _pad_columns(value, width, pad_id if key == "input_ids" else 0)
+            value = _pad_columns(value, width, _PAD.get(key, 0) if key != "input_ids" else pad_id)
         received = _all_to_all_rows(value[index.to(value.device)], send_counts, recv_counts)
         tensors[key] = received[to_mine.to(received.device)]
     metas: list = [None] * world
     dist.all_gather_object(metas, batch.meta)
     meta = {k: [metas[s][k][i] for s, i in mine] for k in batch.meta}
     return Batch(tensors, meta).trimmed()  # rows from a wider rank may have left columns of padding only
+
+
+_PAD = {routing.BATCH_KEY: routing.NO_ROUTE}
+"""Per-token fields whose padding is not 0 (input_ids': the pad token)."""
 
 
 def _per_token(t: torch.Tensor, batch: Batch) -> bool:
@@ -250,12 +255,17 @@ def _pad_columns(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
 def _all_to_all_rows(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
     """Rows to each rank by `send_counts`, from each by `recv_counts`, on the tensor's device.
     NCCL moves CUDA tensors only (a CPU batch makes the round trip through the current GPU);
-    bool travels as uint8, which every backend reduces and copies."""
+    bool travels as uint8, which every backend reduces and copies, and int16 (the routes) as its
+    bytes, which neither NCCL nor gloo takes as such."""
     device, dtype = rows.device, rows.dtype
     comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else device
     x = rows.to(comm, torch.uint8 if dtype == torch.bool else dtype).contiguous()
+    if dtype == torch.int16:
+        x = x.view(torch.uint8)  # the last dimension's bytes
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
     dist.all_to_all_single(out, x, recv_counts, send_counts)
+    if dtype == torch.int16:
+        out = out.view(torch.int16)
     return out.to(device, dtype)
 
 

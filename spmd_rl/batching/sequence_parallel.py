@@ -175,7 +175,15 @@ class SlicedLayout:
                        "attention_mask": packed.inputs["attention_mask"], "cu_seq_lens_q": cu,
                        "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
         self.targets = F.pad(packed.targets, (0, pad))[:, part]  # shifted on the whole row, then sliced
-        self.num_tokens = total
+        self.num_tokens, self.pad, self.part = total, pad, part
+
+    def token_rows(self, x: torch.Tensor, fill: int = -1) -> torch.Tensor:
+        """[b, L, ...] per-token values -> [n, ...] of this rank's slice (the padding gets `fill`:
+        for routes, NO_ROUTE)."""
+        rows = self.packed.token_rows(x)
+        if self.pad:
+            rows = torch.cat([rows, rows.new_full((self.pad, *rows.shape[1:]), fill)])
+        return rows[self.part]
 
     def to_columns(self, out: torch.Tensor) -> torch.Tensor:
         """[1, n] outputs of this rank's slice -> [b, L] columns of the whole micro-batch."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from spmd_rl.config.checks import Rule, need
+from spmd_rl.config.checks import AUTO, Auto, Rule, need
 
 if TYPE_CHECKING:
     from spmd_rl.config.run_config import Config
@@ -16,6 +16,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "kl_loss_type": ("k1", "k2", "k3", "low_var_kl", "abs"),
     "policy_loss": ("vanilla", "ppo", "gspo", "cispo"),
+    "router_replay": ("engine", "off"),
 }
 """Each key that takes one of a few values: its values (checked by Config.check_choices)."""
 
@@ -58,6 +59,8 @@ class TrainedModel:
             budgets.pop("max_token_len_per_gpu")
         longest = d.max_prompt_length + d.max_response_length
         for key, budget in budgets.items():
+            if budget == AUTO:  # chosen at start (preflight.speed_settings), within these rules
+                continue
             floor = -1 if (role, key) == ("critic", "max_token_len_per_gpu") else 0
             need(budget >= floor, f"{role}.{key} must be >= 0 (0 = off)" + (", or -1 = the actor's" if floor else ""))
             if budget:
@@ -112,7 +115,7 @@ class ActorConfig(TrainedModel):
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator for the loss: k1, k2, k3 / low_var_kl (k3 clamped to [-10, 10]), abs."""
-    max_token_len_per_gpu: int = 0
+    max_token_len_per_gpu: int | Auto = 0
     """Token budget of one actor-update micro-batch on one GPU (verl's dynamic batch size): each
     mini-batch is cut into as few micro-batches as keep every one within this many real tokens,
     sequences balanced across them, the same count on every rank. Needs model.remove_padding.
@@ -120,20 +123,25 @@ class ActorConfig(TrainedModel):
     + data.max_response_length. Take the largest that fits: each micro-batch costs launches and
     idle GPU time, so fewer, larger ones are faster (docs/performance.md, "Why the defaults are
     what they are"). The presets' values are measured for 80 GB GPUs; the start-up memory line
-    predicts the peak of a budget before anything loads."""
-    logprob_max_token_len_per_gpu: int = 0
+    predicts the peak of a budget before anything loads. "auto": the largest the memory plan
+    predicts to fit, up to the tokens of one GPU's mini-batch (docs/training.md, "Speed settings
+    chosen at start"); 0 without model.remove_padding or without a GPU."""
+    logprob_max_token_len_per_gpu: int | Auto = 0
     """Token budget of the no-grad log-prob passes (old log-probs, reference) per micro-batch;
-    0 = twice `max_token_len_per_gpu` (no activations are kept for a backward)."""
+    0 = twice `max_token_len_per_gpu` (no activations are kept for a backward). "auto": the largest
+    the memory plan predicts to fit, up to the tokens of one GPU's share of the step; 0 without
+    model.remove_padding or without a GPU."""
     force_old_logprob_pass: bool = False
     """Always compute the old policy's log-probs in a separate no-grad pass before the update. By
     default an on-policy step (ppo_epochs = 1, ppo_mini_batch_size = data.train_batch_size, no
     algorithm.use_kl_in_reward, rollout_mask or rollout_reject_sequences) takes them from the
     update's own forward, detached, and skips the pass (TRL's num_iterations = 1): the same update
     up to rounding (spmd_rl/train/old_logprobs.py). The start-up line says which path a run takes."""
-    offload_optimizer: bool = False
+    offload_optimizer: bool | Auto = False
     """Keep the optimizer state (AdamW moments: 8 bytes per parameter, sharded) in CPU memory and
     bring it to the GPU only for each optimizer step: the forward/backward passes get that memory,
-    each optimizer step pays two host<->device copies."""
+    each optimizer step pays two host<->device copies. "auto": on only where the memory plan
+    predicts no fit without it; false without a GPU."""
     policy_loss: str = "vanilla"
     """Policy loss: "vanilla" (= "ppo": the clipped PPO surrogate with clip_ratio_low/high/c),
     "gspo" (GSPO, Zheng et al. 2025: one geometric-mean ratio per sequence, clipped per sequence
@@ -145,9 +153,25 @@ class ActorConfig(TrainedModel):
     """GSPO: sequence ratio clip above 1 (the GSPO paper's 4e-4)."""
     cispo_clip_ratio_high: float = 4.0
     """CISPO: the IS weight is capped at 1 + this (no lower cap, as MiniMax-M1)."""
+    router_replay: str = "engine"
+    """Mixture-of-experts models: which experts the training forwards (old log-probs, update,
+    reference) send each token to. "engine" (rollout routing replay, R3): the experts the rollout
+    engine chose for it, weighted by the trainer's own router probabilities at them (so the router
+    still learns); a token the engine returned no routing for routes as the trainer decides
+    (metric routing/replayed_share). It keeps the trainer's and the engine's token probabilities
+    close, which MoE RL runs need to stay stable. "off": the trainer's own routing. On a dense
+    model either is a no-op. docs/moe.md, "Routing replay"."""
+
+    router_aux_loss_coef: float = 0.0
+    """Mixture-of-experts models: the weight of the router's load-balancing loss (transformers' own,
+    over every MoE layer's router probabilities of the micro-batch's real tokens) added to the policy
+    loss; logged as actor/router_aux_loss. 0 (default, as in RL recipes): off, and no router logits are
+    kept. Pre-training used about 0.001. Refused on a dense model. docs/moe.md."""
 
     def check_loss(self) -> None:
         """The policy loss's clip ratios and the optimizer's betas."""
+        need(self.router_aux_loss_coef >= 0, f"actor.router_aux_loss_coef = {self.router_aux_loss_coef} must be >= 0 "
+             "(0: off)")
         for side in ("low", "high"):  # 0 freezes the policy on that side: ratio 1 is already clipped
             need(getattr(self, f"clip_ratio_{side}") > 0, f"actor.clip_ratio_{side} = {getattr(self, f'clip_ratio_{side}')} "
                   f"must be > 0: with 0 the clipped loss has no gradient on that side, so the policy can never move "

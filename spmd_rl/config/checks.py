@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from spmd_rl.errors import ConfigError
+
+AUTO = "auto"
+"""The value of a setting that trades memory for speed, chosen at start by the memory plan
+(spmd_rl/preflight/speed_settings.py)."""
+Auto = Literal["auto"]
+"""The type of AUTO, in a key's annotation beside its own type (`bool | Auto`)."""
 
 Rule = tuple[str, bool, str]
 """A range rule of a section's key: (key, whether its value is in range, the range in words)."""

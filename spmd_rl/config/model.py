@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from spmd_rl.config.checks import Rule, need
+from spmd_rl.config.checks import AUTO, Auto, Rule, need
 
 if TYPE_CHECKING:
     from spmd_rl.config.run_config import Config
@@ -36,7 +36,7 @@ class ModelConfig:
     arch: str = ""
     """With `init = "random"` and no `path`: a preset architecture, one of
     tiny, tiny-lora (tiny for a LoRA adapter on CPU), small, qwen2-0.5b, qwen2-1.5b, qwen2-7b, qwen3-0.6b, qwen3-8b, llama3.1-8b, llama3.2-1b,
-    gemma3-1b, qwen3-moe-tiny (a mixture of experts on CPU), qwen3-30b-a3b (the real models' shapes; see
+    gemma3-1b, qwen3-moe-tiny (a mixture of experts on CPU), qwen3-30b-a3b, qwen3-30b-a3b-4layers (the real models' shapes; see
     spmd_rl/model/loading.py ARCH_PRESETS)."""
     tokenizer: str = ""
     """Tokenizer directory; empty = `path`. "char" = the built-in character tokenizer used by the
@@ -49,14 +49,19 @@ class ModelConfig:
     use float32 (bf16 matmuls are slow there)."""
     attn_implementation: str = "sdpa"
     """transformers attention backend for the training-side models: sdpa or eager."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward (saves memory on long responses)."""
-    gradient_checkpointing_layers: float = 1.0
+    gradient_checkpointing: bool | Auto = False
+    """Recompute activations in backward (saves memory on long responses). "auto": off where the
+    memory plan predicts the update fits without it, else on (the speed settings chosen at start:
+    docs/training.md, "Speed settings chosen at start"); without a GPU, false."""
+    gradient_checkpointing_layers: float | Auto = 1.0
     """With `gradient_checkpointing`: the share of the decoder layers that recompute, spread evenly
     over the stack (0.5: every other layer); the others keep their activations for backward. Less
     is faster and takes more memory: lower it as far as the update's peak still fits (the speed and
     peak at 1.0, 0.5 and none: docs/performance.md, "Why the defaults are what they are").
-    Applies to actor and critic (the reference model has no backward). 1.0 = every layer."""
+    Applies to actor and critic (the reference model has no backward). 1.0 = every layer. "auto":
+    where checkpointing is on, the smallest share of preflight.speed_settings.CHECKPOINT_SHARES the
+    memory plan predicts to fit; 1.0 where it is off or without a GPU. With `gradient_checkpointing
+    = "auto"` a share set here is the one used where "auto" turns checkpointing on."""
     seed: int = 0
     """Seed for random weights (`init = "random"`) and the critic's value head."""
     remove_padding: bool = False
@@ -124,7 +129,7 @@ class ModelConfig:
         if self.init != "pretrained":
             need(bool(self.tokenizer) or bool(self.path),
                   'model.init = "random" with a preset arch needs model.tokenizer (a directory, or "char")')
-        need(self.gradient_checkpointing or self.gradient_checkpointing_layers == 1.0,
+        need(self.gradient_checkpointing or self.gradient_checkpointing_layers in (1.0, AUTO),
               f"model.gradient_checkpointing_layers = {self.gradient_checkpointing_layers} needs "
               "model.gradient_checkpointing = true (without it no layer is checkpointed)")
         need(self.fused_logprob_head == "none" or self.chunked_logprobs,
@@ -156,7 +161,9 @@ class ModelConfig:
                 ("lora_alpha", self.lora_alpha > 0, "> 0"),
                 ("lora_dropout", self.lora_dropout == 0, "0: it is not supported, every dropout is off (the PPO "
                  "ratio compares two forwards of the same weights)"),
-                ("gradient_checkpointing_layers", 0 < self.gradient_checkpointing_layers <= 1, "in (0, 1]")]
+                ("gradient_checkpointing_layers",
+                 self.gradient_checkpointing_layers == AUTO or 0 < self.gradient_checkpointing_layers <= 1,
+                 'in (0, 1], or "auto"')]
 
     def checkpointed_share(self) -> float:
         """The share of decoder layers the actor and critic checkpoint (0: none)."""

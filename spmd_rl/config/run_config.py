@@ -69,6 +69,12 @@ class Config:
     """A reward model (Bradley-Terry) whose score is added to the rule reward's (off by default)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The loop: steps, validation, checkpoints, logging."""
+    auto_chosen = ()  # not a setting (no annotation): the "section.key"s whose "auto" was chosen at start
+    # (spmd_rl/preflight/speed_settings.py), noted in the saved config.toml
+
+    def toml_notes(self) -> dict[str, str]:
+        """config.toml's comment on each key whose value "auto" chose."""
+        return {key: '"auto" chose this (spmd_rl/preflight/speed_settings.py)' for key in self.auto_chosen}
 
     # ---------------------------------------------------------------- derived
     @property

@@ -13,6 +13,7 @@ import difflib
 import os
 import re
 import sys
+import types
 import typing
 from typing import Any, TypeVar
 
@@ -123,6 +124,18 @@ def _parse_override_value(text: str) -> Any:
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):  # `bool | Auto`: the first type that takes the value
+        for arg in typing.get_args(hint):
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key} must be {_one_of([w for a in typing.get_args(hint) for w in _expected(a)])}, "
+                          f"got {value!r}")
+    if origin is typing.Literal:
+        if isinstance(value, str) and value in typing.get_args(hint):
+            return value
+        raise ConfigError(f"{key} must be {_one_of(_expected(hint))}, got {value!r}")
     if origin is dict:  # a table of TOML values handed on as they are (rollout.engine_kwargs)
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a table, got {value!r}: write {key}={{name=value}} or "
@@ -156,6 +169,17 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover
 
 
+def _expected(hint: Any) -> list[str]:
+    """A type's values in words, for a refusal."""
+    if typing.get_origin(hint) is typing.Literal:
+        return [f'"{v}"' for v in typing.get_args(hint)]
+    return {bool: ["true", "false"], int: ["an integer"], float: ["a number"], str: ["a string"]}.get(hint, [str(hint)])
+
+
+def _one_of(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
 def list_syntax(key: str, item_type: type) -> str:
     """How a list is written on the command line, for `key`'s messages."""
     example = '["a.parquet", "b.parquet"]' if item_type is str else "[1, 2]"
@@ -182,8 +206,10 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
-def to_toml(cfg: Any) -> str:
-    """The resolved config as TOML (saved into the run directory)."""
+def to_toml(cfg: Any, notes: dict[str, str] | None = None) -> str:
+    """The resolved config as TOML (saved into the run directory); `notes`: a comment after the
+    value of each "section.key" it names."""
+    notes = notes or {}
 
     def fmt(v: Any) -> str:
         if isinstance(v, bool):
@@ -199,6 +225,7 @@ def to_toml(cfg: Any) -> str:
     lines = []
     for section, values in to_dict(cfg).items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {fmt(v)}" for k, v in values.items()]
+        lines += [f"{k} = {fmt(v)}" + (f"  # {notes[f'{section}.{k}']}" if f"{section}.{k}" in notes else "")
+                  for k, v in values.items()]
         lines.append("")
     return "\n".join(lines)

@@ -107,6 +107,12 @@ ARCH_PRESETS: dict[str, dict] = {
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                           tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1000000.0,
                           rms_norm_eps=1e-6),
+    # its layers cut to 4: the real experts, router and attention shapes for the GPU tests (tests/gpu/test_moe_gpu.py)
+    "qwen3-30b-a3b-4layers": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                  moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                  norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=32,
+                                  num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                                  max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6),
 }
 
 
@@ -217,9 +223,17 @@ def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "
         head.weight.zero_()
         if getattr(head, "bias", None) is not None:
             head.bias.zero_()
+    head.register_forward_hook(_not_a_view)
     set_layout(model, remove_padding)
     set_fused_kernels(model, fused_kernels)
     return model
+
+
+def _not_a_view(module: torch.nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+    """The value head's output, copied where it is a view (nn.Linear on [batch, tokens, hidden] returns a view
+    of its 2-D product): the critic returns it, and FSDP2 warns at a view among its root's outputs, since an
+    in-place op on one would drop its backward hook. One float per token."""
+    return out.clone() if out._base is not None else out
 
 
 def load_reward_model(path: str, dtype: torch.dtype, pad_token_id: int, attn_implementation: str = "sdpa",
@@ -261,7 +275,19 @@ def _from_dir(auto_cls, path: str, dtype: torch.dtype, attn_implementation: str,
         model, info = auto_cls.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
                                                output_loading_info=True, **config_kw)
     check_no_missing_weights(info, path, key, what, new)
+    warn_experts_loop(model)
     return model
+
+
+def warn_experts_loop(model: torch.nn.Module) -> None:
+    """One warning where a mixture of experts would run its experts as a Python loop over them
+    (transformers' "eager" experts) instead of grouped GEMMs ("grouped_mm", its default where the
+    model supports it)."""
+    config = model.config
+    implementation = getattr(config, "_experts_implementation", None)
+    if any(getattr(config, k, 0) for k in ("num_experts", "num_local_experts")) and implementation != "grouped_mm":
+        log.warning("%s runs its experts as %r, a loop over the experts, not grouped GEMMs: training is slower "
+                    "(docs/moe.md)", type(model).__name__, implementation)
 
 
 def set_layout(model: torch.nn.Module, remove_padding: bool) -> None:
@@ -425,6 +451,16 @@ def _mesh_device(mesh) -> torch.device:
 def count_parameters(model: torch.nn.Module, trained_only: bool = False) -> int:
     """Unique parameters (tied ones once), full (unsharded) sizes; `trained_only`: those that require grad."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trained_only)
+
+
+def active_parameters(model: torch.nn.Module, trained_only: bool = False) -> int:
+    """count_parameters, with a mixture of experts' expert weights (fused, under `.experts.`) counted at the
+    share a token runs through (top-k of the experts): the N of 6N for a mixture. A dense model's count."""
+    config = getattr(model, "config", None)
+    experts = next((getattr(config, k, 0) for k in ("num_experts", "num_local_experts") if getattr(config, k, 0)), 0)
+    share = getattr(config, "num_experts_per_tok", 0) / experts if experts else 1.0
+    return round(sum(p.numel() * (share if ".experts." in name else 1.0) for name, p in model.named_parameters()
+                     if p.requires_grad or not trained_only))
 
 
 def update_flops_per_token(n_params: int, n_trained: int) -> float:

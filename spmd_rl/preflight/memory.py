@@ -38,6 +38,10 @@ phases: the weights stream into the engine, and the state leaves and comes back,
 holds its weights but no KV cache."""
 
 
+GENERATION_PHASES = ("generation", "weight sync")
+"""The plan's phases of the engine's turn (generation_phases); the others are training's."""
+
+
 def plan_phase(step_phase: str, plan_phases) -> str:
     """The phase among `plan_phases` (names) whose prediction covers the trainer's `step_phase`
     ("" for a step phase no prediction covers)."""
@@ -200,9 +204,9 @@ def fixes_for(cfg: Config, plan: mp.MemoryPlan, world_size: int, shapes) -> list
     """What would bring each phase over the device down, each with the peak it predicts."""
     over = {p.name for p in plan.phases if p.total > plan.device_total}
     fixes = []
-    if over & {"generation", "weight sync"}:
+    if over & set(GENERATION_PHASES):
         fixes += generation_fixes(cfg, plan, world_size, shapes)
-    if over - {"generation", "weight sync"}:
+    if over - set(GENERATION_PHASES):
         fixes += update_fixes(cfg, plan, world_size, shapes)
     return fixes + [more_gpus_fix(cfg, world_size, plan.device_total, shapes)] + lora_fix(cfg, plan, world_size, shapes)
 

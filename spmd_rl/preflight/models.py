@@ -146,5 +146,23 @@ def check_lora_targets(cfg: Config) -> None:
     if unknown:
         which = f"model.path = {m.path!r}" if m.path else f"model.arch = {m.arch!r}"
         have = sorted({n.rsplit(".", 1)[-1] for n in names})
+        experts = sorted({n.split(".experts.", 1)[1] for n, _ in model.named_parameters() if ".experts." in n})
+        fused = [t for t in unknown if t in experts or t == "experts"]
+        why = (f" ({', '.join(fused)}: the mixture of experts' fused expert weights, which LoRA does not adapt here: "
+               "docs/moe.md)") if fused else ""
         raise ConfigError(f"model.lora_target_modules names {', '.join(map(repr, unknown))}, not a linear layer of the "
-                          f"decoder of {which}: it has {', '.join(have)} (or [] for all of them)")
+                          f"decoder of {which}{why}: it has {', '.join(have)} (or [] for all of them)")
+
+
+def check_router_aux_loss(cfg: Config) -> None:
+    """actor.router_aux_loss_coef > 0 needs a mixture of experts: a dense model has no router to balance."""
+    m = cfg.model
+    if cfg.actor.router_aux_loss_coef <= 0 or not (m.path or m.arch):
+        return
+    from spmd_rl.model.loading import random_model_config
+
+    config = random_model_config(m.arch, m.path)
+    if not any(getattr(config, k, 0) for k in ("num_experts", "num_local_experts")):
+        which = f"model.path = {m.path!r}" if m.path else f"model.arch = {m.arch!r}"
+        raise ConfigError(f"actor.router_aux_loss_coef = {cfg.actor.router_aux_loss_coef} balances a mixture of "
+                          f"experts' routers, and {which} is a dense model: set it to 0")

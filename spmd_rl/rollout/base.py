@@ -84,11 +84,16 @@ class Completion:
     messages: list[dict] | None = None
     """Multi-turn: the trajectory after the prompt as chat messages (the model's turns as assistant
     messages, the tool / environment messages between them), for a reward model. None: single-turn."""
+    routes: torch.Tensor | None = None
+    """A mixture-of-experts engine's routing (actor.router_replay = "engine"): int16 [n, layers,
+    top_k], the experts each of the row's first n tokens (prompt, then response) went through,
+    spmd_rl.model.routing.NO_ROUTE where it gave none. n may be short of the row (vLLM never feeds
+    the last sampled token). None: the engine gave no routing."""
 
     def copy(self) -> "Completion":
         return Completion(list(self.token_ids), None if self.logprobs is None else list(self.logprobs),
                           self.finish_reason, None if self.mask is None else list(self.mask), self.reward,
-                          None if self.messages is None else [dict(m) for m in self.messages])
+                          None if self.messages is None else [dict(m) for m in self.messages], self.routes)
 
 
 class RolloutEngine(Protocol):

@@ -2,6 +2,11 @@
 
 It keeps its own plain (unsharded) copy of the policy and is refreshed through the same
 streaming `load_weights` as the vLLM engine, so CPU tests exercise the real weight-sync path.
+
+`return_routes` (actor.router_replay = "engine" on a mixture-of-experts model): every completion
+carries the routing of its prompt and response tokens (`Completion.routes`), recorded by a
+teacher-forced forward of prompt + response through the engine's own model after generating
+(spmd_rl.model.routing.capture): the experts the same weights choose for the same tokens.
 """
 
 from __future__ import annotations
@@ -10,14 +15,15 @@ from typing import Iterable
 
 import torch
 
-from spmd_rl.model import lora
+from spmd_rl.model import lora, routing
 from spmd_rl.rollout.base import Completion, SamplingParams
 
 
 class HFEngine:
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int],
-                 device: torch.device, max_batch_size: int = 256):
+                 device: torch.device, max_batch_size: int = 256, return_routes: bool = False):
         self.model = model.to(device).eval()
+        self.return_routes = return_routes and routing.install(self.model) > 0
         self.params = dict(self.model.named_parameters())
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
@@ -102,4 +108,22 @@ class HFEngine:
                     break
             lp = logps[row, :end].tolist() if asks[row // sp.n] else None
             completions.append(Completion(tokens[:end], lp, reason))
+        if self.return_routes:
+            self._add_routes([prompts[row // sp.n] for row in range(len(completions))], completions)
         return [completions[k * sp.n:(k + 1) * sp.n] for k in range(len(prompts))]
+
+    def _add_routes(self, prompts: list[list[int]], completions: list[Completion]) -> None:
+        """Each completion's routes: one forward of the rows prompt + response, right-padded, with
+        the routers' choices captured."""
+        rows = [p + c.token_ids for p, c in zip(prompts, completions)]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+            mask[i, :len(r)] = 1
+        with routing.capture(self.model) as got:
+            self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+        routes = got.routes.cpu().view(len(rows), width, *got.routes.shape[1:])
+        for i, (r, c) in enumerate(zip(rows, completions)):
+            c.routes = routes[i, :len(r)].clone()

@@ -70,7 +70,8 @@ SYNC_BUCKETS = 2
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the parameter count and the activations depend on (a dense decoder-only LM)."""
+    """What the parameter count and the activations depend on: a decoder-only LM, dense or with a
+    mixture of experts in `moe_layers` of its layers (the others dense)."""
 
     vocab_size: int
     hidden_size: int
@@ -83,30 +84,63 @@ class ModelShape:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    layer_norm_parameters: int = 0  # per layer; 0: two RMSNorm weights of hidden_size
+    num_experts: int = 0  # 0: dense
+    experts_per_token: int = 0  # top-k
+    moe_intermediate_size: int = 0
+    moe_layers: int = 0  # layers whose MLP is the mixture (the rest are dense)
+
+    def attention_parameters(self) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
+
+    def norm_parameters(self) -> int:
+        return self.layer_norm_parameters or 2 * self.hidden_size
+
+    def dense_layer_parameters(self) -> int:
+        mlp = 3 * self.hidden_size * self.intermediate_size + (2 * self.intermediate_size + self.hidden_size
+                                                               if self.mlp_bias else 0)
+        return self.attention_parameters() + mlp + self.norm_parameters()
+
+    def expert_parameters(self) -> int:
+        """One expert's gate, up and down projections."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def moe_layer_parameters(self) -> int:
+        """A mixture layer's: attention, norms, the router ([experts, hidden]) and every expert."""
+        return (self.attention_parameters() + self.norm_parameters() + self.num_experts * self.hidden_size
+                + self.num_experts * self.expert_parameters())
 
     def layer_parameters(self) -> int:
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
-        mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
-        return attention + mlp + 2 * h  # two RMSNorm weights
+        """The largest decoder layer's (what FSDP gathers at once)."""
+        return self.moe_layer_parameters() if self.moe_layers else self.dense_layer_parameters()
 
     def backbone_parameters(self) -> int:
         """Embedding, layers and the final norm."""
-        return self.vocab_size * self.hidden_size + self.num_layers * self.layer_parameters() + self.hidden_size
+        dense = self.num_layers - self.moe_layers
+        return (self.vocab_size * self.hidden_size + dense * self.dense_layer_parameters()
+                + self.moe_layers * self.moe_layer_parameters() + self.hidden_size)
 
     def parameters(self) -> int:
         """The causal LM's: the backbone and, untied, the LM head."""
         head = 0 if self.tied_embeddings else self.vocab_size * self.hidden_size
         return self.backbone_parameters() + head
 
+    def active_parameters(self) -> int:
+        """The parameters a token runs through: all but the experts the router did not pick."""
+        idle = self.moe_layers * (self.num_experts - self.experts_per_token) * self.expert_parameters()
+        return self.parameters() - idle
+
     def lora_parameters(self, rank: int, targets: tuple[str, ...]) -> int:
         """A LoRA adapter's on the decoder layers' linear modules named in `targets` (empty: all of
-        them): rank x (in + out) each, as PEFT's A and B."""
+        them): rank x (in + out) each, as PEFT's A and B. A mixture layer's experts are fused
+        parameters, which LoRA does not adapt (spmd_rl/preflight/models.py check_lora_targets)."""
         h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
-        linear = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-        names = targets or tuple(linear)
-        return self.num_layers * sum(rank * sum(linear[n]) for n in names if n in linear)
+        attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        mlp = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        names = targets or (*attention, *mlp)
+        per_layer = lambda table: sum(rank * sum(table[n]) for n in names if n in table)  # noqa: E731
+        return self.num_layers * per_layer(attention) + (self.num_layers - self.moe_layers) * per_layer(mlp)
 
     def value_model_parameters(self) -> int:
         """The critic's: the backbone and a scalar head with bias (load_value_model)."""
@@ -115,29 +149,46 @@ class ModelShape:
 
 QKV_BIAS_MODEL_TYPES = ("qwen2",)
 """Model types whose q/k/v projections always carry a bias (transformers' Qwen2Attention)."""
-
-
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
+"""Model types with an RMSNorm of head_dim on the queries and one on the keys in every layer."""
+FOUR_NORM_MODEL_TYPES = ("gemma3_text",)
+"""Model types with four RMSNorms of hidden_size per layer (Gemma 3: before and after attention and MLP)."""
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-"""config.json entries of mixture-of-experts models, whose parameters the dense formula does not count."""
+"""config.json entries that count a mixture's experts."""
+MOE_MODEL_TYPES = ("qwen3_moe",)
+"""Mixture-of-experts families whose layout the formula knows (moe_layer_count); others are refused."""
+
+
+def moe_layer_count(config: dict) -> int:
+    """How many layers of a qwen3_moe config hold the mixture: those not in `mlp_only_layers` whose index + 1
+    is a multiple of `decoder_sparse_step` (transformers' Qwen3MoeDecoderLayer)."""
+    step, dense = int(config.get("decoder_sparse_step", 1) or 1), set(config.get("mlp_only_layers") or [])
+    return sum(1 for i in range(int(config["num_hidden_layers"])) if i not in dense and (i + 1) % step == 0)
 
 
 def shape_from_config(config: dict) -> ModelShape:
     """The shape in a config.json (its text config's entries) or a loading.ARCH_PRESETS entry.
-    ValueError for a mixture-of-experts config; KeyError where an entry the formula needs is missing."""
-    experts = [k for k in EXPERT_KEYS if config.get(k)]
-    if experts:
-        raise ValueError(f"{experts[0]} = {config[experts[0]]}: a mixture-of-experts model, which the dense "
-                         "formula does not count")
+    ValueError for a mixture-of-experts family the formula does not know; KeyError where an entry it
+    needs is missing."""
+    model_type = config.get("model_type", "qwen2")
+    experts = next((int(config[k]) for k in EXPERT_KEYS if config.get(k)), 0)
+    if experts and model_type not in MOE_MODEL_TYPES:
+        raise ValueError(f"{model_type} with {experts} experts: a mixture-of-experts family the memory formula does "
+                         f"not count (it counts {', '.join(MOE_MODEL_TYPES)})")
     h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or h // heads)
     attention_bias = bool(config.get("attention_bias", False))
+    norms = (4 if model_type in FOUR_NORM_MODEL_TYPES else 2) * h + (2 * head_dim if model_type in QK_NORM_MODEL_TYPES else 0)
+    moe = dict(num_experts=experts, experts_per_token=int(config["num_experts_per_tok"]),
+               moe_intermediate_size=int(config["moe_intermediate_size"]), moe_layers=moe_layer_count(config)
+               ) if experts else {}
     return ModelShape(
         vocab_size=int(config["vocab_size"]), hidden_size=h, intermediate_size=int(config["intermediate_size"]),
         num_layers=int(config["num_hidden_layers"]), num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or h // heads),
+        num_kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
         tied_embeddings=bool(config.get("tie_word_embeddings", True)),
-        qkv_bias=attention_bias or config.get("model_type", "qwen2") in QKV_BIAS_MODEL_TYPES,
-        o_bias=attention_bias, mlp_bias=bool(config.get("mlp_bias", False)))
+        qkv_bias=attention_bias or model_type in QKV_BIAS_MODEL_TYPES,
+        o_bias=attention_bias, mlp_bias=bool(config.get("mlp_bias", False)), layer_norm_parameters=norms, **moe)
 
 
 # --------------------------------------------------------------------------- training state
@@ -204,6 +255,18 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, work: Work) -> float:
     return tokens * shape.hidden_size * work.bytes_per_hidden * work.compute_bytes / 2
 
 
+def expert_activation_bytes(shape: ModelShape, tokens: int, work: Work) -> float:
+    """What a mixture layer keeps beyond a dense layer's (layer_activation_bytes) for `tokens` tokens: the
+    router's float32 logits and probabilities, and per routed copy of a token (top-k of them) its permuted
+    input and output and the experts' gate/up product and activation. An estimate from the layer's
+    tensors, not yet fitted to a measured peak as ACTIVATION_BYTES_PER_HIDDEN is."""
+    if not shape.moe_layers:
+        return 0.0
+    routed = tokens * shape.experts_per_token
+    return (tokens * shape.num_experts * 4 * 2
+            + routed * (2 * shape.hidden_size + 3 * shape.moe_intermediate_size) * work.compute_bytes)
+
+
 def head_bytes(shape: ModelShape, tokens: int, work: Work, backward: bool) -> float:
     """The log-prob head: chunk temporaries and the gathered weight (with its float32 gradient in
     backward), or the full float32 logits without chunking."""
@@ -225,16 +288,19 @@ def update_activation_bytes(shape: ModelShape, work: Work) -> float:
     t = work.update_tokens
     checkpointed = round(work.checkpointed_share * shape.num_layers)
     kept = shape.num_layers - checkpointed
-    layers = kept * layer_activation_bytes(shape, t, work)
-    if checkpointed:
-        layers += checkpointed * t * shape.hidden_size * work.compute_bytes + layer_activation_bytes(shape, t, work)
+    kept_moe = kept * shape.moe_layers / shape.num_layers  # the mixture layers spread over the depth
+    layers = kept * layer_activation_bytes(shape, t, work) + kept_moe * expert_activation_bytes(shape, t, work)
+    if checkpointed:  # their inputs, and the one layer recomputed at a time
+        layers += (checkpointed * t * shape.hidden_size * work.compute_bytes + layer_activation_bytes(shape, t, work)
+                   + expert_activation_bytes(shape, t, work))
     return layers + head_bytes(shape, t, work, backward=True) + fsdp_buffer_bytes(shape, work, backward=True)
 
 
 def forward_activation_bytes(shape: ModelShape, work: Work) -> float:
     """A no-grad pass (log-probs, reference, values): one layer's activations at a time."""
     t = work.forward_tokens
-    return (layer_activation_bytes(shape, t, work) + head_bytes(shape, t, work, backward=False)
+    return (layer_activation_bytes(shape, t, work) + expert_activation_bytes(shape, t, work)
+            + head_bytes(shape, t, work, backward=False)
             + fsdp_buffer_bytes(shape, work, backward=False))
 
 

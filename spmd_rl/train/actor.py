@@ -14,6 +14,7 @@ from spmd_rl.algo import algorithms as algos
 from spmd_rl.batching import sequence_parallel
 from spmd_rl.batching.batch import Batch, HostColumns, iter_micro_batches
 from spmd_rl.config.actor import ActorConfig
+from spmd_rl.model import routing
 from spmd_rl.model.loading import reshard
 
 if TYPE_CHECKING:
@@ -21,18 +22,25 @@ if TYPE_CHECKING:
 
 
 def forward_logprobs(model: torch.nn.Module, mb: Batch, temperature: float, with_entropy: bool = False,
-                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy_grad: bool = False, router_aux: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, L] log p(token_t | tokens < t) (column 0 is 0), and optionally the entropy of the
     distribution that predicted token t (differentiable only with entropy_grad). The model was
     loaded by `models.load_causal_lm`: packed or padded input as it was loaded for, log-probs
     from its hidden states (spmd_rl.model.logprob_head). A model set up for sequence parallelism
     (sequence_parallel.apply) takes this rank's slice of the packed row; every rank of its group
-    gets the whole micro-batch's columns."""
+    gets the whole micro-batch's columns. A micro-batch with the engine's `routes` routes its tokens
+    by them (actor.router_replay; spmd_rl.model.routing). `router_aux`: a list that gets the routers'
+    load-balancing loss over this forward's real tokens (actor.router_aux_loss_coef)."""
     if not hasattr(model, "spmd_chunked_logprobs"):
         raise TypeError("forward_logprobs needs a model from models.load_causal_lm or models.prepare_policy")
     layout = sequence_parallel.make_layout(mb, model)
-    logp, entropy = model(**layout.inputs, use_cache=False, logprob_targets=layout.targets, temperature=temperature,
-                          with_entropy=with_entropy, entropy_grad=entropy_grad)
+    routes = layout.token_rows(mb[routing.BATCH_KEY]) if routing.BATCH_KEY in mb else None
+    with routing.replay(model, routes), routing.router_logits(model, router_aux is not None) as logits:
+        logp, entropy = model(**layout.inputs, use_cache=False, logprob_targets=layout.targets,
+                              temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    if router_aux is not None and logits:
+        real = layout.token_rows(mb["attention_mask"][..., None])[..., 0] > 0  # the forward's tokens, padding out
+        router_aux.append(routing.load_balancing_loss(logits, routing.state_of(model).top_k, real))
     return layout.to_columns(logp), None if entropy is None else layout.to_columns(entropy)
 
 
@@ -67,7 +75,9 @@ def actor_loss_fn(model: torch.nn.Module, cfg: ActorConfig, temperature: float,
     def loss_fn(mb: Batch, denom: float):
         mask = mb["response_mask"]
         need_entropy_grad = cfg.entropy_coeff != 0  # entropy is always logged; only its bonus needs a gradient
-        logp, entropy = forward_logprobs(model, mb, temperature, with_entropy=True, entropy_grad=need_entropy_grad)
+        aux = [] if cfg.router_aux_loss_coef > 0 else None
+        logp, entropy = forward_logprobs(model, mb, temperature, with_entropy=True, entropy_grad=need_entropy_grad,
+                                         router_aux=aux)
         adv = mb["advantages"]
         if own_logprobs is not None:
             old, w = own_logprobs.take(mb, logp)
@@ -94,6 +104,11 @@ def actor_loss_fn(model: torch.nn.Module, cfg: ActorConfig, temperature: float,
             kl_loss = algos.agg_loss(kl, mask, cfg.loss_agg_mode, denom=denom)
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss.detach()
+        if aux:  # a mean over the micro-batch, weighted by its share of the mini-batch's denominator
+            share = (mask.sum() if cfg.loss_agg_mode == "token-mean" else (mask.sum(-1) > 0).sum()) / denom
+            aux_loss = share * aux[0]  # logged as added: a "loss" metric is summed over micro-batches
+            loss = loss + cfg.router_aux_loss_coef * aux_loss
+            metrics["router_aux_loss"] = aux_loss.detach()
         return loss, metrics
 
     return loss_fn

@@ -246,6 +246,10 @@ LORA = ["model.lora_rank=8"]
     ([*LORA, 'model.lora_target_modules=["q_proj", "qkv"]'],
      "model.lora_target_modules names 'qkv', not a linear layer of the decoder of model.arch = 'tiny': it has "
      "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (or [] for all of them)"),
+    ([*LORA, 'model.arch="qwen3-moe-tiny"', 'model.lora_target_modules=["q_proj", "gate_up_proj"]'],
+     "model.lora_target_modules names 'gate_up_proj', not a linear layer of the decoder of model.arch = "
+     "'qwen3-moe-tiny' (gate_up_proj: the mixture of experts' fused expert weights, which LoRA does not adapt here: "
+     "docs/moe.md): it has k_proj, o_proj, q_proj, v_proj (or [] for all of them)"),
     ([*LORA, 'model.lora_target_modules=["lm_head"]'], "model.lora_target_modules names lm_head: the embeddings and "
      "the LM head are not adapted"),
     (["model.lora_rank=600"], "model.lora_rank = 600 is above the largest rank vLLM's LoRA layers take (512) for "
@@ -316,3 +320,19 @@ def test_a_resume_with_another_lora_adapter_is_refused(tmp_path, old, new, needl
     assert needle in str(e.value) and "\n" not in str(e.value)
     lr_only = load_config(None, [f"trainer.run_dir={tmp_path}", *old, "actor.lr=1e-4"])
     assert check_resume_config(lr_only) == {"actor.lr": (1e-6, 1e-4)}
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["actor.router_aux_loss_coef=0.001"], "actor.router_aux_loss_coef = 0.001 balances a mixture of experts' "
+     "routers, and model.arch = 'tiny' is a dense model: set it to 0"),
+    (['model.arch="qwen3-moe-tiny"', "actor.router_aux_loss_coef=-1"], "actor.router_aux_loss_coef = -1.0 must be >= 0"),
+])
+def test_router_aux_loss_refusals(tmp_path, overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        preflight.validate(valid_cfg(tmp_path, overrides), world_size=1)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_router_aux_loss_on_a_mixture_is_accepted(tmp_path):
+    preflight.validate(valid_cfg(tmp_path, ['model.arch="qwen3-moe-tiny"', "actor.router_aux_loss_coef=0.001"]),
+                       world_size=1)

@@ -85,10 +85,12 @@ NOISE = ("is deprecated", "returned a view tensor", "no GPU: not compared", "mem
 we called, FSDP2's warning at a view among the actor's outputs, a GPU memory line without a GPU."""
 
 
-def test_a_cpu_run_with_a_save_prints_no_noise(tmp_path):
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_a_cpu_run_with_a_save_prints_no_noise(tmp_path, estimator):
+    """GRPO, and PPO with a critic (whose value head's output FSDP2 once warned about, as a view)."""
     run_dir = tmp_path / "run"
     out = run(torchrun_cmd(2, f"trainer.run_dir={run_dir}", "trainer.total_steps=3", "trainer.save_every=2",
-                           "trainer.val_every=0"))
+                           "trainer.val_every=0", f"algorithm.adv_estimator={estimator}"))
     assert "step 3/3" in out and os.path.isdir(run_dir / "checkpoints" / "step_2"), out[-3000:]
     assert not [n for n in NOISE if n in out], out[-5000:]
 

@@ -92,6 +92,9 @@ PRESETS: dict[str, Preset] = {  # configs/<name>.toml, or <config>.toml for a va
     "qwen7b-lora": Preset(gpus=1, arch="qwen2-7b", max_mismatch=0.1, timeout=(540, 360)),
     "qwen3-8b-lora": Preset(gpus=1, arch="qwen3-8b", max_mismatch=0.1, timeout=(540, 360)),
     "llama3.1-8b-lora": Preset(gpus=1, arch="llama3.1-8b", max_mismatch=0.1, timeout=(540, 360)),
+    # a mixture of experts (Qwen3-30B-A3B's shape: 61 GB of bf16 base) with LoRA on four 80 GB GPUs, the
+    # engine at TP=4 with vLLM's fused-MoE kernels (the bundle with its MoE kernels: scripts/gpu_check.sh)
+    "qwen3-30b-a3b-lora": Preset(gpus=4, arch="qwen3-30b-a3b", max_mismatch=0.1, timeout=(600, 420)),
     # its overlong buffer (4096 tokens) must be shorter than the responses: 32 of the 128
     "qwen1.5b-long": Preset(gpus=2, arch="qwen2-1.5b", changes=("reward.overlong_buffer=32",), save_every=(0, -1)),
 }
@@ -112,6 +115,19 @@ def preset_overrides(name: str, model_dir: str, save_every: int) -> list[str]:
             f"trainer.save_every={save_every}"]
 
 
+def check_speed_settings(name: str, logs: list[str], run_dir: Path) -> None:
+    """A preset shipping "auto" settings (spmd_rl/preflight/speed_settings.py): each process logs one
+    line of what it chose, something fits, the resumed process chose the same on the same GPUs, and
+    config.toml notes the values; the run itself (check_run) shows they ran without running out of memory."""
+    if '"auto"' not in config_path(name).read_text():
+        return
+    lines = [next((line.split("speed settings (auto): ", 1)[1] for line in log.splitlines()
+                   if "speed settings (auto): " in line), None) for log in logs]
+    assert all(lines) and len(set(lines)) == 1, (name, lines)
+    assert not lines[0].startswith("nothing fits"), (name, lines[0])
+    assert '"auto" chose this' in (run_dir / "config.toml").read_text(), name
+
+
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_preset_trains_saves_and_resumes(name, tmp_path):
     p = PRESETS[name]
@@ -127,6 +143,7 @@ def test_preset_trains_saves_and_resumes(name, tmp_path):
         logs = [train(name, gpus, preset_overrides(name, model_dir, p.save_every[i]), run_dir, total,
                       "none" if i == 0 else "auto", timeout=p.timeout[i])
                 for i, total in enumerate(p.steps)]
+        check_speed_settings(name, logs, run_dir)
         keep_last = load_config(str(config_path(name)), []).trainer.keep_last
         steps = check_run(name, run_dir, p.steps, logs, p.max_mismatch, saves=expected_saves(p.steps, p.save_every),
                           keep_last=keep_last)

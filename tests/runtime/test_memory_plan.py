@@ -12,12 +12,13 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
 from spmd_rl.config.run_config import load_config
 from spmd_rl.errors import UserError, report
-from spmd_rl.model.loading import ARCH_PRESETS
+from spmd_rl.model.loading import ARCH_PRESETS, preset_config
 from spmd_rl.preflight import memory as mc
+from spmd_rl.preflight import speed_settings
 from spmd_rl.runtime import memory_plan as mp
 from tests.helpers import ROOT
 
@@ -46,7 +47,12 @@ CONFIGS = {
     "llama-untied": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
     "llama-untied-biases-head_dim": lambda: LlamaConfig(**TINY, tie_word_embeddings=False, attention_bias=True,
                                                         mlp_bias=True, head_dim=32),
-    **{f"preset-{name}": (lambda a=arch: Qwen2Config(**a)) for name, arch in ARCH_PRESETS.items()},
+    # a mixture in layers 2 and 4 (decoder_sparse_step 2), dense layer 1 by mlp_only_layers... and 3 by the step
+    "qwen3_moe-sparse-step-mlp-only": lambda: Qwen3MoeConfig(**{**TINY, "num_hidden_layers": 4}, head_dim=16,
+                                                             moe_intermediate_size=24, num_experts=8,
+                                                             num_experts_per_tok=2, decoder_sparse_step=2,
+                                                             mlp_only_layers=[3]),
+    **{f"preset-{name}": (lambda n=name: preset_config(n)) for name in ARCH_PRESETS},  # each of its family's class
 }
 
 
@@ -56,8 +62,9 @@ def test_parameter_count_equals_the_model_transformers_builds(name):
     config = CONFIGS[name]()
     shape = mp.shape_from_config(config.to_dict())
     assert shape.parameters() == meta_count(AutoModelForCausalLM, config)
-    config.num_labels = 1
-    assert shape.value_model_parameters() == meta_count(AutoModelForTokenClassification, config)
+    if type(config) in AutoModelForTokenClassification._model_mapping:  # families with a critic class
+        config.num_labels = 1
+        assert shape.value_model_parameters() == meta_count(AutoModelForTokenClassification, config)
 
 
 def test_head_chunk_is_the_log_prob_heads():
@@ -156,14 +163,52 @@ def test_warn_and_off(tmp_path, caplog):
     assert mc.check_memory(qwen7b_config(tmp_path, 'trainer.memory_check="off"'), 2, H100_TOTAL) is None
 
 
-def test_a_mixture_of_experts_model_is_not_predicted(tmp_path, caplog):
-    """The dense formula would undercount its experts: one warning, no refusal."""
+def test_active_parameters_of_a_mixture_count_the_routed_experts_only():
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B active (its model card), by hand: the dense count less the
+    experts a token skips (128 - 8 of 128 in each of 48 layers, 3 x 2048 x 768 each)."""
+    shape = mp.shape_from_config(preset_config("qwen3-30b-a3b").to_dict())
+    assert shape.parameters() == 30_532_122_624
+    assert shape.active_parameters() == 30_532_122_624 - 48 * 120 * 3 * 2048 * 768 == 3_353_032_704
+    dense = mp.shape_from_config(preset_config("qwen2-0.5b").to_dict())
+    assert dense.active_parameters() == dense.parameters()
+
+
+def test_a_mixture_adds_its_routed_experts_activations_to_the_dense_layers():
+    """Per mixture layer and token: the router's float32 logits and probabilities (8 bytes an expert) and,
+    per routed copy (top-k), the permuted input and output and the experts' gate, up and activation."""
+    shape = mp.shape_from_config(preset_config("qwen3-moe-tiny").to_dict())
+    work = mp.Work(update_tokens=1000, forward_tokens=1000)
+    assert mp.expert_activation_bytes(shape, 1000, work) == 1000 * 8 * 8 + 1000 * 2 * (2 * 64 + 3 * 32) * 2
+    dense = dataclasses_replace(shape)
+    gathered = shape.layer_parameters() - dense.layer_parameters()  # FSDP gathers two layers, + float32 grads
+    assert mp.update_activation_bytes(shape, work) - mp.update_activation_bytes(dense, work) == pytest.approx(
+        2 * mp.expert_activation_bytes(shape, 1000, work) + 2 * gathered * (2 + 4))  # both layers are mixtures
+    assert mp.forward_activation_bytes(shape, work) - mp.forward_activation_bytes(dense, work) == pytest.approx(
+        mp.expert_activation_bytes(shape, 1000, work) + 2 * gathered * 2)
+
+
+def dataclasses_replace(shape):
+    """`shape` without its mixture: the same layers, dense."""
+    import dataclasses
+
+    return dataclasses.replace(shape, num_experts=0, experts_per_token=0, moe_intermediate_size=0, moe_layers=0)
+
+
+def test_a_mixture_of_experts_model_is_predicted_and_an_unknown_family_is_not(tmp_path, caplog):
+    """qwen3_moe is counted (its line is logged); a mixture family the formula does not know gets one warning."""
     cfg = qwen7b_config(tmp_path)
+    moe = preset_config("qwen3-30b-a3b").to_dict()
+    (tmp_path / "Qwen2.5-7B-Instruct" / "config.json").write_text(json.dumps(moe))
+    with caplog.at_level(logging.WARNING, logger="spmd_rl"):
+        mc.check_memory(cfg, 8, 2 * H100_TOTAL)
+    assert "not predicted" not in caplog.text
+    caplog.clear()
     config = dict(QWEN25_7B_CONFIG, model_type="qwen2_moe", num_experts=64)
     (tmp_path / "Qwen2.5-7B-Instruct" / "config.json").write_text(json.dumps(config))
     with caplog.at_level(logging.WARNING, logger="spmd_rl"):
         assert mc.check_memory(cfg, 2, H100_TOTAL) is None
-    assert "memory: not predicted" in caplog.text and "num_experts = 64: a mixture-of-experts model" in caplog.text
+    assert ("memory: not predicted" in caplog.text and "qwen2_moe with 64 experts: a mixture-of-experts family "
+            "the memory formula does not count (it counts qwen3_moe)" in caplog.text)
 
 
 def test_the_start_up_line_is_logged_before_the_models_on_a_gpu(monkeypatch, caplog):
@@ -364,6 +409,7 @@ def test_the_host_memory_line_is_logged_once_per_node_with_the_adapter_sync(monk
     monkeypatch.setattr(build, "raise_together", lambda fn: fn())
     cfg = load_config(os.path.join(ROOT, "configs", "qwen7b-lora.toml"),
                       ['model.init="random"', 'model.path=""', 'model.arch="qwen2-7b"', 'model.tokenizer="char"'])
+    speed_settings.resolve(cfg, 8, None)  # the preset's "auto" settings, as the entry point chooses them on CPU
     for local_rank, logged in ((0, True), (1, False)):
         caplog.clear()
         env = type("Env", (), {"device": torch.device("cpu"), "world_size": 8, "local_rank": local_rank,
@@ -371,3 +417,19 @@ def test_the_host_memory_line_is_logged_once_per_node_with_the_adapter_sync(monk
         with caplog.at_level(logging.INFO, logger="spmd_rl"):
             build.check_memory(cfg, env)
         assert ("held for the run (vLLM weights asleep (sleep level 1)" in caplog.text) == logged, caplog.text
+
+
+def test_the_30b_a3b_lora_preset_is_predicted_to_fit_four_80_gb_gpus_and_not_one(tmp_path):
+    """configs/qwen3-30b-a3b-lora.toml with its "auto" speed settings chosen: its plan fits four H100s; on
+    one (the engine at TP=1) the 61 GB base alone leaves no room, and the plan says so."""
+    model_dir = tmp_path / "Qwen3-30B-A3B"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(preset_config("qwen3-30b-a3b").to_dict()))
+    preset = os.path.join(ROOT, "configs", "qwen3-30b-a3b-lora.toml")
+    four = load_config(preset, [f'model.path="{model_dir}"'])
+    speed_settings.resolve(four, 4, H100_TOTAL)
+    assert mc.plan_for(four, 4, H100_TOTAL).fits
+    one = load_config(preset, [f'model.path="{model_dir}"', "rollout.tensor_parallel_size=1"])
+    speed_settings.resolve(one, 1, H100_TOTAL)
+    plan = mc.plan_for(one, 1, H100_TOTAL)
+    assert not plan.fits and plan.peak.total > H100_TOTAL

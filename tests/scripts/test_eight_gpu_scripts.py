@@ -59,12 +59,14 @@ def parse(argv: list[str]) -> tuple[int, str, list[str]]:
 def loaded(argv: list[str], monkeypatch):
     """The command's config, validated for its ranks on one node, and its start-up memory plan on 80 GB cards."""
     from spmd_rl.config.run_config import load_config
+    from spmd_rl.preflight import speed_settings
     from spmd_rl.preflight.memory import check_memory
     from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
 
     monkeypatch.setattr(vllm_kwargs, "vllm_import_problem", lambda: None)  # no vLLM on the CI machine
     nproc, config, overrides = parse(argv)
     cfg = load_config(os.path.join(ROOT, config), overrides)
+    speed_settings.resolve(cfg, nproc, H100_GIB * 2**30)  # "auto" chosen first, as the entry point does
     preflight.validate(cfg, world_size=nproc, gpus_per_node=nproc)
     plan = check_memory(cfg, nproc, H100_GIB * 2**30)
     assert plan is not None and plan.fits, plan.line()
@@ -118,6 +120,10 @@ def test_shipped_7b_extra_overrides_and_steps_reach_both_processes(tmp_path, mon
         (3, str(tmp_path / "run"), True), (4, str(tmp_path / "run"), True)]
 
 
+FIXED_SPEED = ("model.gradient_checkpointing", "actor.max_token_len_per_gpu", "actor.logprob_max_token_len_per_gpu")
+"""weak_scaling.sh's fixed speed settings."""
+
+
 @pytest.mark.parametrize("counts", [None, "1 2 4 8", "1 2 4"])
 def test_weak_scaling_keeps_the_work_per_gpu(counts, tmp_path, monkeypatch):
     """k GPUs: 64 x k prompts in one mini-batch, so each GPU generates and trains bench_step's 512 responses a
@@ -136,8 +142,12 @@ def test_weak_scaling_keeps_the_work_per_gpu(counts, tmp_path, monkeypatch):
         assert not cfg.old_logprob_pass_reason(), cfg.old_logprob_pass_reason()
         assert cfg.trainer.save_every == -1 and cfg.trainer.run_dir.endswith(f"/step-qwen2-1.5b-after-gpus{nproc}/run")
         # each run's synthetic data is its own, under its run directory
+        assert (cfg.model.gradient_checkpointing, cfg.actor.max_token_len_per_gpu,
+                cfg.actor.logprob_max_token_len_per_gpu) == (False, 16384, 32768)  # fixed, not "auto", on every count
+        fixed = {k for k in FIXED_SPEED if flat(cfg)[k] != flat(one)[k]}  # where bench_step's "auto" chose otherwise
         assert changed(cfg, one) == ({"trainer.run_dir", "trainer.save_every", "data.train_files", "data.val_files"} |
-                                     ({"data.train_batch_size", "actor.ppo_mini_batch_size"} if nproc > 1 else set()))
+                                     ({"data.train_batch_size", "actor.ppo_mini_batch_size"} if nproc > 1 else set())
+                                     | fixed)
     assert got == expected
 
 

@@ -82,12 +82,14 @@ def test_preset_check_overrides_validate_and_fit_on_its_gpus(name, gpu_gib, monk
     """The check's overrides are a valid config for the GPU count it runs on with cards of this
     memory (Preset.gpus_on), and the start-up memory check predicts that it fits those GPUs: qwen7b
     on 4 80 GB cards or 2 141 GB ones."""
+    from spmd_rl.preflight import speed_settings
     from spmd_rl.preflight.memory import check_memory
 
     gpus = PRESETS[name].gpus_on(gpu_gib)
     cfg = preset_config(name, tmp_path, monkeypatch)
     preflight.validate(cfg, world_size=gpus, gpus_per_node=gpus)
     assert cfg.data.max_response_length == 128 and cfg.rollout.engine == "vllm"
+    speed_settings.resolve(cfg, gpus, gpu_gib * 2**30)  # "auto" settings, as the entry point chooses them
     assert check_memory(cfg, gpus, gpu_gib * 2**30).fits
     if name == "qwen7b":
         assert gpus == {H100_GIB: 4, H200_GIB: 2}[gpu_gib]
@@ -98,6 +100,7 @@ def test_qwen7b_needs_4_gpus_of_80_gb_and_2_of_the_smallest_memory_it_picks_2_fo
     refuses it, naming 4 GPUs and LoRA (on two H100s it ran out of memory in its update,
     2026-11-26); every (GiB, GPUs) pair of Preset.gpus_by_memory fits at that GiB, the least memory
     that picks it."""
+    from spmd_rl.preflight import speed_settings
     from spmd_rl.preflight.memory import MemoryPlanError, check_memory
 
     p = PRESETS["qwen7b"]
@@ -110,6 +113,7 @@ def test_qwen7b_needs_4_gpus_of_80_gb_and_2_of_the_smallest_memory_it_picks_2_fo
             assert preset.gpus_on(gib) == n and preset.gpus_on(gib - 1) != n, (name, gib, n)
             cfg = preset_config(name, tmp_path / name, monkeypatch)
             preflight.validate(cfg, world_size=n, gpus_per_node=n)
+            speed_settings.resolve(cfg, n, gib * 2**30)
             assert check_memory(cfg, n, gib * 2**30).fits, (name, f"{n} GPUs of {gib} GiB")
 
 
@@ -280,8 +284,8 @@ def test_table_names_the_gpus_of_every_row_and_fails_on_not_run():
     assert "| 0,1  | PASS" in text and "TOTAL" in text.splitlines()[-1] and "FAIL" in text.splitlines()[-1]
 
 
-@pytest.mark.parametrize("n_gpus, gpu_gib, n_calls", [(1, H100_GIB, 8), (2, H100_GIB, 6), (2, H200_GIB, 7),
-                                                     (4, H100_GIB, 4), (8, H100_GIB, 2)])
+@pytest.mark.parametrize("n_gpus, gpu_gib, n_calls", [(1, H100_GIB, 9), (2, H100_GIB, 6), (2, H200_GIB, 7),
+                                                     (4, H100_GIB, 5), (8, H100_GIB, 3)])
 def test_the_plan_splits_into_calls_that_each_fit(n_gpus, gpu_gib, n_calls):
     """--max-call-s 570 (a 10-minute device call): every check in one call, in PLAN order, each
     call's expected schedule within what the call leaves for checks; the docstring's call counts."""

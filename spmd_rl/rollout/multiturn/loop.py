@@ -73,6 +73,10 @@ class Trajectory:
     messages: list[dict[str, Any]] = field(default_factory=list)
     """The conversation after the prompt: each model turn decoded as an assistant message, and the
     environment's messages that went into the sequence (what a reward model scores)."""
+    routes: Any = None
+    """The engine's routing of the latest turn (Completion.routes): it fed the prompt, every earlier
+    turn and bridge, and this turn, so it covers the trajectory but the tokens after it (None: not
+    given)."""
     turns: int = 0
     stop: str = ""
     reward: float | None = None
@@ -87,6 +91,7 @@ class Trajectory:
         self.mask += [1] * len(c.token_ids)
         self.logprobs += c.logprobs if c.logprobs is not None else [0.0] * len(c.token_ids)
         self.last_turn = list(c.token_ids)
+        self.routes = c.routes
         self.turns += 1
 
     def add_bridge(self, ids: list[int]) -> None:
@@ -96,7 +101,8 @@ class Trajectory:
 
     def completion(self) -> Completion:
         return Completion(self.tokens, self.logprobs if self.asks_logprobs else None,
-                          "stop" if self.stop == "answer" else "length", self.mask, self.reward, self.messages)
+                          "stop" if self.stop == "answer" else "length", self.mask, self.reward, self.messages,
+                          self.routes)
 
 
 def turn_seed(seed: int, turn: int) -> int:

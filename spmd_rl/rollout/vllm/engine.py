@@ -109,6 +109,24 @@ def step_capture_sizes(cfg, world_size: int) -> list[int]:
     return sorted(s for s in sizes if s <= cap)
 
 
+def returns_routes(cfg, model_dir: str) -> bool:
+    """Whether the engine is asked for each token's routed experts (vLLM's
+    `enable_return_routed_experts`): actor.router_replay = "engine" and model_dir's config.json (its
+    text config) is a mixture of experts. vLLM returns them per request as [prompt + generated - 1,
+    num_hidden_layers, top_k] (the last sampled token is never fed), prefix-cached tokens included
+    (its RoutedExpertsManager keeps them by KV block); dense layers' rows are zeros, which the
+    trainer's dense layers never read."""
+    path = os.path.join(model_dir, "config.json")
+    if cfg.actor.router_replay != "engine" or not os.path.exists(path):
+        return False
+    from spmd_rl.runtime.memory_plan import EXPERT_KEYS
+
+    with open(path) as f:
+        config = json.load(f)
+    config = config.get("text_config", config)
+    return any(config.get(k) for k in EXPERT_KEYS)
+
+
 def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_mode: bool = True,
                   world_size: int = 1, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for this config: the project's own, then the user's
@@ -136,6 +154,8 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
         enable_chunked_prefill=r.enable_chunked_prefill,
         disable_custom_all_reduce=r.disable_custom_all_reduce,
     )
+    if returns_routes(cfg, model_dir):  # routing replay: each token's experts come back (Completion.routes)
+        kw["enable_return_routed_experts"] = True
     if cfg.model.adapter_sync:  # LoRA layers in the engine: the base kept, the adapter loaded each step
         from spmd_rl.model.lora import vllm_max_lora_rank
 
@@ -172,6 +192,21 @@ def inner_model(llm) -> torch.nn.Module:
     """The nn.Module inside this process's vLLM worker (the one place that knows the path)."""
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+
+def unset_parameters(model: torch.nn.Module, loaded: set[str]) -> list[str]:
+    """The engine parameters that `model.load_weights` did not report as loaded (`loaded`: its return).
+
+    vLLM 0.26's fused-MoE layer reports its experts one module level short: `MoERunner.load_weights`
+    (at `...mlp.experts`) returns the names of its `routed_experts` child (`w13_weight`), so the loader
+    reports `...mlp.experts.w13_weight` for the parameter `...mlp.experts.routed_experts.w13_weight`.
+    A parameter also counts as loaded when its name with the module level just above it removed was
+    reported: that level, never any other, so an expert weight the stream lacked is still found."""
+    def reported(name: str) -> bool:
+        parts = name.split(".")
+        return name in loaded or (len(parts) > 2 and ".".join(parts[:-2] + parts[-1:]) in loaded)
+
+    return sorted(n for n, _ in model.named_parameters() if not reported(n))
 
 
 def shutdown_llm(llm) -> None:
@@ -403,7 +438,7 @@ class VLLMEngine:
             weights = ((base_layer_name(name, wrapped), t) for name, t in weights)
         loaded = model.load_weights(weights)
         if strict and isinstance(loaded, set):
-            missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+            missing = unset_parameters(model, loaded)
             if missing:
                 raise RuntimeError(f"load_weights left {len(missing)} engine parameters unset, e.g. {missing[:5]}")
         self._weights_valid = True

@@ -46,6 +46,7 @@ FIXED: dict[str, str] = {
     "worker_cls": "weight syncs load into the model of vLLM's own worker in this process",
     **{k: "set from model.lora_rank and model.lora_sync (the adapter sync's LoRA layers)"
        for k in ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras")},
+    "enable_return_routed_experts": "set from actor.router_replay (\"engine\" on a mixture-of-experts model)",
     "device_ids": _LAYOUT,
     "pipeline_parallel_size": _LAYOUT,
     "prefill_context_parallel_size": _LAYOUT,

@@ -25,6 +25,9 @@ import contextlib
 import gc
 from typing import Any, Iterator
 
+import numpy as np
+import torch
+
 from spmd_rl.rollout.base import Completion
 
 
@@ -74,10 +77,20 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
     return values
 
 
+def routes(out: Any) -> torch.Tensor | None:
+    """A CompletionOutput's routed experts (`enable_return_routed_experts`: a numpy array [tokens,
+    layers, top_k] of uint8 / uint16) as int16 (spmd_rl.model.routing), None when it has none."""
+    arr = getattr(out, "routed_experts", None)
+    if arr is None:
+        return None
+    return torch.from_numpy(np.ascontiguousarray(arr).astype(np.int16))
+
+
 def completion(out: Any, asked: bool) -> Completion:
-    """Our Completion of a vLLM CompletionOutput; log-probs when its request `asked` for them."""
+    """Our Completion of a vLLM CompletionOutput; log-probs when its request `asked` for them, and
+    the routed experts of its prompt and generated tokens when the engine returns them."""
     ids = list(out.token_ids)
     if out.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a request with reason {out.finish_reason!r} (aborted?)")
     return Completion(token_ids=ids, logprobs=sampled_logprobs(ids, out.logprobs) if asked else None,
-                      finish_reason=out.finish_reason)
+                      finish_reason=out.finish_reason, routes=routes(out))

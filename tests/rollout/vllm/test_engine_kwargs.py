@@ -259,6 +259,22 @@ def test_engine_kwargs_come_after_ours_and_overrides_last():
     assert cfg.rollout.engine_kwargs["compilation_config"] == {"custom_ops": ["none"]}
 
 
+def test_routed_experts_are_asked_for_on_an_moe_model_with_replay_only(tmp_path):
+    import json
+
+    moe, dense = tmp_path / "moe", tmp_path / "dense"
+    for d, config in ((moe, {"model_type": "qwen3_moe", "num_experts": 8}), (dense, {"model_type": "qwen3"})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+    cfg = Config()
+    assert engine_kwargs(cfg, str(moe), 0)["enable_return_routed_experts"] is True  # actor.router_replay = "engine"
+    assert "enable_return_routed_experts" not in engine_kwargs(cfg, str(dense), 0)
+    cfg.actor.router_replay = "off"
+    assert "enable_return_routed_experts" not in engine_kwargs(cfg, str(moe), 0)
+    assert refusal({"enable_return_routed_experts": True}).startswith(
+        "rollout.engine_kwargs.enable_return_routed_experts cannot be set: set from actor.router_replay")
+
+
 def test_block_size_reaches_vllm_and_0_leaves_vllms_default():
     """rollout.block_size (default 64: vLLM's scheduler works per block on the CPU every decode
     step) is vllm.LLM's block_size; 0 passes none; engine_kwargs.block_size is refused naming the key."""

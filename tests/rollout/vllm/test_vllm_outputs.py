@@ -57,6 +57,7 @@ class CompletionOutput:  # vllm.outputs.CompletionOutput (the fields read)
     token_ids: list
     logprobs: object
     finish_reason: str
+    routed_experts: object = None
 
 
 def dict_logprobs(ids, lps, extra=()):
@@ -100,6 +101,21 @@ def test_completion_reads_logprobs_only_when_asked():
     assert c.logprobs is None and c.token_ids == IDS and c.finish_reason == "stop"
     with pytest.raises(RuntimeError, match="reason 'abort'"):
         vo.completion(CompletionOutput(0, list(IDS), None, "abort"), asked=False)
+
+
+def test_completion_carries_vllms_routed_experts_as_int16():
+    """vLLM 0.26 returns routed_experts as numpy [tokens, layers, top_k], uint8 up to 256 experts
+    and uint16 beyond (vllm/model_executor/layers/fused_moe/routed_experts_capturer.py)."""
+    import numpy as np
+    import torch
+
+    for dtype, top in ((np.uint8, 255), (np.uint16, 383)):
+        arr = np.arange(6 * 2 * 3, dtype=np.int64).reshape(6, 2, 3) % (top + 1)
+        arr[0, 0, 0] = top
+        c = vo.completion(CompletionOutput(0, list(IDS), None, "stop", arr.astype(dtype)), asked=False)
+        assert c.routes.dtype == torch.int16 and c.routes.tolist() == arr.tolist()
+        assert c.copy().routes is c.routes
+    assert vo.completion(CompletionOutput(0, list(IDS), None, "stop"), asked=False).routes is None
 
 
 def test_logprob_request_and_flat_support():

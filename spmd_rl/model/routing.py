@@ -1,0 +1,246 @@
+"""Routing replay for mixture-of-experts models: every router of a model selects given experts, or
+records the experts it selects.
+
+Routes are int16 [tokens, layers, top_k]: for each token of a forward (in the order the model sees
+them: rows flattened, or a packed row, or a sequence-parallel slice of one; see the layouts'
+`token_rows`), for each decoder layer (`config.num_hidden_layers`; layers without a router are
+ignored), the experts chosen. `NO_ROUTE` (-1) in a token's first slot of a layer means "none given":
+that token routes as the router itself decides (tokens the engine did not route, padding).
+
+`install(model)` wraps the forward of every router (`routers`: modules with `top_k`, `num_experts`
+and a `weight` [num_experts, hidden] whose forward returns (router_logits, router_scores,
+router_indices): the top-k softmax routers of transformers 5, Qwen3-MoE's `Qwen3MoeTopKRouter`
+among them). Nothing in transformers is edited; a model without routers is left as it is (a
+dense model: replay is a no-op). Then:
+
+- `replay(model, routes)`: while the block runs, a router takes the given experts and weights them
+  with its own softmax probabilities gathered at them, renormalised over the top-k when the router
+  normalises its own (`norm_topk_prob`, Mixtral always). Gradients flow to the router through those
+  probabilities; the choice itself is fixed.
+- `capture(model)`: the block's forward records each router's own choices; `.routes` is then the
+  int16 [tokens, layers, top_k] routes of that forward (NO_ROUTE in layers without a router).
+
+The weight formula is checked once per router against the router's own scores at its own choice;
+a router that scores experts another way (sigmoid scores, expert groups, a correction bias) is
+refused with a `UserError` instead of being replayed wrongly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import types
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from spmd_rl.errors import UserError
+
+NO_ROUTE = -1
+BATCH_KEY = "routes"
+"""The batch's [B, L, layers, top_k] int16 routes of every row's tokens (spmd_rl.batching.batch)."""
+ROUTES_DTYPE = torch.int16
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass
+class RoutingState:
+    """What a model's routers do in the current forward (one per model, `model.spmd_routing`)."""
+
+    num_layers: int
+    top_k: int
+    routes: torch.Tensor | None = None
+    """[tokens, layers, top_k] to replay, or None (the routers' own choice)."""
+    captured: dict[int, torch.Tensor] | None = None
+    """While capturing: layer -> [tokens, top_k] of the routers' own choices."""
+    checked: set[int] = field(default_factory=set)
+    logits: list[torch.Tensor] | None = None
+    """While `router_logits` collects: every router's logits of the forward, in call order."""
+
+
+def is_router(module: torch.nn.Module) -> bool:
+    w = getattr(module, "weight", None)
+    e = getattr(module, "num_experts", None)
+    return (isinstance(getattr(module, "top_k", None), int) and isinstance(e, int) and w is not None
+            and w.dim() == 2 and w.shape[0] == e)
+
+
+def routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """(decoder layer index, router) of every router of `model`, in module order; the layer comes
+    from the module's name (`...layers.<i>....`), else the router's position."""
+    found = [(name, m) for name, m in model.named_modules() if is_router(m)]
+    out = []
+    for pos, (name, m) in enumerate(found):
+        hit = _LAYER.search(name)
+        out.append((int(hit.group(1)) if hit else pos, m))
+    return out
+
+
+def install(model: torch.nn.Module) -> int:
+    """Wrap the forward of every router of `model` for `replay` and `capture` (once; a second call
+    changes nothing). Returns the number of routers (0: a dense model, left as it is)."""
+    if hasattr(model, "spmd_routing"):
+        return len(routers(model))
+    found = routers(model)
+    if not found:
+        return 0
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_layers = max(getattr(config, "num_hidden_layers", 0), max(layer for layer, _ in found) + 1)
+    state = RoutingState(num_layers, found[0][1].top_k)
+    for layer, router in found:
+        router.forward = types.MethodType(_routed_forward(type(router).forward, layer, state), router)
+    model.spmd_routing = state
+    return len(found)
+
+
+def state_of(model: torch.nn.Module) -> RoutingState | None:
+    """The routing state `install` gave `model` (a PEFT wrapper passes the attribute on), None if none."""
+    return getattr(model, "spmd_routing", None)
+
+
+@contextlib.contextmanager
+def replay(model: torch.nn.Module, routes: torch.Tensor | None) -> Iterator[None]:
+    """Forwards of `model` in the block take `routes` ([tokens, layers, top_k], see the module doc).
+    No-op when `routes` is None or the model has no routers installed."""
+    state = state_of(model)
+    if state is None or routes is None:
+        yield
+        return
+    if routes.dim() != 3 or routes.shape[1] != state.num_layers or routes.shape[2] != state.top_k:
+        raise UserError(f"routing replay: routes of shape {tuple(routes.shape)} do not fit this model's "
+                        f"[tokens, {state.num_layers} layers, top-{state.top_k}]: the engine's model is not the "
+                        'trainer\'s; set actor.router_replay = "off"')
+    state.routes = routes
+    try:
+        yield
+    finally:
+        state.routes = None
+
+
+@contextlib.contextmanager
+def router_logits(model: torch.nn.Module, on: bool = True) -> Iterator[list[torch.Tensor]]:
+    """The routers' logits ([tokens, experts] each, with their graph) of the block's forwards, in call
+    order, in the list yielded (empty where `on` is false or the model has no routers installed)."""
+    out: list[torch.Tensor] = []
+    state = state_of(model)
+    if state is None or not on:
+        yield out
+        return
+    state.logits = out
+    try:
+        yield out
+    finally:
+        state.logits = None
+
+
+def load_balancing_loss(logits: list[torch.Tensor], top_k: int, real: torch.Tensor) -> torch.Tensor:
+    """transformers' load-balancing loss (load_balancing_loss_func: experts x sum over experts of the share
+    of routed copies x the mean router probability) over the layers' `logits` at the `real` tokens
+    ([tokens] bool: padding left out)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    mask = real.reshape(1, -1).long()
+    return load_balancing_loss_func(tuple(logits), logits[0].shape[-1], top_k, mask)
+
+
+class Captured:
+    """What `capture` yields: `.routes` after the block."""
+
+    routes: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def capture(model: torch.nn.Module) -> Iterator[Captured]:
+    """Record the routers' own choices of the block's forward (one forward) as `.routes` of what is
+    yielded, int16 [tokens, layers, top_k]; None for a model without routers installed."""
+    out = Captured()
+    state = state_of(model)
+    if state is None:
+        yield out
+        return
+    state.captured = {}
+    try:
+        yield out
+        if state.captured:
+            tokens = next(iter(state.captured.values())).shape[0]
+            device = next(iter(state.captured.values())).device
+            routes = torch.full((tokens, state.num_layers, state.top_k), NO_ROUTE, dtype=ROUTES_DTYPE, device=device)
+            for layer, idx in state.captured.items():
+                routes[:, layer] = idx
+            out.routes = routes
+    finally:
+        state.captured = None
+
+
+def rows_of_routes(routes: list[torch.Tensor | None], length: int) -> torch.Tensor:
+    """The batch's routes [B, length, layers, top_k] int16 from each row's engine routes (None: the
+    engine gave the row none), NO_ROUTE where a row has none."""
+    shape = next(r.shape[1:] for r in routes if r is not None)
+    out = torch.full((len(routes), length, *shape), NO_ROUTE, dtype=ROUTES_DTYPE)
+    for i, r in enumerate(routes):
+        if r is not None:
+            if r.shape[1:] != shape:
+                raise RuntimeError(f"the engine's routes of row {i} are {tuple(r.shape)}, another row's [*, {shape}]")
+            n = min(r.shape[0], length)
+            out[i, :n] = r[:n].to(ROUTES_DTYPE)
+    return out
+
+
+def replayed_share(batch) -> tuple[int, int]:
+    """(tokens replayed, tokens counted) of a batch (spmd_rl.batching.batch.Batch): counted are the
+    tokens whose routing reaches a log-prob, every row's tokens but its last; replayed those of
+    them with a route in the batch's `routes` (none without them)."""
+    counted = (batch["attention_mask"].sum(-1) - 1).clamp(min=0)
+    if BATCH_KEY not in batch:
+        return 0, int(counted.sum())
+    cols = torch.arange(batch.seq_len)[None, :]
+    routed = (batch[BATCH_KEY][..., 0] != NO_ROUTE).any(-1) & (cols < counted[:, None])
+    return int(routed.sum()), int(counted.sum())
+
+
+def _normalises(router: torch.nn.Module) -> bool:
+    """Whether the router renormalises its top-k probabilities (Mixtral's has no flag and always does)."""
+    return bool(getattr(router, "norm_topk_prob", True))
+
+
+def _weights(router: torch.nn.Module, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The router's softmax probabilities at `experts` [tokens, top_k], renormalised as it does."""
+    w = torch.softmax(logits.float(), dim=-1).gather(-1, experts)
+    return w / w.sum(-1, keepdim=True) if _normalises(router) else w
+
+
+def _routed_forward(original, layer: int, state: RoutingState):
+    def forward(self, hidden_states, *args, **kwargs):
+        out = original(self, hidden_states, *args, **kwargs)
+        if state.logits is not None and isinstance(out, tuple):
+            state.logits.append(out[0])
+        if state.routes is None and state.captured is None:
+            return out
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise UserError(f"routing replay: {type(self).__name__}.forward does not return (router_logits, "
+                            'router_scores, router_indices); set actor.router_replay = "off" for this model')
+        logits, scores, own = out
+        if state.captured is not None:
+            state.captured[layer] = own.to(ROUTES_DTYPE)
+        if state.routes is None:
+            return out
+        if layer not in state.checked:
+            _check_formula(self, logits, scores, own)
+            state.checked.add(layer)
+        given = state.routes[:, layer].to(own.device)
+        if given.shape[0] != own.shape[0]:
+            raise RuntimeError(f"routing replay: {given.shape[0]} routes for the {own.shape[0]} tokens of a forward "
+                               "(the routes must be cut like the tokens: see the layouts' token_rows)")
+        experts = torch.where(given[:, :1] == NO_ROUTE, own, given.long())
+        return logits, _weights(self, logits, experts).to(scores.dtype), experts.to(own.dtype)
+
+    return forward
+
+
+def _check_formula(router, logits: torch.Tensor, scores: torch.Tensor, own: torch.Tensor) -> None:
+    mine = _weights(router, logits.detach(), own.long())
+    if not torch.allclose(mine, scores.detach().float(), rtol=2e-2, atol=1e-3):
+        raise UserError(f"routing replay: {type(router).__name__} does not weight its experts by their softmax "
+                        "probability (renormalised when norm_topk_prob), so its routing cannot be replayed; set "
+                        'actor.router_replay = "off" for this model')

@@ -1,0 +1,78 @@
+"""The vLLM engine's check that a weight stream set every engine parameter (VLLMEngine.load_weights,
+strict): `unset_parameters` against the names vLLM 0.26's loaders return.
+
+No vLLM here: the modules below have the parameter layout of vLLM 0.26's Qwen3-MoE model (a fused-MoE
+layer `mlp.experts` whose weights live in its `routed_experts` child) and the names its
+`AutoWeightsLoader` returns for them (`MoERunner.load_weights` at `mlp.experts` yields the child's own
+names, `w13_weight`, so they come back one level short). The GPU proof: tests/gpu/test_moe_gpu.py.
+"""
+
+import torch
+from torch import nn
+
+from spmd_rl.rollout.vllm.engine import unset_parameters
+
+
+class RoutedExperts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w13_weight = nn.Parameter(torch.zeros(4, 6, 3))
+        self.w2_weight = nn.Parameter(torch.zeros(4, 3, 3))
+
+
+class MoERunner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.routed_experts = RoutedExperts()
+
+
+class MoeBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(3, 4, bias=False)
+        self.experts = MoERunner()
+
+
+def moe_model(layers=2):
+    model = nn.Module()
+    model.layers = nn.ModuleList()
+    for _ in range(layers):
+        layer = nn.Module()
+        layer.mlp = MoeBlock()
+        model.layers.append(layer)
+    return model
+
+
+def reported_by_vllm(layers=2, skip=()):
+    names = set()
+    for i in range(layers):
+        names.add(f"layers.{i}.mlp.gate.weight")
+        for w in ("w13_weight", "w2_weight"):
+            if (i, w) not in skip:
+                names.add(f"layers.{i}.mlp.experts.{w}")  # one level short of routed_experts
+    return names
+
+
+def test_moe_expert_weights_reported_one_level_short_count_as_set():
+    assert unset_parameters(moe_model(), reported_by_vllm()) == []
+
+
+def test_an_expert_weight_the_stream_lacked_is_still_found():
+    missing = unset_parameters(moe_model(), reported_by_vllm(skip={(1, "w2_weight")}))
+    assert missing == ["layers.1.mlp.experts.routed_experts.w2_weight"]
+
+
+def test_only_the_level_just_above_the_parameter_may_be_missing():
+    """A name two levels short (or a different module's) is no report of the parameter."""
+    model = moe_model(1)
+    loaded = {"layers.0.mlp.gate.weight", "layers.0.w13_weight", "layers.0.mlp.w2_weight"}
+    assert unset_parameters(model, loaded) == ["layers.0.mlp.experts.routed_experts.w13_weight",
+                                               "layers.0.mlp.experts.routed_experts.w2_weight"]
+
+
+def test_dense_names_are_checked_exactly():
+    model = nn.Module()
+    model.embed = nn.Embedding(3, 2)
+    model.head = nn.Linear(2, 3)
+    assert unset_parameters(model, {"embed.weight", "head.weight", "head.bias"}) == []
+    assert unset_parameters(model, {"embed.weight", "head.weight"}) == ["head.bias"]
