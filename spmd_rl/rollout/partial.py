@@ -45,9 +45,12 @@ class Response:
     versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
     """"" while it runs; then "stop" or "length" (Completion.finish_reason)."""
+    routes: torch.Tensor | None = None
+    """A mixture-of-experts engine's routing (Completion.routes) of its last engine call: that call
+    ran the whole row so far (the prompt and every earlier token, prefilled again)."""
 
     def completion(self) -> Completion:
-        return Completion(list(self.tokens), list(self.logprobs), self.finish_reason)
+        return Completion(list(self.tokens), list(self.logprobs), self.finish_reason, routes=self.routes)
 
 
 @dataclass
@@ -136,6 +139,7 @@ class PartialRollouts:
             r.tokens += c.token_ids
             r.logprobs += c.logprobs
             r.versions += [version] * len(c.token_ids)
+            r.routes = c.routes
             if c.finish_reason == "stop" or len(r.tokens) >= self.max_len:
                 r.finish_reason = c.finish_reason if c.finish_reason == "stop" else "length"
 

@@ -37,7 +37,8 @@ class ScriptedEngine:
             n = min(limit, target - so_far)
             stops = so_far + n == target
             tokens = [7] * (n - 1) + [STOP if stops else 7]
-            out.append([Completion(tokens, [-0.1 * (self.version + 1)] * n, "stop" if stops else "length")])
+            routes = torch.full((len(prompt) + n - 1, 1, 1), self.version, dtype=torch.int16)  # the row, as vLLM
+            out.append([Completion(tokens, [-0.1 * (self.version + 1)] * n, "stop" if stops else "length", routes=routes)])
         return out
 
 
@@ -90,7 +91,10 @@ def test_versions_logprobs_and_correction_weights_are_exact():
     assert comps[0][0].logprobs == pytest.approx([-0.1] * 4) and comps[1][0].logprobs == pytest.approx([-0.2] * 2)
     assert m["rollout/staleness_mean"] == pytest.approx(8 / 12) and m["rollout/staleness_max"] == 1
     assert m["rollout/staleness_share_1"] == pytest.approx(8 / 12) and m["rollout/staleness_share_0"] == pytest.approx(4 / 12)
+    # a mixture's routing: the last call's, over the whole row (prompt [g, s] + 4 tokens, the last one never fed)
+    assert comps[0][0].routes.flatten().tolist() == [0] * 5
     carried = pr.carried[0].responses[0]
+    assert carried.routes.flatten().tolist() == [1] * 7
     assert carried.versions == [0, 0, 0, 0, 1, 1] and carried.logprobs == pytest.approx([-0.1] * 4 + [-0.2] * 2)
 
     # the actor now (version 1) gives -0.2 to every token: token-level TIS = exp(actor - behaviour)
