@@ -69,7 +69,7 @@ class Models(NamedTuple):
     actor: torch.nn.Module
     actor_opt: torch.optim.Optimizer
     actor_sched: Any
-    n_params: int  # the actor's
+    active_params: tuple[int, int]  # the actor's parameters a token runs through (MFU's N), all and trained
     ref: torch.nn.Module | None  # with actor.use_kl_loss or algorithm.use_kl_in_reward, without LoRA
     critic: torch.nn.Module | None  # with algorithm.adv_estimator = "gae"
     critic_opt: torch.optim.Optimizer | None
@@ -245,17 +245,17 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
         critic_sched = make_scheduler(critic_opt, c.warmup_steps, cfg.trainer.total_steps)
     reward_model = build_reward_model(cfg, env)
     clock.end()
-    active = active_parameters(actor)
+    active = (active_parameters(actor), active_parameters(actor, trained_only=True))
     log.info("models ready: actor %.1fM parameters%s%s%s%s%s, %s", n_params / 1e6,
-             f" ({active / 1e6:.1f}M active per token: a mixture of experts, whose MFU counts these)"
-             if active != n_params else "", lora_note(cfg, actor),
+             f" ({active[0] / 1e6:.1f}M active per token: a mixture of experts, whose MFU counts these)"
+             if active[0] != n_params else "", lora_note(cfg, actor),
              ", reference" if ref is not None else "", ", critic" if critic is not None else "",
              f", reward model from {cfg.reward_model.path}" if reward_model is not None else "",
              (f"the base from {model_dir}, the adapter left for the checkpoint" if m.use_lora else
               "weights left for the checkpoint") if resume else f"from {model_dir}")
     if tiny_lora_problem(cfg):
         log.warning(tiny_lora_problem(cfg))
-    return Models(model_dir, model_key, actor, actor_opt, actor_sched, n_params, ref, critic, critic_opt, critic_sched,
+    return Models(model_dir, model_key, actor, actor_opt, actor_sched, active, ref, critic, critic_opt, critic_sched,
                   reward_model)
 
 

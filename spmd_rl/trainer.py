@@ -43,7 +43,7 @@ from spmd_rl.data.prompts import iter_eval_batches
 from spmd_rl.data.rewards import RewardFunction, extract_answer
 from spmd_rl.exit_codes import EXIT_NOT_SAVED
 from spmd_rl.model import fused_kernels, routing
-from spmd_rl.model.loading import active_parameters, update_flops_per_token
+from spmd_rl.model.loading import update_flops_per_token
 from spmd_rl.model.lora import adapter_disabled
 from spmd_rl.model.reward_model import conversation
 from spmd_rl.model.tokenizer import decode_response
@@ -124,7 +124,7 @@ class Trainer:
             self.multi_turn = MultiTurnRollout(cfg.rollout, self.tokenizer) if cfg.rollout.multi_turn else None
         models = build_models(cfg, env, self.tokenizer, self.resume_path is not None, self.startup)
         self.actor, self.actor_opt, self.actor_sched = models.actor, models.actor_opt, models.actor_sched
-        self.ref, self.n_params = models.ref, models.n_params
+        self.ref, self.active_params = models.ref, models.active_params
         self.reward_model = models.reward_model  # reward_model.path: model.reward_model.RewardModel
         self.critic, self.critic_opt, self.critic_sched = models.critic, models.critic_opt, models.critic_sched
         self.train_offload = TrainStateOffload(self.device)  # rollout.offload_train_states' host buffers
@@ -496,9 +496,7 @@ class Trainer:
         peak = self.peak_flops()
         if peak and "time/update_actor" in times:
             # Training FLOPs per token (6N; 4N + 2 x the adapter with LoRA), per epoch, over the update's time.
-            # A mixture of experts counts the parameters a token runs through (active_parameters).
-            per_token = update_flops_per_token(active_parameters(self.actor),
-                                               active_parameters(self.actor, trained_only=True))
+            per_token = update_flops_per_token(*self.active_params)
             flops = per_token * s[3].item() * self.cfg.actor.ppo_epochs / env.world_size
             out["perf/mfu_update_actor"] = flops / times["time/update_actor"] / peak
         return out
