@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.helpers import ROOT
-from tests.helpers.cpu_runs import TINY, kill_matching, read_metrics, run, torchrun_cmd
+from tests.helpers.cpu_runs import TINY, kill_matching, read_metrics, reward_ends, run, torchrun_cmd
 
 
 def test_tiny_grpo_learns_on_two_ranks(tmp_path):
@@ -17,8 +17,7 @@ def test_tiny_grpo_learns_on_two_ranks(tmp_path):
     m = read_metrics(run_dir)
     steps = sorted(s for s in m if "reward/mean" in m[s])
     assert steps == list(range(1, 81)), steps
-    first = sum(m[s]["reward/mean"] for s in steps[:10]) / 10
-    last = sum(m[s]["reward/mean"] for s in steps[-10:]) / 10
+    first, last = reward_ends(m, steps)
     assert last > first + 0.2, (first, last)
     assert m[80]["val/acc"] > m[40]["val/acc"] - 0.05 and m[80]["val/acc"] > 0.3, (m[40]["val/acc"], m[80]["val/acc"])
     # the rollout copy received exactly the actor's weights every step (fp32 on CPU)

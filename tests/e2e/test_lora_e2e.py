@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from tests.helpers.cpu_runs import read_metrics, run, torchrun_cmd
+from tests.helpers.cpu_runs import read_metrics, reward_ends, run, torchrun_cmd
 
 pytest.importorskip("peft")
 
@@ -89,8 +89,7 @@ def test_lora_grpo_learns_on_two_ranks_and_resumes_on_one(tmp_path):
     m = read_metrics(run_dir)
     steps = sorted(s for s in m if "reward/mean" in m[s])
     assert steps == list(range(1, 41)), steps
-    first = sum(m[s]["reward/mean"] for s in steps[:10]) / 10
-    last = sum(m[s]["reward/mean"] for s in steps[-10:]) / 10
+    first, last = reward_ends(m, steps)
     assert last > first + 0.15 and m[40]["val/acc"] > 0.35, (first, last, m[40]["val/acc"])
     # the engine got the base once and the adapter every step (fp32 on CPU)
     assert max(m[s]["rollout/logprob_diff_max"] for s in steps) < 1e-4

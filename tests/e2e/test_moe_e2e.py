@@ -5,7 +5,7 @@ the trained actor for transformers, and the checkpoint of 2 ranks resumes on 1."
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers.cpu_runs import read_metrics, run, torchrun_cmd
+from tests.helpers.cpu_runs import read_metrics, reward_ends, run, torchrun_cmd
 from tests.test_export import actor_from_dcp, logprobs
 
 
@@ -16,8 +16,7 @@ def test_moe_learns_exports_and_resumes_on_another_world_size(tmp_path):
     m = read_metrics(run_dir)
     steps = sorted(s for s in m if "reward/mean" in m[s])
     assert steps == list(range(1, 81)), steps
-    first = sum(m[s]["reward/mean"] for s in steps[:10]) / 10
-    last = sum(m[s]["reward/mean"] for s in steps[-10:]) / 10
+    first, last = reward_ends(m, steps)
     assert last > first + 0.2 and m[80]["val/acc"] > 0.3, (first, last, m[80]["val/acc"])
     # the HF engine got exactly the actor's experts every step (fp32 on CPU)
     assert max(m[s]["rollout/logprob_diff_max"] for s in steps) < 1e-4

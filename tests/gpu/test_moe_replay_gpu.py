@@ -20,6 +20,7 @@ import statistics
 
 import pytest
 from runs import check_run, keep_logs, random_model_dir, read_metrics, skip_reason, train
+from test_model_families_gpu import RUN as FAMILY_RUN
 
 pytestmark = pytest.mark.gpu
 
@@ -29,15 +30,8 @@ MAX_MISMATCH = 0.05
 """Either run's bound at every step (bf16 level; a broken weight sync shows nats)."""
 REPLAY_GAIN = 2.0
 
-RUN = [
-    'model.init="pretrained"', 'model.tokenizer="char"', 'model.dtype="float32"', 'model.compute_dtype="bfloat16"',
-    "model.remove_padding=true", "actor.max_token_len_per_gpu=16384", "actor.logprob_max_token_len_per_gpu=16384",
-    'data.synthetic_task="arithmetic"', "data.synthetic_size=256", "data.apply_chat_template=false",
-    "data.max_prompt_length=128", "data.max_response_length=64", "data.train_batch_size=8", 'data.val_files=[]',
-    "rollout.n=4", 'rollout.engine="vllm"', 'rollout.calculate_log_probs="on"', "actor.force_old_logprob_pass=true",
-    "actor.lr=1e-6", "actor.ppo_mini_batch_size=8",
-    'trainer.device="cuda"', "trainer.val_every=0", "trainer.save_every=-1", "trainer.tensorboard=false",
-]
+RUN = [*FAMILY_RUN, "actor.force_old_logprob_pass=true"]
+"""The families check's runs (test_model_families_gpu.RUN), with the old log-prob pass: it routes too."""
 
 
 def test_replay_takes_vllms_routes_and_cuts_the_mismatch(tmp_path):

@@ -41,6 +41,11 @@ def read_metrics(run_dir):
     return out
 
 
+def reward_ends(m, steps, n=10):
+    """The mean reward/mean of the first and of the last `n` of `steps` in metrics `m` (read_metrics)."""
+    return (sum(m[s]["reward/mean"] for s in steps[:n]) / n, sum(m[s]["reward/mean"] for s in steps[-n:]) / n)
+
+
 def kill_matching(needle):
     """SIGKILL every process whose command line contains `needle` (torchrun's workers run in
     process groups of their own, so killing the launcher's group is not enough)."""
