@@ -13,10 +13,10 @@
 # Needs vLLM (pip install -e '.[vllm]') and liger-kernel (the kernels check). On a machine without
 # internet: wheels put in .whl/ are installed first, and a missing vLLM comes from the project's
 # offline vLLM bundle when a copy of it is in the checkout.
-# The "moe" check needs vLLM's MoE kernels: the bundle built with BUNDLE_KEEP_MOE=1, in two pieces
-# (.device-carry/vllm-1 and vllm-2), each carried in its own call on the same machine.
+# The "moe" check needs vLLM's MoE kernels (the vllm extra has them; the offline bundle only when built with
+# them, and then it comes in pieces, .device-carry/vllm-1 and vllm-2, installed one after the other).
 # Exit status: 0 every check passed; 1 a check failed or did not run; 3 all passed so far and the
-# next command is printed; 4 a piece of the vLLM bundle was staged (carry the next one).
+# next command is printed; 4 a piece of the vLLM bundle was staged (run again with the next piece).
 set -uo pipefail
 export GPU_CHECK_T0=${GPU_CHECK_T0:-$(date +%s)}  # the set-up below counts against --max-call-s
 cd "$(dirname "$0")/.."
@@ -29,8 +29,8 @@ if ! python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("v
   for bundle in .device-carry/vllm-*/install-vllm-bundle.sh; do  # where the offline vLLM bundle is copied
     [ -f "$bundle" ] || continue
     bash "$bundle" >/dev/null; rc=$?
-    if [ "$rc" = 10 ]; then  # a bundle in pieces (with MoE kernels): one piece per call, on one machine
-      echo "gpu_check: a piece of the vLLM bundle is staged on this machine; run again on it, carrying the next piece"
+    if [ "$rc" = 10 ]; then  # a bundle in pieces (with MoE kernels), staged one piece at a time
+      echo "gpu_check: a piece of the vLLM bundle is staged on this machine; run again on it with the next piece in .device-carry/"
       exit 4
     fi
     [ "$rc" = 0 ] && . "${VLLM_SITE:-/tmp/site}/vllm-env.sh" && break
