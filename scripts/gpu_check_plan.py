@@ -44,6 +44,7 @@ from typing import Callable
 PRESET_TEST = "tests/gpu/test_presets_gpu.py::test_preset_trains_saves_and_resumes"
 TRAINER_TEST = "tests/gpu/test_trainer_gpu.py::test_training_steps_with_vllm"
 LEARNING_TEST = "tests/gpu/test_learning_gpu.py::test_learns"
+MOE_TEST = "tests/gpu/test_moe_gpu.py"
 TAIL_S = 20.0
 """Seconds a call needs after its checks: results, the logs tarball, the table."""
 MULTITURN_TEST = "tests/gpu/test_multiturn_learning_gpu.py::test_learns_a_task_that_needs_the_environment"
@@ -101,11 +102,13 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
     Check("families", ("tests/gpu/test_model_families_gpu.py",), secs=230,
           archs=("qwen3-0.6b", "llama3.2-1b", "gemma3-1b")),
     Check("reward-model", ("tests/gpu/test_reward_model_gpu.py",), secs=120, archs=("qwen2-0.5b",)),
-    # a mixture of experts through vLLM's fused-MoE kernels: Qwen3-30B-A3B's layers (4 of them), 3 steps; the
-    # tiny MoE with routing replay on and off (the mismatch with replay at least 2x lower)
-    # (secs: an estimate; needs the vLLM bundle with its MoE kernels: scripts/gpu_check.sh)
-    Check("moe", ("tests/gpu/test_moe_gpu.py", "tests/gpu/test_moe_replay_gpu.py"), secs=360,
+    # a mixture of experts through vLLM's fused-MoE kernels (needs the vLLM bundle with its MoE kernels:
+    # scripts/gpu_check.sh): Qwen3-30B-A3B's layers (4 of them), 3 steps with routing replay on and off;
+    # LoRA on the tiny MoE (secs: 1xH200, 2026-11-28: one 30B-A3B-4-layer run 175 s, two tiny runs 143 s)
+    Check("moe", (f"{MOE_TEST}::test_moe_trains_through_vllm_and_replay_takes_the_engines_routes",), secs=380,
           archs=("qwen3-30b-a3b-4layers",)),
+    Check("moe-lora", (f"{MOE_TEST}::test_lora_on_moe_syncs_the_base_and_the_adapter_into_vllm",), secs=90,
+          archs=("qwen3-moe-tiny",)),
     # the 30B-A3B LoRA preset as shipped on four GPUs (secs: an estimate; its 61 GB model drawn on its GPUs)
     Check("preset-30b-a3b-lora", (f"{PRESET_TEST}[qwen3-30b-a3b-lora]",), gpus=4, secs=540, alone=True),
     # LoRA: the adapter's sync into vLLM both ways (0.5B), its learning check, the one-GPU 7-8B presets

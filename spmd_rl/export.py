@@ -184,8 +184,8 @@ def export_lora(checkpoint: str, tensors: dict[str, TensorStorageMetadata], mode
 
     m = run_model_config(checkpoint)
     settings = lora.LoraSettings.of(m, torch.float32)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                           lora.lora_config(settings))
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, lora.lora_config(settings, base))
     adapter = {f"base_model.model.{n}": t for n, t in read_tensors(checkpoint, tensors, list(tensors)).items()}
     result = model.load_state_dict(adapter, strict=False)
     missing = [k for k in result.missing_keys if lora.is_adapter(k)]

@@ -408,9 +408,11 @@ class Trainer:
         metrics.update(self.global_metrics(batch, timer.metrics))
         metrics.update(mismatch_metrics(batch, self.device))  # over the rows that carry the engine's log-probs
         if routing.state_of(self.actor) is not None:  # actor.router_replay = "engine" on an MoE model
-            replayed, counted = all_reduce_sum(torch.tensor(routing.replayed_share(batch), dtype=torch.float64,
-                                                            device=self.device)).tolist()
+            replayed, counted, changed, decided = all_reduce_sum(torch.tensor(
+                [*routing.replayed_share(batch), *routing.take_changed(self.actor)], dtype=torch.float64,
+                device=self.device)).tolist()
             metrics["routing/replayed_share"] = replayed / max(counted, 1.0)
+            metrics["routing/changed_share"] = changed / max(decided, 1.0)
         metrics.update({**sample_metrics, **balance_metrics, **corr_metrics})  # already reduced over ranks
         metrics["reward/errors"] = float(reward_errors.count)
         warning = self.reward_warning.check(self.step, reward_errors)  # reward.warn_error_share

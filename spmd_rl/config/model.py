@@ -101,8 +101,9 @@ class ModelConfig:
     lora_target_modules: list[str] = field(default_factory=list)
     """With `lora_rank` > 0: the names of the decoder's linear layers that get an adapter (e.g.
     ["q_proj", "v_proj"]); empty or ["all-linear"] = every linear layer of the decoder, attention
-    and MLP. The embeddings and the LM head are never adapted (vLLM cannot apply LoRA to them for
-    Qwen), and stay frozen."""
+    and MLP (of a mixture of experts: the attention; its fused experts and router are not linear
+    layers, docs/moe.md). The embeddings and the LM head are never adapted (vLLM cannot apply LoRA
+    to them for Qwen), and stay frozen."""
     lora_dropout: float = 0.0
     """With `lora_rank` > 0: dropout on the adapter's input. Only 0 is taken: every dropout is off
     here, as the PPO ratio compares log-probs of two forwards of the same weights."""

@@ -57,11 +57,23 @@ def peft_targets(target_modules: tuple[str, ...] | list[str]) -> str | list[str]
     return ALL_LINEAR if not targets or targets == [ALL_LINEAR] else targets
 
 
-def lora_config(settings: LoraSettings):
+def adapted_modules(target_modules: tuple[str, ...] | list[str], model: torch.nn.Module) -> list[str]:
+    """The modules an adapter of model.lora_target_modules adapts in `model` (a transformers causal LM,
+    on the meta device too), as PEFT's target_modules: the named ones, or for [] ("all-linear") the
+    last names of every linear layer (`nn.Linear`) of the decoder. A mixture of experts' fused experts and
+    its router are not linear layers and stay frozen: PEFT's own "all-linear" would adapt them (docs/moe.md)."""
+    targets = peft_targets(target_modules)
+    if targets != ALL_LINEAR:
+        return targets
+    return sorted({name.rsplit(".", 1)[-1] for name in decoder_linear_names(model)})
+
+
+def lora_config(settings: LoraSettings, model: torch.nn.Module):
+    """PEFT's LoraConfig of `settings` for `model` (its targets resolved by adapted_modules)."""
     from peft import LoraConfig
 
     return LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=0.0,
-                      target_modules=peft_targets(settings.target_modules), bias="none")
+                      target_modules=adapted_modules(settings.target_modules, model), bias="none")
 
 
 def add_adapter(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
@@ -69,7 +81,7 @@ def add_adapter(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modu
     frozen in the dtype it has, the adapter in `settings.adapter_dtype`. Returns `model`."""
     from peft import inject_adapter_in_model
 
-    inject_adapter_in_model(lora_config(settings), model, adapter_name=ADAPTER)
+    inject_adapter_in_model(lora_config(settings, model), model, adapter_name=ADAPTER)
     for name, p in model.named_parameters():
         if is_adapter(name):
             p.data = p.data.to(settings.adapter_dtype)
@@ -165,9 +177,10 @@ def engine_adapter_name(peft_name: str) -> str:
     return name
 
 
-def adapter_config(settings: LoraSettings) -> dict:
-    """The adapter's adapter_config.json entries that an engine reads (vLLM's PEFTHelper.from_dict)."""
-    return {"r": settings.rank, "lora_alpha": settings.alpha, "target_modules": peft_targets(settings.target_modules),
+def adapter_config(settings: LoraSettings, targets: list[str]) -> dict:
+    """The adapter's adapter_config.json entries that an engine reads (vLLM's PEFTHelper.from_dict);
+    `targets`: the modules it adapts (adapted_modules)."""
+    return {"r": settings.rank, "lora_alpha": settings.alpha, "target_modules": targets,
             "bias": "none", "use_rslora": False, "use_dora": False}
 
 
@@ -181,6 +194,20 @@ def base_layer_name(name: str, wrapped: set[str]) -> str:
     `m.weight` -> `m.base_layer.weight` (its own parameters stay on the wrapped base layer)."""
     module, _, leaf = name.rpartition(".")
     return f"{module}{BASE_LAYER}{leaf}" if module in wrapped else name
+
+
+def engine_target_modules(target_modules: tuple[str, ...] | list[str], config) -> list[str]:
+    """adapted_modules for the model of `config` (built on the meta device when needed), as the last
+    names of modules: what an engine's LoRA layers wrap (vLLM's `lora_target_modules`). An engine
+    restricted to them wraps nothing the adapter leaves alone: a mixture of experts' fused experts stay
+    vLLM's plain fused-MoE layer, without LoRA kernels in its forward (vLLM 0.26 also cannot reload
+    the weights of a fused-MoE layer it wrapped: its expert mapping looks for them under `base_layer.`)."""
+    if peft_targets(target_modules) == ALL_LINEAR:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return adapted_modules(target_modules, AutoModelForCausalLM.from_config(config))
+    return sorted({t.rsplit(".", 1)[-1] for t in target_modules})
 
 
 def decoder_linear_names(model: torch.nn.Module) -> list[str]:

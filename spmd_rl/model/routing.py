@@ -16,7 +16,8 @@ dense model: replay is a no-op). Then:
 - `replay(model, routes)`: while the block runs, a router takes the given experts and weights them
   with its own softmax probabilities gathered at them, renormalised over the top-k when the router
   normalises its own (`norm_topk_prob`, Mixtral always). Gradients flow to the router through those
-  probabilities; the choice itself is fixed.
+  probabilities; the choice itself is fixed. `take_changed` counts the decisions where the router's
+  own choice was another (what replay changed).
 - `capture(model)`: the block's forward records each router's own choices; `.routes` is then the
   int16 [tokens, layers, top_k] routes of that forward (NO_ROUTE in layers without a router).
 
@@ -57,6 +58,18 @@ class RoutingState:
     checked: set[int] = field(default_factory=set)
     logits: list[torch.Tensor] | None = None
     """While `router_logits` collects: every router's logits of the forward, in call order."""
+    changed: torch.Tensor | None = None
+    """Of the router decisions (token x layer) replayed since `take_changed`: those where the router's
+    own top-k is another set of experts than the given one (a count on the routers' device)."""
+    decided: torch.Tensor | None = None
+    """The router decisions replayed since `take_changed` (tokens with a given route x layers)."""
+
+    def count(self, changed: torch.Tensor, decided: torch.Tensor) -> None:
+        if self.changed is None:
+            self.changed, self.decided = changed.detach().clone(), decided.detach().clone()
+        else:
+            self.changed += changed.detach()
+            self.decided += decided.detach()
 
 
 def is_router(module: torch.nn.Module) -> bool:
@@ -132,6 +145,17 @@ def router_logits(model: torch.nn.Module, on: bool = True) -> Iterator[list[torc
         yield out
     finally:
         state.logits = None
+
+
+def take_changed(model: torch.nn.Module) -> tuple[float, float]:
+    """(decisions changed, decisions replayed) by the replays of `model` since the last call (see
+    RoutingState.changed), and start counting again; (0, 0) without replays."""
+    state = state_of(model)
+    if state is None or state.changed is None:
+        return 0.0, 0.0
+    out = float(state.changed), float(state.decided)
+    state.changed = state.decided = None
+    return out
 
 
 def load_balancing_loss(logits: list[torch.Tensor], top_k: int, real: torch.Tensor) -> torch.Tensor:
@@ -232,6 +256,9 @@ def _routed_forward(original, layer: int, state: RoutingState):
         if given.shape[0] != own.shape[0]:
             raise RuntimeError(f"routing replay: {given.shape[0]} routes for the {own.shape[0]} tokens of a forward "
                                "(the routes must be cut like the tokens: see the layouts' token_rows)")
+        given_here = given[:, 0] != NO_ROUTE
+        other = (given.long().sort(-1).values != own.long().sort(-1).values).any(-1) & given_here
+        state.count(other.sum(), given_here.sum())
         experts = torch.where(given[:, :1] == NO_ROUTE, own, given.long())
         return logits, _weights(self, logits, experts).to(scores.dtype), experts.to(own.dtype)
 

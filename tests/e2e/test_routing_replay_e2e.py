@@ -25,4 +25,6 @@ def test_moe_learns_with_replay_as_without_and_replays_every_token(tmp_path):
     assert last > last_off - 0.15, (last, last_off)  # replay learns as the trainer's own routing does
     assert all(out["engine"][s]["routing/replayed_share"] == 1.0 for s in steps)
     assert not any("routing/replayed_share" in m for m in out["off"].values())
+    assert all(0 <= out["engine"][s]["routing/changed_share"] <= 1 for s in steps)  # tests/model/test_routing.py
+    assert not any("routing/changed_share" in m for m in out["off"].values())
     assert max(out["engine"][s]["rollout/logprob_diff_max"] for s in steps) < 1e-4

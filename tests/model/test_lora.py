@@ -45,7 +45,8 @@ def peft_twin(path, settings, seed):
 
     from spmd_rl.model.lora import lora_config
 
-    twin = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora_config(settings))
+    twin = get_peft_model(base := AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                          lora_config(settings, base))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in twin.named_parameters():

@@ -108,10 +108,15 @@ def test_replay_fixes_the_experts_and_weights_them_by_the_routers_own_probabilit
     keep[:, 0] = False
     want[keep].sum().backward()
 
+    own = own_routes(perturbed, mb)
     model = prepare_policy(perturbed, remove_padding=False, chunked_logprobs=False)
     assert routing.install(model) == 2
     logp, _ = forward_logprobs(model, Batch({**mb.tensors, routing.BATCH_KEY: routes}), 1.0)
     torch.testing.assert_close(logp[keep], want[keep].detach(), rtol=0, atol=1e-10)
+    # what replay changed: the (token, layer) decisions, padded ones too, where B's own set of experts is not A's
+    changed = (own.sort(-1).values != routes.sort(-1).values).any(-1)
+    assert routing.take_changed(model) == (float(changed.sum()), float(changed.numel())) and changed.sum() > 0
+    assert routing.take_changed(model) == (0.0, 0.0)  # taken: counting starts again
     logp[keep].sum().backward()
     for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
         if name.endswith("mlp.gate.weight"):
@@ -134,6 +139,7 @@ def test_replaying_a_models_own_routes_changes_nothing():
         plain, _ = forward_logprobs(model, mb, 1.0)
         replayed, _ = forward_logprobs(model, Batch({**mb.tensors, routing.BATCH_KEY: routes}), 1.0)
     torch.testing.assert_close(replayed, plain, rtol=0, atol=1e-12)
+    assert routing.take_changed(model) == (0.0, (9 + 4) * 2)  # packed: the real tokens, 2 layers; none changed
 
 
 def test_packed_equals_padded_with_replay():

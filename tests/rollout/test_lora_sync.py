@@ -100,7 +100,8 @@ def _measure(rank, world, path, out_file):
     # 2. after updates at a large learning rate (B ~ 0.05, above W's scale), the engine holds PEFT's merged model
     train(1e-2)
     full = get_model_state_dict(actor, options=StateDictOptions(full_state_dict=True))
-    twin = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), lora_config(settings))
+    twin = get_peft_model(base := AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16),
+                          lora_config(settings, base))
     twin.load_state_dict({f"base_model.model.{k}": v for k, v in full.items() if ".lora_" in k}, strict=False)
     merged = twin.merge_and_unload().state_dict()  # PEFT merges in the adapter's fp32, the sum cast to bf16
     synced = dict(iter_weights(actor, torch.float32, 1))
@@ -178,7 +179,8 @@ def _hsdp_body(rank, world, path):
         opt.step()
         opt.zero_grad()
     full = get_model_state_dict(actor, options=StateDictOptions(full_state_dict=True))
-    twin = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora_config(settings))
+    twin = get_peft_model(base := AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                          lora_config(settings, base))
     twin.load_state_dict({f"base_model.model.{k}": v for k, v in full.items() if ".lora_" in k}, strict=False)
     merged = twin.merge_and_unload().state_dict()
     synced = dict(iter_weights(actor, torch.float32, 1))

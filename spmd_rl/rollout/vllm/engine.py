@@ -157,9 +157,13 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
     if returns_routes(cfg, model_dir):  # routing replay: each token's experts come back (Completion.routes)
         kw["enable_return_routed_experts"] = True
     if cfg.model.adapter_sync:  # LoRA layers in the engine: the base kept, the adapter loaded each step
-        from spmd_rl.model.lora import vllm_max_lora_rank
+        from transformers import AutoConfig
 
-        kw.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(cfg.model.lora_rank), max_loras=1)
+        from spmd_rl.model.lora import engine_target_modules, vllm_max_lora_rank
+
+        kw.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(cfg.model.lora_rank), max_loras=1,
+                  lora_target_modules=engine_target_modules(cfg.model.lora_target_modules,
+                                                            AutoConfig.from_pretrained(model_dir)))  # not the experts
     if r.block_size:
         kw["block_size"] = r.block_size
     if r.cudagraph_capture_sizes:
@@ -481,7 +485,8 @@ class VLLMEngine:
 
         runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         workers = runner.lora_manager  # vLLM's WorkerLoRAManager: how its own loader builds a LoRAModel
-        helper = PEFTHelper.from_dict(adapter_config(self.lora))
+        # the modules its LoRA layers wrap: engine_kwargs' lora_target_modules, the adapter's own
+        helper = PEFTHelper.from_dict(adapter_config(self.lora, list(workers.lora_config.target_modules)))
         helper.validate_legal(workers.lora_config)
         mapper = getattr(workers._adapter_manager.model, "hf_to_vllm_mapper", None)
         self._adapter_id += 1

@@ -46,6 +46,8 @@ FIXED: dict[str, str] = {
     "worker_cls": "weight syncs load into the model of vLLM's own worker in this process",
     **{k: "set from model.lora_rank and model.lora_sync (the adapter sync's LoRA layers)"
        for k in ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras")},
+    "lora_target_modules": "set from model.lora_target_modules (the engine's LoRA layers wrap what the adapter "
+                           "adapts)",
     "enable_return_routed_experts": "set from actor.router_replay (\"engine\" on a mixture-of-experts model)",
     "device_ids": _LAYOUT,
     "pipeline_parallel_size": _LAYOUT,

@@ -275,6 +275,32 @@ def test_routed_experts_are_asked_for_on_an_moe_model_with_replay_only(tmp_path)
         "rollout.engine_kwargs.enable_return_routed_experts cannot be set: set from actor.router_replay")
 
 
+@pytest.mark.parametrize("arch,targets,expected", [
+    ("qwen3-moe-tiny", [], ["k_proj", "o_proj", "q_proj", "v_proj"]),  # not its fused experts, nor its router
+    ("tiny", [], ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]),
+    ("tiny", ["q_proj", "self_attn.v_proj"], ["q_proj", "v_proj"])])
+def test_the_engines_lora_layers_wrap_what_the_actors_adapter_adapts(tmp_path, arch, targets, expected):
+    """With the adapter sync, vLLM's LoRA layers wrap the modules whose LoRA layers PEFT put in the
+    actor (add_adapter), found from the model directory's config.json alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from spmd_rl.model.loading import preset_config
+    from spmd_rl.model.lora import LoraSettings, add_adapter
+
+    config = preset_config(arch)
+    config.save_pretrained(tmp_path)
+    cfg = Config()
+    cfg.model.lora_rank, cfg.model.lora_target_modules, cfg.model.lora_sync = 8, targets, "merged"
+    assert "lora_target_modules" not in engine_kwargs(cfg, str(tmp_path), 0)  # merged sync: no LoRA layers
+    cfg.model.lora_sync = "adapter"
+    with torch.device("meta"):
+        actor = add_adapter(AutoModelForCausalLM.from_config(config), LoraSettings(8, 16.0, tuple(targets), torch.float32))
+    adapted = sorted({n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in actor.named_parameters() if ".lora_A." in n})
+    kw = engine_kwargs(cfg, str(tmp_path), 0)
+    assert kw["enable_lora"] is True and kw["lora_target_modules"] == adapted == expected
+
+
 def test_block_size_reaches_vllm_and_0_leaves_vllms_default():
     """rollout.block_size (default 64: vLLM's scheduler works per block on the CPU every decode
     step) is vllm.LLM's block_size; 0 passes none; engine_kwargs.block_size is refused naming the key."""
@@ -365,17 +391,22 @@ def test_step_sizes_reach_vllm_only_when_asked_and_not_over_explicit_sizes():
     assert "cudagraph_capture_sizes" not in engine_kwargs(cfg, "/m", 0, world_size=2)
 
 
-def test_the_adapter_sync_builds_vllms_lora_layers_for_the_rank():
+def test_the_adapter_sync_builds_vllms_lora_layers_for_the_rank(tmp_path):
     """model.lora_sync = "adapter": enable_lora with the smallest max_lora_rank vLLM takes that holds the
     rank, one adapter; merged sync or no LoRA: no LoRA layers (they cost generation time); users'
     engine_kwargs cannot set them."""
+    from spmd_rl.model.loading import preset_config
+
+    preset_config("tiny").save_pretrained(tmp_path)
     cfg = Config()
-    assert "enable_lora" not in engine_kwargs(cfg, "/m", 0)
+    assert "enable_lora" not in engine_kwargs(cfg, str(tmp_path), 0)
     for rank, vllm_rank in ((1, 1), (8, 8), (20, 32), (32, 32), (300, 320), (512, 512)):
         cfg.model.lora_rank = rank
-        kw = engine_kwargs(cfg, "/m", 0)
+        kw = engine_kwargs(cfg, str(tmp_path), 0)
         assert (kw["enable_lora"], kw["max_lora_rank"], kw["max_loras"]) == (True, vllm_rank, 1), rank
     cfg.model.lora_sync = "merged"
-    assert "enable_lora" not in engine_kwargs(cfg, "/m", 0)
+    assert "enable_lora" not in engine_kwargs(cfg, str(tmp_path), 0)
+    assert refusal({"lora_target_modules": ["q_proj"]}).startswith(
+        "rollout.engine_kwargs.lora_target_modules cannot be set: set from model.lora_target_modules")
     for name in ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras"):
         assert "set from model.lora_rank and model.lora_sync" in refusal({name: 1})
