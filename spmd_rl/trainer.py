@@ -48,7 +48,7 @@ from spmd_rl.model.lora import adapter_disabled
 from spmd_rl.model.reward_model import conversation
 from spmd_rl.model.tokenizer import decode_response
 from spmd_rl.preflight.memory import OutOfMemory, out_of_memory_message
-from spmd_rl.rollout import partial
+from spmd_rl.rollout import length_profile, partial
 from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.rollout.multiturn import MultiTurnRollout, merge_trajectory_metrics
 from spmd_rl.rollout.weight_sync import gather_adapter, iter_base_weights, iter_weights
@@ -137,6 +137,8 @@ class Trainer:
             self.engine, self.engine_dtype, self.engine_replica = build_engine(cfg, env, models.model_dir,
                                                                               models.model_key, self.tokenizer)
         self.partial = partial.from_config(cfg, env.world_size, self.device)  # rollout.partial_rollouts
+        self.length_profile = (length_profile.parse(cfg.rollout.length_profile) if cfg.rollout.length_profile
+                               else None)  # benchmarks' response lengths
         self.engine_has_base = False  # LoRA's adapter sync: the base goes in at the first sync only
         self.kl_ctrl = (algos.AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.target_kl, cfg.algorithm.kl_horizon)
                         if cfg.algorithm.kl_ctrl == "adaptive" else algos.FixedKLController(cfg.algorithm.kl_coef))
@@ -251,23 +253,34 @@ class Trainer:
         seed = (seed + round_ * 7_919) % 2**31  # dynamic sampling's extra rounds sample afresh
         if train:  # rollout log-probs for every prompt, a sample of them or none (Config.rollout_logprobs_plan)
             return SamplingParams(r.n, r.temperature, r.top_p, r.top_k, d.max_response_length, stop, seed,
+                                  ignore_eos=bool(r.length_profile),
                                   logprobs_every=self.cfg.rollout_logprobs_plan()[0])
         return SamplingParams(r.val_n, r.val_temperature, 1.0 if r.val_temperature == 0 else r.top_p,
                               -1 if r.val_temperature == 0 else r.top_k, d.max_response_length, stop, seed,
                               logprobs_every=0)  # validation reads scores only
 
+    def response_limits(self, count: int, sampling: SamplingParams) -> list[int] | None:
+        """Each of `count` training prompts' token limit drawn from rollout.length_profile (None without
+        one): the same on a resumed run (the call's seed), other on every rank."""
+        if self.length_profile is None:
+            return None
+        lengths = length_profile.draw(self.length_profile, count, seed=sampling.seed * 65_537 + self.env.rank)
+        return [min(n, self.cfg.data.max_response_length) for n in lengths]
+
     def generate(self, records, train: bool, timer: PhaseTimer, round_: int = 0) -> Batch:
         self.sync_weights(timer)
         with timer("generate"):
             # every rank calls generate, also with no prompts: a TP group gathers its prompts collectively
+            sampling = self._sampling(train, round_)
+            limits = self.response_limits(len(records), sampling) if train else None
             if train and self.partial is not None:  # the step's complete groups, carried-over ones first
                 records, completions, partial_metrics = self.partial.step(
-                    self.engine, records, self.step, lambda k: self._sampling(train, k))
+                    self.engine, records, self.step, lambda k: self._sampling(train, k), limits)
                 timer.metrics.update(partial_metrics)  # already reduced over ranks
             elif self.multi_turn is None:
-                completions = self.engine.generate([rec.prompt_ids for rec in records], self._sampling(train, round_))
+                completions = self.engine.generate([rec.prompt_ids for rec in records], sampling, max_new_tokens=limits)
             else:
-                completions, turn_metrics = self.multi_turn.generate(self.engine, records, self._sampling(train, round_),
+                completions, turn_metrics = self.multi_turn.generate(self.engine, records, sampling,
                                                                      self.cfg.data.max_response_length)
                 merge_trajectory_metrics(timer.metrics, turn_metrics)  # over dynamic sampling's rounds too
         with timer("sleep"):

@@ -16,6 +16,8 @@
 #   GPUS (default 1) runs the same command on that many GPUs (torchrun --nproc_per_node; the prompts per step
 #   are the config's, so scale data.train_batch_size with it for the same work per GPU: weak_scaling.sh);
 #   DRY=1 prints the torchrun command line instead of running it.
+#   A long tail of response lengths (random weights never stop): data.max_response_length=8192
+#   'rollout.length_profile="lognormal:mean=1532,sigma=0.9,cap=8192"' (with rollout.partial_rollouts=true: both ways).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$1; ARCH=$2; VARIANT=$3; STEPS=${4:-4}; shift $(( $# < 4 ? $# : 4 ))

@@ -142,6 +142,12 @@ class RolloutConfig:
     """Partial rollouts: a group that would train older than max_staleness is dropped ("drop",
     counted in rollout/stale_dropped), or finished within the step that reaches the bound ("wait":
     no sample is lost, the step waits for it)."""
+    length_profile: str = ""
+    """For benchmarks of random-weight models, which never stop: each training prompt's n responses run
+    to a length drawn from this profile, the stop tokens ignored, so a step shows the long tail of a
+    real run: "lognormal:mean=M,sigma=S,cap=C", "uniform:N" or "hist:FILE" (a JSON histogram of a real
+    run's lengths; spmd_rl/rollout/length_profile.py), cut at data.max_response_length. Validation
+    is left to the model. Empty (the default): the model decides when to stop. Not with multi-turn."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """vLLM: more keyword arguments of `vllm.LLM`, passed after the project's own (verl's
     `actor_rollout_ref.rollout.engine_kwargs.vllm`): a TOML table, e.g. `[rollout.engine_kwargs]`

@@ -42,6 +42,9 @@ class SamplingParams:
     seed: int = 0
     """Seed of this call's sampling; the trainer derives it from (trainer.seed, step, replica)
     so a resumed run samples exactly what an uninterrupted one would."""
+    ignore_eos: bool = False
+    """Every response runs to its token limit: the stop tokens (the model's and stop_token_ids) end
+    nothing (rollout.length_profile's benchmarks)."""
     logprobs_every: int = 1
     """Which prompts' completions carry log-probs (`asks_logprobs`): 1 = every prompt, k = prompts
     0, k, 2k, ... of the caller's list, 0 = none. The others' `Completion.logprobs` is None: asking

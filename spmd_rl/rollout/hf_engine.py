@@ -84,8 +84,8 @@ class HFEngine:
         for i, p in enumerate(prompts):  # left padding: generation continues every row at the end
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        stop = self.eos_token_ids + list(sp.stop_token_ids)
-        kwargs = dict(do_sample=not sp.greedy, max_new_tokens=max(limits), eos_token_id=stop,
+        stop = [] if sp.ignore_eos else self.eos_token_ids + list(sp.stop_token_ids)
+        kwargs = dict(do_sample=not sp.greedy, max_new_tokens=max(limits), eos_token_id=stop or None,
                       pad_token_id=self.pad_token_id, num_return_sequences=sp.n, output_logits=any(asks),
                       return_dict_in_generate=True)
         if not sp.greedy:

@@ -27,6 +27,7 @@ from it, so both continue alike.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -59,6 +60,8 @@ class Group:
 
     record: object  # data.prompts.PromptRecord
     responses: list[Response]
+    max_len: int
+    """Its responses' token limit: data.max_response_length, or the length rollout.length_profile drew."""
 
     def born(self, version: int) -> int:
         """The policy version of its first token (`version`, the current one, before it has any)."""
@@ -92,19 +95,21 @@ class PartialRollouts:
         self.dropped_at_save += len(self.carried)
         self.carried = []
 
-    def step(self, engine, records: list, version: int,
-             sampling: Callable[[int], SamplingParams]) -> tuple[list, list[list[Completion]], dict[str, float]]:
+    def step(self, engine, records: list, version: int, sampling: Callable[[int], SamplingParams],
+             limits: list[int] | None = None) -> tuple[list, list[list[Completion]], dict[str, float]]:
         """Generate until every rank has `per_rank` complete groups (collective), and return this
         step's records, their completions (behaviour log-probs per token) and the metrics, reduced over
         ranks. `version`: the policy version of the engine's weights now; `sampling(round)`: the
-        round's sampling settings (its seed)."""
+        round's sampling settings (its seed); `limits`: each new record's token limit (default
+        data.max_response_length)."""
         pool, dropped = [], 0
         for g in sorted(self.carried, key=lambda g: g.born(version)):  # oldest first
             if version - g.born(version) > self.max_staleness:  # only "drop" lets a group get this old
                 dropped += 1
             else:
                 pool.append(g)
-        pool += [Group(rec, [Response() for _ in range(self.n)]) for rec in records]
+        pool += [Group(rec, [Response() for _ in range(self.n)], limit)
+                 for rec, limit in zip(records, limits or [self.max_len] * len(records))]
         rounds = 0
         while not self._agreed(pool, version):
             self._round(engine, pool, version, sampling(rounds))
@@ -131,16 +136,15 @@ class PartialRollouts:
         more tokens. Every rank calls, also with none to run (a tensor-parallel group gathers)."""
         running = [(g, r) for g in pool for r in g.responses if not r.finish_reason]
         prompts = [list(g.record.prompt_ids) + r.tokens for g, r in running]
-        limits = [min(self.chunk, self.max_len - len(r.tokens)) for _, r in running]
-        one = SamplingParams(1, sampling.temperature, sampling.top_p, sampling.top_k, self.chunk,
-                             list(sampling.stop_token_ids), sampling.seed, logprobs_every=1)
+        limits = [min(self.chunk, g.max_len - len(r.tokens)) for g, r in running]
+        one = dataclasses.replace(sampling, n=1, max_new_tokens=self.chunk, logprobs_every=1)
         outs = engine.generate(prompts, one, max_new_tokens=limits, asks_logprobs=[True] * len(prompts))
-        for (_, r), limit, (c,) in zip(running, limits, outs):
+        for (g, r), limit, (c,) in zip(running, limits, outs):
             r.tokens += c.token_ids
             r.logprobs += c.logprobs
             r.versions += [version] * len(c.token_ids)
             r.routes = c.routes
-            if c.finish_reason == "stop" or len(r.tokens) >= self.max_len:
+            if c.finish_reason == "stop" or len(r.tokens) >= g.max_len:
                 r.finish_reason = c.finish_reason if c.finish_reason == "stop" else "length"
 
     def _metrics(self, done: list[Group], version: int, dropped: int, rounds: int) -> dict[str, float]:

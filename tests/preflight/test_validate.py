@@ -36,3 +36,18 @@ def test_partial_rollouts_refuse_what_they_cannot_carry(tmp_path, overrides, wor
         preflight.validate(valid_cfg(tmp_path, ["rollout.partial_rollouts=true", *overrides]), world_size=1)
     assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
     preflight.validate(valid_cfg(tmp_path, overrides[:0] + ["rollout.partial_rollouts=true"]), world_size=1)
+
+
+@pytest.mark.parametrize("profile, words", [
+    ("lognormal:mean=100", "rollout.length_profile = 'lognormal:mean=100': lognormal takes positive mean, sigma and cap"),
+    ("zipf:3", "rollout.length_profile = 'zipf:3': use lognormal:mean=M,sigma=S,cap=C, uniform:N or hist:FILE"),
+    ("hist:/nonexistent.json", "rollout.length_profile = 'hist:/nonexistent.json': cannot read the histogram"),
+])
+def test_a_length_profile_that_does_not_parse_is_one_line(tmp_path, profile, words):
+    with pytest.raises(ConfigError) as e:
+        preflight.validate(valid_cfg(tmp_path, [f'rollout.length_profile="{profile}"']), world_size=1)
+    assert str(e.value).startswith(words) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match="rollout.length_profile shapes single-turn responses"):
+        preflight.validate(valid_cfg(tmp_path, ['rollout.length_profile="uniform:8"', 'rollout.environment="my_env:Env"']),
+                           world_size=1)
+    preflight.validate(valid_cfg(tmp_path, ['rollout.length_profile="lognormal:mean=100,sigma=1,cap=400"']), world_size=1)

@@ -251,7 +251,8 @@ def to_vllm_sampling(sampling: SamplingParams, stop_token_ids: Iterable[int], as
         top_p=1.0 if greedy else sampling.top_p,
         top_k=0 if (greedy or sampling.top_k <= 0) else sampling.top_k,
         max_tokens=sampling.max_new_tokens,
-        stop_token_ids=sorted(set(stop_token_ids) | set(sampling.stop_token_ids)),
+        stop_token_ids=[] if sampling.ignore_eos else sorted(set(stop_token_ids) | set(sampling.stop_token_ids)),
+        ignore_eos=sampling.ignore_eos,
         detokenize=False,
         **logprob_request(asks_logprobs, flat_logprobs),
         **extra,
@@ -590,4 +591,5 @@ class VLLMEngine:
 
 
 def _sampling_key(s: SamplingParams) -> tuple:
-    return (s.n, s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(s.stop_token_ids), s.logprobs_every, s.seed)
+    return (s.n, s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(s.stop_token_ids), s.ignore_eos,
+            s.logprobs_every, s.seed)
