@@ -111,6 +111,9 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
           archs=("qwen3-moe-tiny",)),
     # the 30B-A3B LoRA preset as shipped on four GPUs (secs: an estimate; its 61 GB model drawn on its GPUs)
     Check("preset-30b-a3b-lora", (f"{PRESET_TEST}[qwen3-30b-a3b-lora]",), gpus=4, secs=540, alone=True),
+    # the full fine-tuning preset: 8 GPUs of >= 120 GiB, else 16 (secs: an estimate)
+    Check("preset-30b-a3b", (f"{PRESET_TEST}[qwen3-30b-a3b]",), gpus=16, gpus_by_memory=((120.0, 8),), secs=600,
+          alone=True),
     # LoRA: the adapter's sync into vLLM both ways (0.5B), its learning check, the one-GPU 7-8B presets
     Check("lora", ("tests/gpu/test_lora_gpu.py", f"{TRAINER_TEST}[lora-1gpu-adapter]",
                    f"{TRAINER_TEST}[lora-1gpu-merged]"), secs=390, archs=("qwen2-0.5b",)),

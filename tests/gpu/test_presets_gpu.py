@@ -95,6 +95,11 @@ PRESETS: dict[str, Preset] = {  # configs/<name>.toml, or <config>.toml for a va
     # a mixture of experts (Qwen3-30B-A3B's shape: 61 GB of bf16 base) with LoRA on four 80 GB GPUs, the
     # engine at TP=4 with vLLM's fused-MoE kernels (the bundle with its MoE kernels: scripts/gpu_check.sh)
     "qwen3-30b-a3b-lora": Preset(gpus=4, arch="qwen3-30b-a3b", max_mismatch=0.1, timeout=(600, 420)),
+    # every parameter trained: 8 GPUs of 141 GB (one node), or 16 of 80 GB, which no single host has (n/a
+    # there); 16 prompts in 2 mini-batches of 8 keep the preset's optimizer steps per step, as for qwen7b
+    "qwen3-30b-a3b": Preset(gpus=16, gpus_by_memory=((120.0, 8),), arch="qwen3-30b-a3b",
+                            changes=("data.train_batch_size=16", "actor.ppo_mini_batch_size=8"),
+                            save_every=(0, -1), in_memory=True, max_mismatch=0.1, timeout=(900, 600)),
     # its overlong buffer (4096 tokens) must be shorter than the responses: 32 of the 128
     "qwen1.5b-long": Preset(gpus=2, arch="qwen2-1.5b", changes=("reward.overlong_buffer=32",), save_every=(0, -1)),
 }

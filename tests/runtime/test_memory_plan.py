@@ -433,3 +433,22 @@ def test_the_30b_a3b_lora_preset_is_predicted_to_fit_four_80_gb_gpus_and_not_one
     speed_settings.resolve(one, 1, H100_TOTAL)
     plan = mc.plan_for(one, 1, H100_TOTAL)
     assert not plan.fits and plan.peak.total > H100_TOTAL
+
+
+def test_the_30b_a3b_full_preset_fits_eight_141_gb_or_sixteen_80_gb_gpus_and_not_eight_80_gb(tmp_path):
+    """configs/qwen3-30b-a3b.toml (every parameter trained, "auto" speed settings chosen): its plan fits
+    8 x H200 and 16 x H100; 8 x H100 is refused, the refusal naming 16 GPUs and LoRA as fixes that fit."""
+    model_dir = tmp_path / "Qwen3-30B-A3B"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(preset_config("qwen3-30b-a3b").to_dict()))
+    preset = os.path.join(ROOT, "configs", "qwen3-30b-a3b.toml")
+    h200 = 139.8 * 2**30
+    for world, total in ((8, h200), (16, H100_TOTAL)):
+        cfg = load_config(preset, [f'model.path="{model_dir}"'])
+        speed_settings.resolve(cfg, world, total)
+        assert mc.plan_for(cfg, world, total).fits, (world, total)
+    cfg = load_config(preset, [f'model.path="{model_dir}"'])
+    with pytest.raises(mc.MemoryPlanError) as e:
+        speed_settings.resolve(cfg, 8, H100_TOTAL)
+        mc.check_memory(cfg, 8, H100_TOTAL)
+    assert "shard over more GPUs (16 GPUs: peak" in str(e.value) and "model.lora_rank = 32" in str(e.value), str(e.value)
