@@ -13,7 +13,7 @@
 # Needs vLLM (pip install -e '.[vllm]') and liger-kernel (the kernels check). On a machine without
 # internet: wheels put in .whl/ are installed first, and a missing vLLM comes from the project's
 # offline vLLM bundle when a copy of it is in the checkout.
-# The mixture-of-experts checks (moe, moe-lora, preset-30b-a3b-lora) need vLLM's MoE kernels (the vllm
+# The mixture-of-experts checks (moe, moe-lora, moe-glm, preset-30b-a3b*) need vLLM's MoE kernels (the vllm
 # extra has them; the offline bundle only when built with them, and then it comes in pieces,
 # .device-carry/vllm-1 and vllm-2, installed one after the other).
 # Exit status: 0 every check passed; 1 a check failed or did not run; 3 all passed so far and the

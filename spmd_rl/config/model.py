@@ -36,8 +36,8 @@ class ModelConfig:
     arch: str = ""
     """With `init = "random"` and no `path`: a preset architecture, one of
     tiny, tiny-lora (tiny for a LoRA adapter on CPU), small, qwen2-0.5b, qwen2-1.5b, qwen2-7b, qwen3-0.6b, qwen3-8b, llama3.1-8b, llama3.2-1b,
-    gemma3-1b, qwen3-moe-tiny (a mixture of experts on CPU), qwen3-30b-a3b, qwen3-30b-a3b-4layers (the real models' shapes; see
-    spmd_rl/model/loading.py ARCH_PRESETS)."""
+    gemma3-1b, qwen3-moe-tiny and glm4-moe-lite-tiny (mixtures of experts on CPU), qwen3-30b-a3b, qwen3-30b-a3b-4layers,
+    glm-4.7-flash-4layers (the real models' shapes; see spmd_rl/model/loading.py ARCH_PRESETS)."""
     tokenizer: str = ""
     """Tokenizer directory; empty = `path`. "char" = the built-in character tokenizer used by the
     synthetic tasks (digits, letters, punctuation; it carries a chat template). It may not have

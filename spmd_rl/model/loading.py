@@ -107,6 +107,23 @@ ARCH_PRESETS: dict[str, dict] = {
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                           tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1000000.0,
                           rms_norm_eps=1e-6),
+    # GLM-4.7-Flash's family (glm4_moe_lite: multi-head latent attention, a sigmoid router with a score
+    # correction bias, a shared expert, a dense first layer) at the CPU default job's size
+    "glm4-moe-lite-tiny": dict(model_type="glm4_moe_lite", vocab_size=64, hidden_size=64, intermediate_size=128,
+                               moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                               n_group=1, topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True,
+                               kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                               num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+                               first_k_dense_replace=1, tie_word_embeddings=True, max_position_embeddings=512),
+    # GLM-4.7-Flash's config.json values (transformers' Glm4MoeLiteConfig defaults) with its 47 layers cut to 4
+    # (the first dense): its latent attention, 64 experts, top-4 and shared expert for tests/gpu/test_moe_gpu.py
+    "glm-4.7-flash-4layers": dict(model_type="glm4_moe_lite", vocab_size=154880, hidden_size=2048,
+                                  intermediate_size=10240, moe_intermediate_size=1536, n_routed_experts=64,
+                                  num_experts_per_tok=4, n_shared_experts=1, n_group=1, topk_group=1,
+                                  routed_scaling_factor=1.8, norm_topk_prob=True, kv_lora_rank=512, q_lora_rank=768,
+                                  qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256, num_attention_heads=20,
+                                  num_key_value_heads=20, num_hidden_layers=4, first_k_dense_replace=1,
+                                  tie_word_embeddings=False, max_position_embeddings=202752, rms_norm_eps=1e-5),
     # its layers cut to 4: the real experts, router and attention shapes for the GPU tests (tests/gpu/test_moe_gpu.py)
     "qwen3-30b-a3b-4layers": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                                   moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,

@@ -57,15 +57,25 @@ def peft_targets(target_modules: tuple[str, ...] | list[str]) -> str | list[str]
     return ALL_LINEAR if not targets or targets == [ALL_LINEAR] else targets
 
 
+def is_mixture(model: torch.nn.Module) -> bool:
+    """Whether `model` (a transformers causal LM, on the meta device too) has fused experts."""
+    return any(".experts." in name for name, _ in model.named_parameters())
+
+
 def adapted_modules(target_modules: tuple[str, ...] | list[str], model: torch.nn.Module) -> list[str]:
     """The modules an adapter of model.lora_target_modules adapts in `model` (a transformers causal LM,
     on the meta device too), as PEFT's target_modules: the named ones, or for [] ("all-linear") the
-    last names of every linear layer (`nn.Linear`) of the decoder. A mixture of experts' fused experts and
-    its router are not linear layers and stay frozen: PEFT's own "all-linear" would adapt them (docs/moe.md)."""
+    last names of every linear layer (`nn.Linear`) of the decoder; of a mixture of experts, of its
+    attention. A mixture's fused experts and router are not linear layers and stay frozen; its MLP names
+    (a dense layer's, a shared expert's) are left out too, as PEFT maps gate_proj, up_proj and down_proj
+    on a mixture to the fused experts (PEFT's own "all-linear" adapts those as well: docs/moe.md)."""
     targets = peft_targets(target_modules)
     if targets != ALL_LINEAR:
         return targets
-    return sorted({name.rsplit(".", 1)[-1] for name in decoder_linear_names(model)})
+    names = decoder_linear_names(model)
+    if is_mixture(model):
+        names = [n for n in names if not n.startswith("mlp.")]
+    return sorted({name.rsplit(".", 1)[-1] for name in names})
 
 
 def lora_config(settings: LoraSettings, model: torch.nn.Module):

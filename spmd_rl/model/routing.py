@@ -14,16 +14,18 @@ among them). Nothing in transformers is edited; a model without routers is left 
 dense model: replay is a no-op). Then:
 
 - `replay(model, routes)`: while the block runs, a router takes the given experts and weights them
-  with its own softmax probabilities gathered at them, renormalised over the top-k when the router
-  normalises its own (`norm_topk_prob`, Mixtral always). Gradients flow to the router through those
-  probabilities; the choice itself is fixed. `take_changed` counts the decisions where the router's
+  with its own scores gathered at them (softmax probabilities; sigmoid scores for the routers with a
+  score correction bias, DeepSeek-V3's and GLM-4.7-Flash's, whose bias and expert groups only steer the
+  choice), renormalised over the top-k when the router normalises its own (`norm_topk_prob`, Mixtral
+  always), times its `routed_scaling_factor` where it has one. Gradients flow to the router through
+  those scores; the choice itself is fixed. `take_changed` counts the decisions where the router's
   own choice was another (what replay changed).
 - `capture(model)`: the block's forward records each router's own choices; `.routes` is then the
   int16 [tokens, layers, top_k] routes of that forward (NO_ROUTE in layers without a router).
 
 The weight formula is checked once per router against the router's own scores at its own choice;
-a router that scores experts another way (sigmoid scores, expert groups, a correction bias) is
-refused with a `UserError` instead of being replayed wrongly.
+a router that weights experts another way is refused with a `UserError` instead of being replayed
+wrongly.
 """
 
 from __future__ import annotations
@@ -228,10 +230,22 @@ def _normalises(router: torch.nn.Module) -> bool:
     return bool(getattr(router, "norm_topk_prob", True))
 
 
+def _scores_by_sigmoid(router: torch.nn.Module) -> bool:
+    """DeepSeek-V3's router and its kin (GLM-4.7-Flash's): sigmoid scores, a bias that only steers the choice."""
+    return hasattr(router, "e_score_correction_bias")
+
+
 def _weights(router: torch.nn.Module, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """The router's softmax probabilities at `experts` [tokens, top_k], renormalised as it does."""
-    w = torch.softmax(logits.float(), dim=-1).gather(-1, experts)
-    return w / w.sum(-1, keepdim=True) if _normalises(router) else w
+    """The router's scores at `experts` [tokens, top_k] as it weights them: softmax probabilities, or sigmoid
+    scores (without the correction bias, which only steers the choice), renormalised over the top-k when it
+    does, times its routed_scaling_factor where it has one."""
+    if _scores_by_sigmoid(router):
+        w = torch.sigmoid(logits.float()).gather(-1, experts)
+    else:
+        w = torch.softmax(logits.float(), dim=-1).gather(-1, experts)
+    if _normalises(router):
+        w = w / w.sum(-1, keepdim=True)
+    return w * getattr(router, "routed_scaling_factor", 1.0)
 
 
 def _routed_forward(original, layer: int, state: RoutingState):
@@ -269,5 +283,5 @@ def _check_formula(router, logits: torch.Tensor, scores: torch.Tensor, own: torc
     mine = _weights(router, logits.detach(), own.long())
     if not torch.allclose(mine, scores.detach().float(), rtol=2e-2, atol=1e-3):
         raise UserError(f"routing replay: {type(router).__name__} does not weight its experts by their softmax "
-                        "probability (renormalised when norm_topk_prob), so its routing cannot be replayed; set "
-                        'actor.router_replay = "off" for this model')
+                        "probability or sigmoid score (renormalised when norm_topk_prob, times routed_scaling_factor), "
+                        'so its routing cannot be replayed; set actor.router_replay = "off" for this model')

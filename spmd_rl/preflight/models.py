@@ -137,11 +137,18 @@ def check_lora_targets(cfg: Config) -> None:
     from transformers import AutoModelForCausalLM
 
     from spmd_rl.model.loading import random_model_config
-    from spmd_rl.model.lora import decoder_linear_names
+    from spmd_rl.model.lora import decoder_linear_names, is_mixture
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(random_model_config(m.arch, m.path))
     names = decoder_linear_names(model)
+    if is_mixture(model):  # PEFT would adapt the fused experts for an MLP name: the attention's only
+        mlp = [t for t in m.lora_target_modules if any(n.startswith("mlp.") and (n == t or n.endswith("." + t))
+                                                       for n in names)]
+        if mlp:
+            raise ConfigError(f"model.lora_target_modules names {', '.join(map(repr, mlp))}: on a mixture of experts "
+                              "PEFT maps an MLP name to the fused experts, which LoRA does not adapt here; name the "
+                              "attention's layers (or [] for all of them: docs/moe.md)")
     unknown = [t for t in m.lora_target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     if unknown:
         which = f"model.path = {m.path!r}" if m.path else f"model.arch = {m.arch!r}"

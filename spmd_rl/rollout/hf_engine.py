@@ -17,6 +17,7 @@ import torch
 
 from spmd_rl.model import lora, routing
 from spmd_rl.rollout.base import Completion, SamplingParams
+from spmd_rl.rollout.weight_sync import checkpoint_buffers
 
 
 class HFEngine:
@@ -24,7 +25,7 @@ class HFEngine:
                  device: torch.device, max_batch_size: int = 256, return_routes: bool = False):
         self.model = model.to(device).eval()
         self.return_routes = return_routes and routing.install(self.model) > 0
-        self.params = dict(self.model.named_parameters())
+        self.params = dict(self.model.named_parameters()) | dict(checkpoint_buffers(self.model))  # what a sync loads
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
         self.device = device

@@ -109,18 +109,31 @@ def _gather_bucket(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -
     return [(name, out[name]) for name, _ in params]
 
 
+def checkpoint_buffers(model: torch.nn.Module) -> NamedTensors:
+    """The model's buffers that its checkpoint holds (persistent ones: a DeepSeek-V3-style router's
+    `e_score_correction_bias`), whole on every rank (FSDP shards parameters only), in their own dtype:
+    an engine loads them with the weights, and a bias that steers the experts' choice is not rounded."""
+    return [(f"{prefix}.{name}" if prefix else name, b) for prefix, module in model.named_modules()
+            for name, b in module.named_buffers(recurse=False)
+            if b is not None and name not in module._non_persistent_buffers_set]
+
+
 @torch.no_grad()
 def iter_weight_buckets(model: torch.nn.Module, dtype: torch.dtype, bucket_mb: int) -> Iterator[NamedTensors]:
     """Yield the model's parameters as full tensors of `dtype`, one bucket (list of (name, tensor))
-    at a time; a LoRA actor's merged (module doc). Collective: every rank of the FSDP mesh must
-    iterate it to the end (under hybrid sharding, every rank of each shard group)."""
+    at a time; a LoRA actor's merged (module doc); then its checkpoint_buffers, if any, as they are.
+    Collective: every rank of the FSDP mesh must iterate it to the end (under hybrid sharding, every
+    rank of each shard group)."""
     if not lora.has_adapter(model):
         for bucket in _bucket_plan(model.named_parameters(), dtype, bucket_mb * 2**20):
             yield _gather_bucket(bucket, dtype)
-        return
-    scale = lora.scalings(model)
-    for bucket in _bucket_plan(model.named_parameters(), dtype, bucket_mb * 2**20, lora.group_of):
-        yield lora.merge(_gather_by_dtype(bucket, functools.partial(_merge_input_dtype, dtype)), scale, dtype)
+    else:
+        scale = lora.scalings(model)
+        for bucket in _bucket_plan(model.named_parameters(), dtype, bucket_mb * 2**20, lora.group_of):
+            yield lora.merge(_gather_by_dtype(bucket, functools.partial(_merge_input_dtype, dtype)), scale, dtype)
+    buffers = checkpoint_buffers(model)
+    if buffers:
+        yield [(lora.base_name(name), b) for name, b in buffers]
 
 
 def _merge_input_dtype(engine_dtype: torch.dtype, name: str, p: torch.Tensor) -> torch.dtype:
@@ -144,12 +157,14 @@ def _gather_by_dtype(params: list[tuple[str, torch.Tensor]],
 @torch.no_grad()
 def iter_base_weights(model: torch.nn.Module, dtype: torch.dtype, bucket_mb: int) -> Iterator[tuple[str, torch.Tensor]]:
     """A LoRA actor's frozen base alone, as full tensors of `dtype` under transformers' names
-    (`q_proj.weight`): what an engine with LoRA layers keeps, while the adapter comes apart. Collective
-    like iter_weight_buckets."""
+    (`q_proj.weight`), and its checkpoint_buffers: what an engine with LoRA layers keeps, while the
+    adapter comes apart. Collective like iter_weight_buckets."""
     base = [(name, p) for name, p in model.named_parameters() if not lora.is_adapter(name)]
     for bucket in _bucket_plan(base, dtype, bucket_mb * 2**20):
         for name, t in _gather_bucket(bucket, dtype):
             yield lora.base_name(name), t
+    for name, b in checkpoint_buffers(model):
+        yield lora.base_name(name), b
 
 
 @torch.no_grad()

@@ -89,8 +89,23 @@ class ModelShape:
     experts_per_token: int = 0  # top-k
     moe_intermediate_size: int = 0
     moe_layers: int = 0  # layers whose MLP is the mixture (the rest are dense)
+    shared_expert_intermediate_size: int = 0  # a mixture layer's always-on expert (0: none)
+    latent: tuple[int, int, int, int, int] = ()
+    """Multi-head latent attention (DeepSeek-V3's, GLM-4.7-Flash's): (q_lora_rank (0: a plain query
+    projection), kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim); () for the usual heads."""
+
+    def latent_projections(self) -> dict[str, tuple[int, int]]:
+        """Latent attention's linear layers, (in, out) each (transformers' DeepSeek-V3 attention)."""
+        q_rank, kv_rank, rope, nope, v = self.latent
+        h, heads = self.hidden_size, self.num_heads
+        query = ({"q_a_proj": (h, q_rank), "q_b_proj": (q_rank, heads * (nope + rope))} if q_rank
+                 else {"q_proj": (h, heads * (nope + rope))})
+        return {**query, "kv_a_proj_with_mqa": (h, kv_rank + rope), "kv_b_proj": (kv_rank, heads * (nope + v)),
+                "o_proj": (heads * v, h)}
 
     def attention_parameters(self) -> int:
+        if self.latent:  # the projections and the RMSNorms of the two latents
+            return sum(i * o for i, o in self.latent_projections().values()) + self.latent[0] + self.latent[1]
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
 
@@ -109,7 +124,7 @@ class ModelShape:
     def moe_layer_parameters(self) -> int:
         """A mixture layer's: attention, norms, the router ([experts, hidden]) and every expert."""
         return (self.attention_parameters() + self.norm_parameters() + self.num_experts * self.hidden_size
-                + self.num_experts * self.expert_parameters())
+                + self.num_experts * self.expert_parameters() + 3 * self.hidden_size * self.shared_expert_intermediate_size)
 
     def layer_parameters(self) -> int:
         """The largest decoder layer's (what FSDP gathers at once)."""
@@ -133,14 +148,18 @@ class ModelShape:
 
     def lora_parameters(self, rank: int, targets: tuple[str, ...]) -> int:
         """A LoRA adapter's on the decoder layers' linear modules named in `targets` (empty: all of
-        them): rank x (in + out) each, as PEFT's A and B. A mixture layer's experts are fused
-        parameters, which LoRA does not adapt (spmd_rl/preflight/models.py check_lora_targets)."""
+        them; of a mixture, its attention's: spmd_rl/model/lora.py adapted_modules): rank x (in + out)
+        each, as PEFT's A and B."""
         h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
-        attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        attention = (self.latent_projections() if self.latent
+                     else {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)})
         mlp = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-        names = targets or (*attention, *mlp)
+        s = self.shared_expert_intermediate_size
+        shared = {"gate_proj": (h, s), "up_proj": (h, s), "down_proj": (s, h)} if s else {}
+        names = targets or (attention if self.moe_layers else (*attention, *mlp))  # a mixture: its attention
         per_layer = lambda table: sum(rank * sum(table[n]) for n in names if n in table)  # noqa: E731
-        return self.num_layers * per_layer(attention) + (self.num_layers - self.moe_layers) * per_layer(mlp)
+        return (self.num_layers * per_layer(attention) + (self.num_layers - self.moe_layers) * per_layer(mlp)
+                + self.moe_layers * per_layer(shared))
 
     def value_model_parameters(self) -> int:
         """The critic's: the backbone and a scalar head with bias (load_value_model)."""
@@ -155,15 +174,23 @@ FOUR_NORM_MODEL_TYPES = ("gemma3_text",)
 """Model types with four RMSNorms of hidden_size per layer (Gemma 3: before and after attention and MLP)."""
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 """config.json entries that count a mixture's experts."""
-MOE_MODEL_TYPES = ("qwen3_moe",)
+MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe_lite")
 """Mixture-of-experts families whose layout the formula knows (moe_layer_count); others are refused."""
+LATENT_ATTENTION_MODEL_TYPES = ("glm4_moe_lite",)
+"""Model types with multi-head latent attention (ModelShape.latent)."""
 
 
 def moe_layer_count(config: dict) -> int:
-    """How many layers of a qwen3_moe config hold the mixture: those not in `mlp_only_layers` whose index + 1
-    is a multiple of `decoder_sparse_step` (transformers' Qwen3MoeDecoderLayer)."""
+    """How many layers hold the mixture: qwen3_moe's not in `mlp_only_layers` whose index + 1 is a multiple of
+    `decoder_sparse_step` (transformers' Qwen3MoeDecoderLayer); glm4_moe_lite's "sparse" `mlp_layer_types`
+    (default: all but the first `first_k_dense_replace`)."""
+    layers = int(config["num_hidden_layers"])
+    if config.get("model_type") == "glm4_moe_lite":
+        types = config.get("mlp_layer_types") or (["dense"] * int(config.get("first_k_dense_replace", 1))
+                                                  + ["sparse"] * layers)[:layers]
+        return sum(t == "sparse" for t in types)
     step, dense = int(config.get("decoder_sparse_step", 1) or 1), set(config.get("mlp_only_layers") or [])
-    return sum(1 for i in range(int(config["num_hidden_layers"])) if i not in dense and (i + 1) % step == 0)
+    return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
 
 
 def shape_from_config(config: dict) -> ModelShape:
@@ -180,8 +207,12 @@ def shape_from_config(config: dict) -> ModelShape:
     attention_bias = bool(config.get("attention_bias", False))
     norms = (4 if model_type in FOUR_NORM_MODEL_TYPES else 2) * h + (2 * head_dim if model_type in QK_NORM_MODEL_TYPES else 0)
     moe = dict(num_experts=experts, experts_per_token=int(config["num_experts_per_tok"]),
-               moe_intermediate_size=int(config["moe_intermediate_size"]), moe_layers=moe_layer_count(config)
+               moe_intermediate_size=int(config["moe_intermediate_size"]), moe_layers=moe_layer_count(config),
+               shared_expert_intermediate_size=int(config["moe_intermediate_size"]) * int(config.get("n_shared_experts") or 0)
                ) if experts else {}
+    if model_type in LATENT_ATTENTION_MODEL_TYPES:
+        moe["latent"] = (int(config.get("q_lora_rank") or 0), int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"]),
+                         int(config["qk_nope_head_dim"]), int(config["v_head_dim"]))
     return ModelShape(
         vocab_size=int(config["vocab_size"]), hidden_size=h, intermediate_size=int(config["intermediate_size"]),
         num_layers=int(config["num_hidden_layers"]), num_heads=heads,

@@ -250,6 +250,10 @@ LORA = ["model.lora_rank=8"]
      "model.lora_target_modules names 'gate_up_proj', not a linear layer of the decoder of model.arch = "
      "'qwen3-moe-tiny' (gate_up_proj: the mixture of experts' fused expert weights, which LoRA does not adapt here: "
      "docs/moe.md): it has k_proj, o_proj, q_proj, v_proj (or [] for all of them)"),
+    ([*LORA, 'model.arch="glm4-moe-lite-tiny"', 'model.lora_target_modules=["q_a_proj", "gate_proj", "mlp.down_proj"]'],
+     "model.lora_target_modules names 'gate_proj', 'mlp.down_proj': on a mixture of experts PEFT maps an MLP name to "
+     "the fused experts, which LoRA does not adapt here; name the attention's layers (or [] for all of them: "
+     "docs/moe.md)"),
     ([*LORA, 'model.lora_target_modules=["lm_head"]'], "model.lora_target_modules names lm_head: the embeddings and "
      "the LM head are not adapted"),
     (["model.lora_rank=600"], "model.lora_rank = 600 is above the largest rank vLLM's LoRA layers take (512) for "

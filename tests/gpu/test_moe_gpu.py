@@ -22,6 +22,11 @@ mixture of experts (qwen3-moe-tiny): the engine's LoRA layers wrap what the adap
 attention), its fused-MoE layer stays vLLM's own, and the base's first sync and every adapter sync
 keep the engine's log-probs at the actor's.
 
+test_glm_family_trains_through_vllm_with_replay: GLM-4.7-Flash's family (glm4_moe_lite: latent attention,
+a sigmoid router with a score correction bias, a shared expert) at its real layer shape cut to 4 layers,
+with routing replay: the sync (the routers' biases too) gives the engine the actor's weights, and every
+token is replayed.
+
 Needs vLLM built with its MoE kernels (`_moe_C`); without them the engine fails to build and these
 tests FAIL (only a machine without CUDA or vLLM skips). The CPU side (packed = padded, the HF engine,
 the FSDP sync, replay's formula) is tests/model/test_model_families.py and tests/model/test_routing.py.
@@ -92,3 +97,13 @@ def test_lora_on_moe_syncs_the_base_and_the_adapter_into_vllm(tmp_path):
         pytest.skip(reason)
     _run(tmp_path, "moe-lora", random_model_dir("qwen3-moe-tiny"),
          [*RUN, "model.lora_rank=8", "model.lora_alpha=16", 'model.lora_sync="adapter"', "actor.lr=1e-4"])
+
+
+def test_glm_family_trains_through_vllm_with_replay(tmp_path):
+    reason = skip_reason(1)
+    if reason:
+        pytest.skip(reason)
+    model_dir = random_model_dir("glm-4.7-flash-4layers")
+    assert json.loads((Path(model_dir) / "config.json").read_text())["architectures"] == ["Glm4MoeLiteForCausalLM"]
+    steps = _run(tmp_path, "moe-glm", model_dir, ['actor.router_replay="engine"', *REPLAY_RUN])
+    assert all(m["routing/replayed_share"] == 1.0 for m in steps.values()), steps

@@ -24,7 +24,14 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    Glm4MoeLiteConfig,
+    LlamaConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from spmd_rl.batching.batch import Batch, build_rollout_batch
 from tests.helpers.dist_utils import run_distributed
@@ -47,18 +54,25 @@ def family_config(family: str):
     if family == "qwen3_moe":
         return Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
                               norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False)
+    if family == "glm4_moe_lite":  # GLM-4.7-Flash: latent attention (q and kv through low-rank parts, interleaved
+        # rope), a sigmoid router with a correction bias and a scaling factor, a shared expert, the first layer dense
+        return Glm4MoeLiteConfig(**{**common, "num_hidden_layers": 3, "num_key_value_heads": 4},
+                                 moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                 routed_scaling_factor=1.8, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                                 qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, tie_word_embeddings=False)
     raise KeyError(family)
 
 
 GEMMA3_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
-FAMILIES = ["qwen3", "llama3", "gemma3", "qwen3_moe"]
+FAMILIES = ["qwen3", "llama3", "gemma3", "qwen3_moe", "glm4_moe_lite"]
 
 
 def family_model(family: str, dtype=torch.float64, seed=0):
     """`family`'s tiny model; a mixture of experts runs its experts as a loop in float64 (transformers'
     grouped GEMMs take float32 and narrower only)."""
     torch.manual_seed(seed)
-    kwargs = {"experts_implementation": "eager"} if family == "qwen3_moe" and dtype == torch.float64 else {}
+    moe = family in ("qwen3_moe", "glm4_moe_lite")
+    kwargs = {"experts_implementation": "eager"} if moe and dtype == torch.float64 else {}
     return AutoModelForCausalLM.from_config(family_config(family), dtype=dtype, **kwargs)
 
 
@@ -209,7 +223,7 @@ def _sync_families(rank, world):
 
     from spmd_rl.model.loading import apply_fsdp
     from spmd_rl.rollout.hf_engine import HFEngine
-    from spmd_rl.rollout.weight_sync import iter_weights
+    from spmd_rl.rollout.weight_sync import checkpoint_buffers, iter_weights
 
     mesh = init_device_mesh("cpu", (world,))
     for family in FAMILIES:
@@ -219,7 +233,11 @@ def _sync_families(rank, world):
         x = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
         actor(input_ids=x, labels=x).loss.backward()
         opt.step()
-        full = {n: p.full_tensor() for n, p in actor.named_parameters()}
+        g = torch.Generator().manual_seed(2)
+        for _, b in checkpoint_buffers(actor):  # GLM's routers' score correction biases: 0 in a fresh model
+            b.copy_(torch.randn(b.shape, generator=g))
+        full = {n: p.full_tensor() for n, p in actor.named_parameters()} | dict(checkpoint_buffers(actor))
+        assert family != "glm4_moe_lite" or len(full) > len(dict(actor.named_parameters()))
         engine = HFEngine(family_model(family, torch.float32, seed=1), pad_token_id=0, eos_token_ids=[1],
                           device=torch.device("cpu"))
         engine.load_weights(iter_weights(actor, torch.float32, 1))  # KeyError for a name the engine lacks

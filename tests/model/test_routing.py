@@ -378,3 +378,81 @@ def test_without_the_aux_loss_no_router_logits_are_kept():
     finally:
         state.__class__.__setattr__ = original
     assert seen == [] and not model.config.output_router_logits
+
+
+def glm_model(seed=0):
+    """GLM-4.7-Flash's family (glm4_moe_lite) at the tiny preset's size in float64, its routers' score
+    correction biases set (random init leaves them 0) so that they steer the choice away from the top-k
+    of the scores that weight the experts."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(random_model_config("glm4-moe-lite-tiny"),
+                                             experts_implementation="eager").to(torch.float64)
+    for name, m in model.named_modules():
+        if name.endswith("mlp.gate"):
+            torch.nn.init.normal_(m.weight, std=0.5)
+            m.e_score_correction_bias.normal_(std=0.5)
+    return model
+
+
+def glm_reference_logprobs(model, mb, routes):
+    """Padded log-probs [B, L] with every mixture block forced to `routes` [B, L, layers, k] by
+    GLM's formula by hand: the sigmoid scores at the given experts, renormalised, times the scaling
+    factor, plus the shared expert."""
+    flat = routes.reshape(-1, *routes.shape[2:]).long()
+    saved = []
+    for name, block in model.named_modules():
+        if not hasattr(block, "shared_experts"):
+            continue
+        layer = int(name.split(".")[2])
+
+        def forward(hidden, block=block, layer=layer):
+            b, s, h = hidden.shape
+            x = hidden.reshape(-1, h)
+            experts = flat[:, layer]
+            w = torch.sigmoid(x.float() @ block.gate.weight.float().t()).gather(-1, experts)
+            w = w / w.sum(-1, keepdim=True) * block.gate.routed_scaling_factor
+            return (block.experts(x, experts, w.to(x.dtype)) + block.shared_experts(x)).reshape(b, s, h)
+        saved.append((block, block.forward))
+        block.forward = forward
+    try:
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits
+    finally:
+        for block, f in saved:
+            block.forward = f
+    logp = torch.log_softmax(logits.double(), -1)[:, :-1].gather(-1, mb["input_ids"][:, 1:, None])[..., 0]
+    return F.pad(logp, (1, 0))
+
+
+def test_a_sigmoid_router_with_a_correction_bias_replays_glms_formula():
+    """GLM-4.7-Flash's router: its own routes replayed give the plain forward (the weights are its
+    sigmoid scores without the bias, renormalised, times 1.8); another model's routes give the formula
+    by hand at those experts; the dense first layer has no router (its slot stays unused)."""
+    base = glm_model()
+    mb = ragged_batch([7, 12, 3], base.config.vocab_size)
+    got = {}
+    hooks = [m.register_forward_hook(lambda mod, args, out, n=n: got.__setitem__(n, out[2]))
+             for n, m in base.named_modules() if n.endswith("mlp.gate")]
+    with torch.no_grad():
+        base(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False)
+    for h in hooks:
+        h.remove()
+    b, length = mb["input_ids"].shape
+    routes = torch.full((b, length, 2, 2), routing.NO_ROUTE, dtype=torch.int16)  # layer 0 is dense
+    routes[:, :, 1] = got["model.layers.1.mlp.gate"].view(b, length, 2).to(torch.int16)
+    keep = mb["attention_mask"].bool()
+    keep[:, 0] = False
+
+    perturbed = copy.deepcopy(base)
+    perturb_routers(perturbed)
+    want = glm_reference_logprobs(copy.deepcopy(perturbed), mb, routes)
+    for model, reference in ((base, None), (perturbed, want)):
+        policy = prepare_policy(model, remove_padding=False, chunked_logprobs=False)
+        assert routing.install(policy) == 1
+        with torch.no_grad():
+            plain, _ = forward_logprobs(policy, mb, 1.0)
+            replayed, _ = forward_logprobs(policy, Batch({**mb.tensors, routing.BATCH_KEY: routes}), 1.0)
+        if reference is None:  # its own routes: the plain forward
+            torch.testing.assert_close(replayed[keep], plain[keep], rtol=0, atol=1e-12)
+        else:
+            torch.testing.assert_close(replayed[keep], reference[keep], rtol=0, atol=1e-10)
+            assert (replayed[keep] - plain[keep]).abs().max() > 1e-3  # the perturbed router's own choice differs

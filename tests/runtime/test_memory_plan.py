@@ -208,7 +208,7 @@ def test_a_mixture_of_experts_model_is_predicted_and_an_unknown_family_is_not(tm
     with caplog.at_level(logging.WARNING, logger="spmd_rl"):
         assert mc.check_memory(cfg, 2, H100_TOTAL) is None
     assert ("memory: not predicted" in caplog.text and "qwen2_moe with 64 experts: a mixture-of-experts family "
-            "the memory formula does not count (it counts qwen3_moe)" in caplog.text)
+            "the memory formula does not count (it counts qwen3_moe, glm4_moe_lite)" in caplog.text)
 
 
 def test_the_start_up_line_is_logged_before_the_models_on_a_gpu(monkeypatch, caplog):
@@ -452,3 +452,15 @@ def test_the_30b_a3b_full_preset_fits_eight_141_gb_or_sixteen_80_gb_gpus_and_not
         speed_settings.resolve(cfg, 8, H100_TOTAL)
         mc.check_memory(cfg, 8, H100_TOTAL)
     assert "shard over more GPUs (16 GPUs: peak" in str(e.value) and "model.lora_rank = 32" in str(e.value), str(e.value)
+
+
+def test_lora_parameters_of_latent_attention_are_peft_s():
+    """GLM-4.7-Flash's family: the adapter of model.lora_target_modules = [] (a mixture's attention: the latent
+    attention's five projections) counts as many parameters as PEFT puts in."""
+    from spmd_rl.model.lora import LoraSettings, add_adapter
+
+    config = preset_config("glm4-moe-lite-tiny")
+    with torch.device("meta"):
+        model = add_adapter(AutoModelForCausalLM.from_config(config), LoraSettings(8, 16.0, (), torch.float32))
+    peft = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+    assert mp.shape_from_config(config.to_dict()).lora_parameters(8, ()) == peft > 0

@@ -277,6 +277,9 @@ def test_routed_experts_are_asked_for_on_an_moe_model_with_replay_only(tmp_path)
 
 @pytest.mark.parametrize("arch,targets,expected", [
     ("qwen3-moe-tiny", [], ["k_proj", "o_proj", "q_proj", "v_proj"]),  # not its fused experts, nor its router
+    # latent attention; not the dense first layer's MLP nor the shared experts (PEFT would map those names
+    # to the fused experts)
+    ("glm4-moe-lite-tiny", [], ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"]),
     ("tiny", [], ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]),
     ("tiny", ["q_proj", "self_attn.v_proj"], ["q_proj", "v_proj"])])
 def test_the_engines_lora_layers_wrap_what_the_actors_adapter_adapts(tmp_path, arch, targets, expected):
