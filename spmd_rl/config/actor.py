@@ -166,7 +166,8 @@ class ActorConfig(TrainedModel):
     """Mixture-of-experts models: the weight of the router's load-balancing loss (transformers' own,
     over every MoE layer's router probabilities of the micro-batch's real tokens) added to the policy
     loss; logged as actor/router_aux_loss. 0 (default, as in RL recipes): off, and no router logits are
-    kept. Pre-training used about 0.001. Refused on a dense model. docs/moe.md."""
+    kept. Pre-training used about 0.001. Refused on a dense model and on sigmoid routers (GLM-4.7-Flash's,
+    balanced by their score correction bias). docs/moe.md."""
 
     def check_loss(self) -> None:
         """The policy loss's clip ratios and the optimizer's betas."""

@@ -330,6 +330,9 @@ def test_a_resume_with_another_lora_adapter_is_refused(tmp_path, old, new, needl
     (["actor.router_aux_loss_coef=0.001"], "actor.router_aux_loss_coef = 0.001 balances a mixture of experts' "
      "routers, and model.arch = 'tiny' is a dense model: set it to 0"),
     (['model.arch="qwen3-moe-tiny"', "actor.router_aux_loss_coef=-1"], "actor.router_aux_loss_coef = -1.0 must be >= 0"),
+    (['model.arch="glm4-moe-lite-tiny"', "actor.router_aux_loss_coef=0.001"], "actor.router_aux_loss_coef = 0.001 is "
+     "the load-balancing loss of softmax routers, and model.arch = 'glm4-moe-lite-tiny' (glm4_moe_lite) scores its "
+     "experts by sigmoid and balances them with its score correction bias: set it to 0"),
 ])
 def test_router_aux_loss_refusals(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as e:
