@@ -28,3 +28,17 @@ def test_moe_learns_with_replay_as_without_and_replays_every_token(tmp_path):
     assert all(0 <= out["engine"][s]["routing/changed_share"] <= 1 for s in steps)  # tests/model/test_routing.py
     assert not any("routing/changed_share" in m for m in out["off"].values())
     assert max(out["engine"][s]["rollout/logprob_diff_max"] for s in steps) < 1e-4
+
+
+def test_glm_family_replays_every_token_and_its_engine_keeps_the_actors_log_probs(tmp_path):
+    """GLM-4.7-Flash's family (glm4-moe-lite-tiny: latent attention, a sigmoid router with a correction
+    bias, a dense first layer) through a short run: every routed token replayed, the HF engine's log-probs
+    the actor's, and a resume from its checkpoint (the biases' sync: tests/model/test_model_families.py)."""
+    common = [f"trainer.run_dir={tmp_path}", 'model.arch="glm4-moe-lite-tiny"', "trainer.val_every=0",
+              "data.val_files=[]", "trainer.tensorboard=false", "trainer.save_every=2"]
+    run(torchrun_cmd(2, *common, "trainer.total_steps=2"))
+    out = run(torchrun_cmd(2, *common, "trainer.total_steps=4"))
+    assert "resumed from" in out and "at step 2" in out
+    m = read_metrics(tmp_path)
+    assert all(m[s]["routing/replayed_share"] == 1.0 for s in (1, 2, 3, 4)), m
+    assert max(m[s]["rollout/logprob_diff_max"] for s in (1, 2, 3, 4)) < 1e-4
