@@ -15,7 +15,8 @@
 #   TAG=merged CONFIG=configs/qwen7b-lora.toml bash scripts/bench/bench_step.sh $OUT qwen2-7b after 3 model.lora_sync=merged
 #   GPUS (default 1) runs the same command on that many GPUs (torchrun --nproc_per_node; the prompts per step
 #   are the config's, so scale data.train_batch_size with it for the same work per GPU: weak_scaling.sh);
-#   DRY=1 prints the torchrun command line instead of running it.
+#   DRY=1 prints the torchrun command line instead of running it. Several runs at once, one per GPU of a
+#   machine: side_by_side.sh.
 #   A long tail of response lengths (random weights never stop): data.max_response_length=8192
 #   'rollout.length_profile="lognormal:mean=1532,sigma=0.9,cap=8192"' (with rollout.partial_rollouts=true: both ways).
 set -uo pipefail
