@@ -236,3 +236,15 @@ def test_greedy_copies_keep_no_logprobs_where_none_were_asked(engine):
     assert [len(g) for g in out] == [3, 3]
     assert all(c.logprobs == [-0.5, -0.75] for c in out[0]) and all(c.logprobs is None for c in out[1])
     assert out[0][0].logprobs is not out[0][1].logprobs  # copies, not one list three times
+
+
+def test_ignore_eos_runs_every_request_to_its_own_limit_past_every_stop_token(engine):
+    """SamplingParams.ignore_eos (rollout.length_profile): vLLM's ignore_eos and no stop token ids, each
+    request with its own max_tokens; without it, the engine's stop ids and the call's."""
+    engine.generate([[1], [2, 3]], SamplingParams(n=1, max_new_tokens=9, stop_token_ids=[5], ignore_eos=True),
+                    max_new_tokens=[4, 7])
+    params = StandInLLM.last.params
+    assert [(p.ignore_eos, p.stop_token_ids, p.max_tokens) for p in params] == [(True, [], 4), (True, [], 7)]
+    engine.generate([[1]], SamplingParams(n=1, max_new_tokens=9, stop_token_ids=[5]))
+    (p,) = StandInLLM.last.params
+    assert p.ignore_eos is False and p.stop_token_ids == sorted({5, *engine.stop_ids}) and p.max_tokens == 9
