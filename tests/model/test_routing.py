@@ -65,14 +65,29 @@ def own_routes(model, mb):
     return torch.stack([got[i].view(b, length, -1) for i in sorted(got)], dim=2).to(torch.int16)
 
 
+def padded_logprobs_with(model, mb, forwards: dict) -> torch.Tensor:
+    """Padded log-probs [B, L] (column t: log p(token t)) of `model` with each module of `forwards` running
+    the function given for it instead of its own forward."""
+    saved = [(m, m.forward) for m in forwards]
+    for m, f in forwards.items():
+        m.forward = f
+    try:
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits
+    finally:
+        for m, f in saved:
+            m.forward = f
+    logp = torch.log_softmax(logits.double(), -1)[:, :-1].gather(-1, mb["input_ids"][:, 1:, None])[..., 0]
+    return F.pad(logp, (1, 0))
+
+
 def reference_logprobs(model, mb, routes):
-    """Padded log-probs [B, L] (column t: log p(token t)) with every MoE block forced to `routes`
-    [B, L, layers, k] by the reference formula."""
+    """Padded log-probs [B, L] with every MoE block forced to `routes` [B, L, layers, k] by the reference
+    formula."""
     blocks = [m for n, m in model.named_modules() if n.endswith(".mlp") and hasattr(m, "gate")]
     flat = routes.reshape(-1, *routes.shape[2:]).long()
-    saved = []
-    for layer, block in enumerate(blocks):
-        def forward(hidden, block=block, layer=layer):
+
+    def forced(block, layer):
+        def forward(hidden):
             b, s, h = hidden.shape
             x = hidden.reshape(-1, h)
             probs = torch.softmax(x @ block.gate.weight.t(), dim=-1, dtype=torch.float32)  # as the router's
@@ -80,15 +95,9 @@ def reference_logprobs(model, mb, routes):
             w = probs.gather(-1, experts)
             w = w / w.sum(-1, keepdim=True)
             return block.experts(x, experts, w.to(x.dtype)).reshape(b, s, h)
-        saved.append((block, block.forward))
-        block.forward = forward
-    try:
-        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits
-    finally:
-        for block, f in saved:
-            block.forward = f
-    logp = torch.log_softmax(logits.double(), -1)[:, :-1].gather(-1, mb["input_ids"][:, 1:, None])[..., 0]
-    return F.pad(logp, (1, 0))
+        return forward
+
+    return padded_logprobs_with(model, mb, {block: forced(block, layer) for layer, block in enumerate(blocks)})
 
 
 def test_replay_fixes_the_experts_and_weights_them_by_the_routers_own_probabilities():
@@ -399,28 +408,19 @@ def glm_reference_logprobs(model, mb, routes):
     GLM's formula by hand: the sigmoid scores at the given experts, renormalised, times the scaling
     factor, plus the shared expert."""
     flat = routes.reshape(-1, *routes.shape[2:]).long()
-    saved = []
-    for name, block in model.named_modules():
-        if not hasattr(block, "shared_experts"):
-            continue
-        layer = int(name.split(".")[2])
 
-        def forward(hidden, block=block, layer=layer):
+    def forced(block, layer):
+        def forward(hidden):
             b, s, h = hidden.shape
             x = hidden.reshape(-1, h)
             experts = flat[:, layer]
             w = torch.sigmoid(x.float() @ block.gate.weight.float().t()).gather(-1, experts)
             w = w / w.sum(-1, keepdim=True) * block.gate.routed_scaling_factor
             return (block.experts(x, experts, w.to(x.dtype)) + block.shared_experts(x)).reshape(b, s, h)
-        saved.append((block, block.forward))
-        block.forward = forward
-    try:
-        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits
-    finally:
-        for block, f in saved:
-            block.forward = f
-    logp = torch.log_softmax(logits.double(), -1)[:, :-1].gather(-1, mb["input_ids"][:, 1:, None])[..., 0]
-    return F.pad(logp, (1, 0))
+        return forward
+
+    return padded_logprobs_with(model, mb, {block: forced(block, int(name.split(".")[2]))
+                                            for name, block in model.named_modules() if hasattr(block, "shared_experts")})
 
 
 def test_a_sigmoid_router_with_a_correction_bias_replays_glms_formula():
