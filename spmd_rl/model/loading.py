@@ -114,7 +114,7 @@ ARCH_PRESETS: dict[str, dict] = {
                                n_group=1, topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True,
                                kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                                num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
-                               first_k_dense_replace=1, tie_word_embeddings=True, max_position_embeddings=512),
+                               tie_word_embeddings=True, max_position_embeddings=512),
     # GLM-4.7-Flash's config.json values (transformers' Glm4MoeLiteConfig defaults) with its 47 layers cut to 4
     # (the first dense): its latent attention, 64 experts, top-4 and shared expert for tests/gpu/test_moe_gpu.py
     "glm-4.7-flash-4layers": dict(model_type="glm4_moe_lite", vocab_size=154880, hidden_size=2048,

@@ -183,11 +183,10 @@ LATENT_ATTENTION_MODEL_TYPES = ("glm4_moe_lite",)
 def moe_layer_count(config: dict) -> int:
     """How many layers hold the mixture: qwen3_moe's not in `mlp_only_layers` whose index + 1 is a multiple of
     `decoder_sparse_step` (transformers' Qwen3MoeDecoderLayer); glm4_moe_lite's "sparse" `mlp_layer_types`
-    (default: all but the first `first_k_dense_replace`)."""
+    (transformers' default: all but the first)."""
     layers = int(config["num_hidden_layers"])
     if config.get("model_type") == "glm4_moe_lite":
-        types = config.get("mlp_layer_types") or (["dense"] * int(config.get("first_k_dense_replace", 1))
-                                                  + ["sparse"] * layers)[:layers]
+        types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
         return sum(t == "sparse" for t in types)
     step, dense = int(config.get("decoder_sparse_step", 1) or 1), set(config.get("mlp_only_layers") or [])
     return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)

@@ -59,7 +59,7 @@ def family_config(family: str):
         return Glm4MoeLiteConfig(**{**common, "num_hidden_layers": 3, "num_key_value_heads": 4},
                                  moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                                  routed_scaling_factor=1.8, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-                                 qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, tie_word_embeddings=False)
+                                 qk_nope_head_dim=8, v_head_dim=16, tie_word_embeddings=False)
     raise KeyError(family)
 
 
