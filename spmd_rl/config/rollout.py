@@ -138,10 +138,12 @@ class RolloutConfig:
     max_staleness: int = 1
     """Partial rollouts: most policy versions (optimizer steps) between a group's first token and
     the update that trains it."""
-    stale_policy: str = "drop"
-    """Partial rollouts: a group that would train older than max_staleness is dropped ("drop",
-    counted in rollout/stale_dropped), or finished within the step that reaches the bound ("wait":
-    no sample is lost, the step waits for it)."""
+    stale_policy: str = "wait"
+    """Partial rollouts: a group that would train older than max_staleness is finished within the
+    step that reaches the bound ("wait": no sample is lost, the step waits for it), or dropped
+    ("drop", counted in rollout/stale_dropped). "drop" trains shorter responses than the policy
+    writes, as the long ones are the ones that go stale (docs/training.md, "Long-tailed response
+    lengths")."""
     length_profile: str = ""
     """For benchmarks of random-weight models, which never stop: each training prompt's n responses run
     to a length drawn from this profile, the stop tokens ignored, so a step shows the long tail of a

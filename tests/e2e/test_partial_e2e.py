@@ -42,3 +42,22 @@ def test_a_resume_with_carried_groups_goes_on_as_an_uninterrupted_run(tmp_path):
         for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "prompt/length_mean",
                     "rollout/partial_rounds", "rollout/staleness_mean"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-9), (step, key)
+
+
+def test_wait_trains_the_lengths_the_policy_writes_and_drop_trains_shorter_ones(tmp_path):
+    """With a long tail of lengths (rollout.length_profile) the groups that go stale are the long ones:
+    "wait" (the default) trains responses as long as a run without partial rollouts does, "drop" drops
+    groups and trains shorter ones (docs/training.md, "Long-tailed response lengths")."""
+    common = ["trainer.total_steps=20", "trainer.val_every=0", "data.val_files=[]", "trainer.tensorboard=false",
+              "trainer.save_every=-1", "data.max_response_length=64",
+              'rollout.length_profile="lognormal:mean=12,sigma=0.9,cap=64"']
+    partial = ["rollout.partial_rollouts=true", "rollout.partial_chunk_tokens=4", 'algorithm.rollout_is="token"']
+    runs = {"sync": [], "wait": partial, "drop": [*partial, 'rollout.stale_policy="drop"']}
+    lengths, dropped = {}, {}
+    for name, extra in runs.items():
+        run(torchrun_cmd(2, f"trainer.run_dir={tmp_path / name}", *common, *extra))
+        m = read_metrics(tmp_path / name)
+        lengths[name] = sum(m[s]["response/length_mean"] for s in range(5, 21)) / 16
+        dropped[name] = sum(m[s].get("rollout/stale_dropped", 0) for s in range(1, 21))
+    assert abs(lengths["wait"] - lengths["sync"]) < 0.15 * lengths["sync"] and dropped["wait"] == 0, (lengths, dropped)
+    assert lengths["drop"] < 0.8 * lengths["sync"] and dropped["drop"] > 0, (lengths, dropped)
