@@ -230,7 +230,7 @@ def _normalises(router: torch.nn.Module) -> bool:
     return bool(getattr(router, "norm_topk_prob", True))
 
 
-def _scores_by_sigmoid(router: torch.nn.Module) -> bool:
+def scores_by_sigmoid(router: torch.nn.Module) -> bool:
     """DeepSeek-V3's router and its kin (GLM-4.7-Flash's): sigmoid scores, a bias that only steers the choice."""
     return hasattr(router, "e_score_correction_bias")
 
@@ -239,7 +239,7 @@ def _weights(router: torch.nn.Module, logits: torch.Tensor, experts: torch.Tenso
     """The router's scores at `experts` [tokens, top_k] as it weights them: softmax probabilities, or sigmoid
     scores (without the correction bias, which only steers the choice), renormalised over the top-k when it
     does, times its routed_scaling_factor where it has one."""
-    if _scores_by_sigmoid(router):
+    if scores_by_sigmoid(router):
         w = torch.sigmoid(logits.float()).gather(-1, experts)
     else:
         w = torch.softmax(logits.float(), dim=-1).gather(-1, experts)

@@ -161,17 +161,17 @@ def check_lora_targets(cfg: Config) -> None:
                           f"decoder of {which}{why}: it has {', '.join(have)} (or [] for all of them)")
 
 
-SIGMOID_ROUTER_MODEL_TYPES = ("glm4_moe_lite",)
-"""Mixture families whose routers score experts by sigmoid with a score correction bias (DeepSeek-V3's
-kind): balanced by the bias, not by transformers' softmax load-balancing loss."""
-
-
 def check_router_aux_loss(cfg: Config) -> None:
     """actor.router_aux_loss_coef > 0 needs a mixture of experts with softmax routers: a dense model has no
-    router to balance, and a sigmoid router with a correction bias is balanced by the bias."""
+    router to balance, and a sigmoid router with a correction bias (routing.scores_by_sigmoid: the model is
+    built on the meta device) is balanced by the bias."""
     m = cfg.model
     if cfg.actor.router_aux_loss_coef <= 0 or not (m.path or m.arch):
         return
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from spmd_rl.model import routing
     from spmd_rl.model.loading import random_model_config
 
     config = random_model_config(m.arch, m.path)
@@ -179,7 +179,9 @@ def check_router_aux_loss(cfg: Config) -> None:
     if not any(getattr(config, k, 0) for k in ("num_experts", "num_local_experts")):
         raise ConfigError(f"actor.router_aux_loss_coef = {cfg.actor.router_aux_loss_coef} balances a mixture of "
                           f"experts' routers, and {which} is a dense model: set it to 0")
-    if config.model_type in SIGMOID_ROUTER_MODEL_TYPES:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if any(routing.scores_by_sigmoid(router) for _, router in routing.routers(model)):
         raise ConfigError(f"actor.router_aux_loss_coef = {cfg.actor.router_aux_loss_coef} is the load-balancing loss of "
                           f"softmax routers, and {which} ({config.model_type}) scores its experts by sigmoid and "
                           "balances them with its score correction bias: set it to 0")
