@@ -157,4 +157,3 @@ def test_weak_scaling_leaves_out_counts_above_the_visible_gpus(tmp_path):
                        env=dict(os.environ, CUDA_VISIBLE_DEVICES="", DRY="0"))
     assert p.stdout.splitlines() == ["left out: 1 GPUs (0 visible)", "left out: 2 GPUs (0 visible)"], p.stdout
     assert p.returncode != 0 and not list(tmp_path.iterdir())
-
