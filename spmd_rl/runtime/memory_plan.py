@@ -25,6 +25,8 @@ layer's activations while it is recomputed; the log-prob head holds its chunk te
 (logprob_head.CHUNK_ELEMENTS logits), the gathered head weight and its float32 gradient (the
 full [vocab, h] logits x 3 in float32 without `model.chunked_logprobs`); FSDP holds two gathered
 layers and their unsharded gradients. A no-grad pass holds one layer's activations at a time.
+A mixture-of-experts layer has no dense MLP: it holds the fitted layer's share less that MLP's, its
+router's and routed copies' tensors and any shared expert's (mixture_layer_activation_bytes).
 
 Parameter counts come from the model's shape (config.json or loading.ARCH_PRESETS), arithmetically:
 no weights are read. Nothing here imports torch; spmd_rl/preflight/memory.py reads the
@@ -46,6 +48,13 @@ transformers' modules or the compiled layer. Fitted to three update peaks of doc
 "Memory predicted at start-up" (bench_step's work, no checkpointing: 0.5B at 16384 and 32768
 tokens, 1.5B at 16384); tests/runtime/test_memory_plan.py keeps them and the checkpointed 1.5B runs
 (every layer, half) within 10%."""
+SWIGLU_VALUES_PER_INTERMEDIATE = 3
+"""Values a compiled SwiGLU MLP keeps for backward per token and unit of its intermediate size: the gate
+and up projections' outputs and their activated product (the compiled layer's saved tensors, counted on
+CPU by tests/runtime/test_activation_count.py; the same count per routed copy in a mixture layer)."""
+FIT_INTERMEDIATE_PER_HIDDEN = 5.6
+"""intermediate_size / hidden_size of the shapes ACTIVATION_BYTES_PER_HIDDEN is fitted to (Qwen2 0.5B:
+5.43, 1.5B: 5.83): the dense MLP's part of that constant is SWIGLU_VALUES_PER_INTERMEDIATE x 2 bytes x this."""
 HEAD_CHUNK_ELEMENTS = 1 << 28
 """logprob_head.CHUNK_ELEMENTS (not imported: that module imports torch)."""
 HEAD_CHUNK_TEMPORARIES = {"none": 3 * 4, "compile": 2 * 2}
@@ -285,16 +294,33 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, work: Work) -> float:
     return tokens * shape.hidden_size * work.bytes_per_hidden * work.compute_bytes / 2
 
 
+def mixture_layer_activation_bytes(shape: ModelShape, tokens: int, work: Work) -> float:
+    """One mixture layer's activations for `tokens` tokens: the fitted dense layer's (layer_activation_bytes)
+    less its SwiGLU MLP, which a mixture layer does not have; its shared expert's SwiGLU, if any; and its
+    router's and routed copies' tensors (expert_activation_bytes)."""
+    dense_mlp = SWIGLU_VALUES_PER_INTERMEDIATE * 2 * FIT_INTERMEDIATE_PER_HIDDEN
+    own = tokens * shape.hidden_size * (work.bytes_per_hidden - dense_mlp) * work.compute_bytes / 2
+    shared = tokens * SWIGLU_VALUES_PER_INTERMEDIATE * shape.shared_expert_intermediate_size * work.compute_bytes
+    return own + shared + expert_activation_bytes(shape, tokens, work)
+
+
+def largest_layer_activation_bytes(shape: ModelShape, tokens: int, work: Work) -> float:
+    """The activations of the model's largest layer, dense or mixture (one layer recomputed or run at a time)."""
+    dense = layer_activation_bytes(shape, tokens, work) if shape.moe_layers < shape.num_layers else 0.0
+    return max(dense, mixture_layer_activation_bytes(shape, tokens, work) if shape.moe_layers else 0.0)
+
+
 def expert_activation_bytes(shape: ModelShape, tokens: int, work: Work) -> float:
-    """What a mixture layer keeps beyond a dense layer's (layer_activation_bytes) for `tokens` tokens: the
-    router's float32 logits and probabilities, and per routed copy of a token (top-k of them) its permuted
-    input and output and the experts' gate/up product and activation. An estimate from the layer's
-    tensors, not yet fitted to a measured peak as ACTIVATION_BYTES_PER_HIDDEN is."""
+    """A mixture layer's router and routed copies for `tokens` tokens: the router's float32 logits and
+    probabilities, and per routed copy of a token (top-k of them) its permuted input and output, its routing
+    weight and its expert's SwiGLU values: 2 x hidden + 1 + SWIGLU_VALUES_PER_INTERMEDIATE x
+    moe_intermediate_size values (the compiled layer's saved tensors, tests/runtime/test_activation_count.py)."""
     if not shape.moe_layers:
         return 0.0
     routed = tokens * shape.experts_per_token
     return (tokens * shape.num_experts * 4 * 2
-            + routed * (2 * shape.hidden_size + 3 * shape.moe_intermediate_size) * work.compute_bytes)
+            + routed * (2 * shape.hidden_size + SWIGLU_VALUES_PER_INTERMEDIATE * shape.moe_intermediate_size + 1)
+            * work.compute_bytes)
 
 
 def head_bytes(shape: ModelShape, tokens: int, work: Work, backward: bool) -> float:
@@ -319,17 +345,17 @@ def update_activation_bytes(shape: ModelShape, work: Work) -> float:
     checkpointed = round(work.checkpointed_share * shape.num_layers)
     kept = shape.num_layers - checkpointed
     kept_moe = kept * shape.moe_layers / shape.num_layers  # the mixture layers spread over the depth
-    layers = kept * layer_activation_bytes(shape, t, work) + kept_moe * expert_activation_bytes(shape, t, work)
+    layers = ((kept - kept_moe) * layer_activation_bytes(shape, t, work)
+              + kept_moe * mixture_layer_activation_bytes(shape, t, work))
     if checkpointed:  # their inputs, and the one layer recomputed at a time
-        layers += (checkpointed * t * shape.hidden_size * work.compute_bytes + layer_activation_bytes(shape, t, work)
-                   + expert_activation_bytes(shape, t, work))
+        layers += checkpointed * t * shape.hidden_size * work.compute_bytes + largest_layer_activation_bytes(shape, t, work)
     return layers + head_bytes(shape, t, work, backward=True) + fsdp_buffer_bytes(shape, work, backward=True)
 
 
 def forward_activation_bytes(shape: ModelShape, work: Work) -> float:
     """A no-grad pass (log-probs, reference, values): one layer's activations at a time."""
     t = work.forward_tokens
-    return (layer_activation_bytes(shape, t, work) + expert_activation_bytes(shape, t, work)
+    return (largest_layer_activation_bytes(shape, t, work)
             + head_bytes(shape, t, work, backward=False)
             + fsdp_buffer_bytes(shape, work, backward=False))
 

@@ -6,6 +6,7 @@ state against a per-role sum written out here; the refusal for configs/qwen7b.to
 update peaks of docs/performance.md within 10%; an out-of-memory error as one line naming its phase.
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -173,24 +174,38 @@ def test_active_parameters_of_a_mixture_count_the_routed_experts_only():
     assert dense.active_parameters() == dense.parameters()
 
 
-def test_a_mixture_adds_its_routed_experts_activations_to_the_dense_layers():
-    """Per mixture layer and token: the router's float32 logits and probabilities (8 bytes an expert) and,
-    per routed copy (top-k), the permuted input and output and the experts' gate, up and activation."""
+def test_a_mixture_layer_holds_its_experts_activations_instead_of_a_dense_mlp():
+    """Per mixture layer and token: the router's float32 logits and probabilities (8 bytes an expert) and, per
+    routed copy (top-k), the permuted input and output, the routing weight and the expert's SwiGLU values; in
+    place of the dense MLP part of the fitted layer constant (SWIGLU_VALUES_PER_INTERMEDIATE bf16 values per
+    unit of the fitted shapes' intermediate size)."""
     shape = mp.shape_from_config(preset_config("qwen3-moe-tiny").to_dict())
     work = mp.Work(update_tokens=1000, forward_tokens=1000)
-    assert mp.expert_activation_bytes(shape, 1000, work) == 1000 * 8 * 8 + 1000 * 2 * (2 * 64 + 3 * 32) * 2
+    experts = 1000 * 8 * 8 + 1000 * 2 * (2 * 64 + 1 + 3 * 32) * 2
+    assert mp.expert_activation_bytes(shape, 1000, work) == experts
+    dense_mlp = 1000 * 64 * 3 * mp.FIT_INTERMEDIATE_PER_HIDDEN * 2
+    mixture_layer = mp.layer_activation_bytes(shape, 1000, work) - dense_mlp + experts
+    assert mp.mixture_layer_activation_bytes(shape, 1000, work) == pytest.approx(mixture_layer)
     dense = dataclasses_replace(shape)
     gathered = shape.layer_parameters() - dense.layer_parameters()  # FSDP gathers two layers, + float32 grads
     assert mp.update_activation_bytes(shape, work) - mp.update_activation_bytes(dense, work) == pytest.approx(
-        2 * mp.expert_activation_bytes(shape, 1000, work) + 2 * gathered * (2 + 4))  # both layers are mixtures
+        2 * (experts - dense_mlp) + 2 * gathered * (2 + 4))  # both layers are mixtures
     assert mp.forward_activation_bytes(shape, work) - mp.forward_activation_bytes(dense, work) == pytest.approx(
-        mp.expert_activation_bytes(shape, 1000, work) + 2 * gathered * 2)
+        experts - dense_mlp + 2 * gathered * 2)
+
+
+def test_a_shared_expert_adds_its_swiglu_values():
+    """GLM-4.7-Flash's family: a mixture layer's always-on expert keeps a dense SwiGLU's values per token."""
+    shape = mp.shape_from_config(preset_config("glm4-moe-lite-tiny").to_dict())
+    work = mp.Work(update_tokens=1000, forward_tokens=1000)
+    assert shape.shared_expert_intermediate_size == 32
+    without = dataclasses.replace(shape, shared_expert_intermediate_size=0)
+    assert (mp.mixture_layer_activation_bytes(shape, 1000, work) - mp.mixture_layer_activation_bytes(without, 1000, work)
+            == 1000 * 3 * 32 * 2)
 
 
 def dataclasses_replace(shape):
     """`shape` without its mixture: the same layers, dense."""
-    import dataclasses
-
     return dataclasses.replace(shape, num_experts=0, experts_per_token=0, moe_intermediate_size=0, moe_layers=0)
 
 
@@ -244,6 +259,7 @@ MEASURED_UPDATE_PEAKS = [  # docs/performance.md: memory/update_actor_peak_gb (P
     ("qwen2-1.5b", 16384, 0.0, 55.9),  # docs/performance.md "Memory predicted at start-up", 2026-11-25
     ("qwen2-1.5b", 16384, 1.0, 28.9),  # docs/performance.md "Memory predicted at start-up", 2026-11-25 (head chunks 4x smaller then)
     ("qwen2-1.5b", 16384, 0.5, 41.2),  # docs/performance.md "Memory predicted at start-up", 2026-11-25
+    ("qwen3-30b-a3b-4layers", 32768, 0.0, 68.5),  # docs/performance.md "Mixture of experts", 1xH200, 2026-11-28
 ]
 
 
