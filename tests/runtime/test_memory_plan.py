@@ -263,6 +263,16 @@ MEASURED_UPDATE_PEAKS = [  # docs/performance.md: memory/update_actor_peak_gb (P
 ]
 
 
+def test_the_dense_mlp_part_of_the_fitted_constant_is_the_fitted_shapes():
+    """FIT_INTERMEDIATE_PER_HIDDEN is the intermediate/hidden ratio of the dense shapes the constant is fitted to
+    (the "fit" rows of MEASURED_UPDATE_PEAKS), and their MLP part leaves the layer a positive rest."""
+    fitted = {arch for arch, _, checkpointed, _ in MEASURED_UPDATE_PEAKS if arch.startswith("qwen2-") and not checkpointed}
+    ratios = [ARCH_PRESETS[arch]["intermediate_size"] / ARCH_PRESETS[arch]["hidden_size"] for arch in sorted(fitted)]
+    assert sorted(fitted) == ["qwen2-0.5b", "qwen2-1.5b"]
+    assert mp.FIT_INTERMEDIATE_PER_HIDDEN == pytest.approx(sum(ratios) / len(ratios), abs=0.05)
+    assert mp.ACTIVATION_BYTES_PER_HIDDEN - mp.SWIGLU_VALUES_PER_INTERMEDIATE * 2 * mp.FIT_INTERMEDIATE_PER_HIDDEN > 0
+
+
 @pytest.mark.parametrize("arch,tokens,checkpointed,measured", MEASURED_UPDATE_PEAKS)
 def test_measured_update_peaks_within_10_percent(arch, tokens, checkpointed, measured):
     """What the formula predicts for PyTorch's tensors (its total less the CUDA context) against
