@@ -14,8 +14,8 @@
 # internet: wheels put in .whl/ are installed first, and a missing vLLM comes from the project's
 # offline vLLM bundle when a copy of it is in the checkout.
 # The mixture-of-experts checks (moe, moe-lora, moe-glm, preset-30b-a3b*) need vLLM's MoE kernels (the vllm
-# extra has them; the offline bundle only when built with them, and then it comes in pieces,
-# .device-carry/vllm-1 and vllm-2, installed one after the other).
+# extra has them; the offline bundle only when built with them, and then it comes in two pieces, installed
+# one after the other: exit status 4 below).
 # Exit status: 0 every check passed; 1 a check failed or did not run; 3 all passed so far and the
 # next command is printed; 4 a piece of the vLLM bundle was staged (run again with the next piece).
 set -uo pipefail
