@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from spmd_rl.config.checks import Rule, need
+from spmd_rl.config.checks import AUTO, Auto, Rule, need
 
 if TYPE_CHECKING:
     from spmd_rl.config.run_config import Config
@@ -47,8 +47,12 @@ class RolloutConfig:
     Must divide the GPUs per node."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory vLLM may use for weights + KV cache while awake."""
-    max_num_seqs: int = 256
-    """vLLM: most sequences in one scheduler step."""
+    max_num_seqs: int | Auto = 256
+    """vLLM: most sequences in one scheduler step. More of a call's sequences at once decode in fewer,
+    larger steps, while the KV cache holds them. "auto": the most one engine call of this run has, up
+    to 512 (the largest decode batch vLLM captures a CUDA graph for by default) and up to what the
+    KV cache predicted for rollout.gpu_memory_utilization holds at full length (max_model_len), so
+    none is preempted; 256 without a GPU (docs/training.md, "Speed settings chosen at start")."""
     max_num_batched_tokens: int = 8192
     """vLLM: most tokens in one scheduler step."""
     max_model_len: int = 0
@@ -254,7 +258,7 @@ class RolloutConfig:
             ("val_temperature", self.val_temperature >= 0, ">= 0 (0 = greedy)"),
             ("val_n", self.val_n >= 1, ">= 1"),
             ("stop_token_ids", all(i >= 0 for i in self.stop_token_ids), "token ids >= 0"),
-            ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+            ("max_num_seqs", self.max_num_seqs == AUTO or self.max_num_seqs >= 1, '>= 1, or "auto"'),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
             ("max_model_len", self.max_model_len == 0 or self.max_model_len >= d.max_prompt_length + d.max_response_length,
              "0 or >= data.max_prompt_length + data.max_response_length"),

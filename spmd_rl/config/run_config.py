@@ -100,6 +100,18 @@ class Config:
             return self.rollout.sleep_level
         return 1 if self.model.adapter_sync else 2
 
+    def engine_sequences_per_call(self, world_size: int) -> int:
+        """The most sequences one engine replica (rollout.tensor_parallel_size ranks) gets in a generate
+        call of this run: training (data.train_batch_size / world_size prompts per rank, x rollout.n;
+        twice that with partial rollouts, whose pool holds about two batches) or validation (a rank's
+        share of data.val_batch_size, x rollout.val_n)."""
+        d, r = self.data, self.rollout
+        batches = 2 if r.partial_rollouts else 1
+        most = batches * d.train_batch_size // world_size * r.tensor_parallel_size * r.n
+        if d.val_files:
+            most = max(most, -(-d.val_batch_size // world_size) * r.tensor_parallel_size * r.val_n)
+        return most
+
     def check_lora_sync(self) -> None:
         """LoRA's adapter sync against the engine's sleep level."""
         need(not (self.model.adapter_sync and self.rollout.engine == "vllm" and self.rollout.sleep_level == 2),

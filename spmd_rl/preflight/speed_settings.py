@@ -1,10 +1,11 @@
 """The settings that trade memory for speed, chosen at start where the config says "auto".
 
 The keys (SPEED_KEYS): model.gradient_checkpointing and model.gradient_checkpointing_layers,
-actor.max_token_len_per_gpu, actor.logprob_max_token_len_per_gpu, actor.offload_optimizer. A value
-the user set is kept; each "auto" gets the value of the fastest candidate the memory plan
-(spmd_rl/preflight/memory.py's `plan_for`) predicts to fit. The candidates, fastest first, one
-setting before the next (a candidate earlier on the first setting comes first whatever the rest):
+actor.max_token_len_per_gpu, actor.logprob_max_token_len_per_gpu, actor.offload_optimizer, and the
+engine's rollout.max_num_seqs. A value the user set is kept. Each training "auto" gets the value of
+the fastest candidate the memory plan (spmd_rl/preflight/memory.py's `plan_for`) predicts to fit.
+The candidates, fastest first, one setting before the next (a candidate earlier on the first setting
+comes first whatever the rest):
 
 1. gradient checkpointing: off, then on with the fewest layers first (CHECKPOINT_SHARES): each
    checkpointed layer runs its forward twice;
@@ -20,6 +21,10 @@ engine's share, which vLLM allocates exactly). The first that fits is chosen; wh
 last (the least memory), which trainer.memory_check then refuses with its fixes. Without a GPU
 (no device memory to compare) or where the plan cannot read the model's shape, "auto" takes
 NO_GPU_VALUES (the keys' defaults), so a CPU run resolves alike every time.
+
+rollout.max_num_seqs does not change the plan (vLLM's share of the device is fixed by
+rollout.gpu_memory_utilization): "auto" takes the most sequences of one engine call, up to SEQS_MAX
+and to the sequences of full length the engine's KV cache is predicted to hold (`engine_sequences`).
 
 `resolve(cfg, world_size, device_total)` writes the values into the config before anything else
 reads them and names the keys in `Config.auto_chosen` (config.toml notes them); the entry point
@@ -40,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from spmd_rl.config.actor import ActorConfig
 from spmd_rl.config.checks import AUTO
 from spmd_rl.config.model import ModelConfig
+from spmd_rl.config.rollout import RolloutConfig
 from spmd_rl.preflight import memory
 from spmd_rl.runtime import memory_plan as mp
 
@@ -51,13 +57,14 @@ LAYERS = "model.gradient_checkpointing_layers"
 OFFLOAD = "actor.offload_optimizer"
 UPDATE = "actor.max_token_len_per_gpu"
 LOGPROB = "actor.logprob_max_token_len_per_gpu"
-SPEED_KEYS = (CHECKPOINTING, LAYERS, OFFLOAD, UPDATE, LOGPROB)
+SEQS = "rollout.max_num_seqs"
+SPEED_KEYS = (CHECKPOINTING, LAYERS, OFFLOAD, UPDATE, LOGPROB, SEQS)
 """The keys that take "auto"."""
 
 NO_GPU_VALUES: dict[str, Any] = {
     CHECKPOINTING: ModelConfig.gradient_checkpointing, LAYERS: ModelConfig.gradient_checkpointing_layers,
     OFFLOAD: ActorConfig.offload_optimizer, UPDATE: ActorConfig.max_token_len_per_gpu,
-    LOGPROB: ActorConfig.logprob_max_token_len_per_gpu}
+    LOGPROB: ActorConfig.logprob_max_token_len_per_gpu, SEQS: RolloutConfig.max_num_seqs}
 """What "auto" takes where the plan cannot compare (no GPU, a shape it cannot read): each key's default."""
 
 MARGIN = 0.10
@@ -68,6 +75,10 @@ BUDGET_MAX = 32768
 """The largest token budget "auto" picks: the largest at which the plan's activation terms were checked
 against measured peaks (docs/performance.md, "Memory peaks per preset"). Above it the plan is untested,
 and a budget past what fills the GPU adds no speed."""
+
+SEQS_MAX = 512
+"""The most sequences "auto" lets the engine decode at once: vLLM captures CUDA graphs for decode
+batches up to 512 by default, and a larger batch decodes without them."""
 
 CHECKPOINT_SHARES = (0.25, 0.5, 0.75, 1.0)
 """model.gradient_checkpointing_layers tried where "auto" turns checkpointing on, fewest first."""
@@ -142,6 +153,23 @@ AXES = (checkpointing_options, offload_options, update_options, logprob_options)
 """The settings in the order of the module docstring, the first the most significant."""
 
 
+def engine_sequences(cfg: Config, world_size: int, device_total: float, shape: mp.ModelShape) -> tuple[int, str]:
+    """rollout.max_num_seqs's "auto" (the module docstring) and why, in words: the most sequences of
+    one engine call (Config.engine_sequences_per_call), at most SEQS_MAX and at most the sequences of
+    max_model_len tokens the KV cache holds (memory_plan.engine_kv_tokens); the key's default with
+    the HF engine, which has no KV cache to size."""
+    r, d = cfg.rollout, cfg.data
+    if r.engine != "vllm":
+        return NO_GPU_VALUES[SEQS], ""
+    calls = cfg.engine_sequences_per_call(world_size)
+    length = r.max_model_len or d.max_prompt_length + d.max_response_length
+    token_bytes = mp.kv_bytes_per_token(shape, r.tensor_parallel_size, mp.DTYPE_BYTES[r.dtype])
+    fit = mp.engine_kv_tokens(memory.engine_of(cfg, shape), device_total, token_bytes) // length
+    value = max(1, min(calls, SEQS_MAX, fit))
+    bound = "a call's most" if value == calls else "what the KV cache holds" if value == fit else "vLLM's CUDA graphs' most"
+    return value, f"{bound} (a call has up to {calls}; the KV cache holds {fit} of {length} tokens)"
+
+
 def candidates(cfg: Config, world_size: int) -> list[dict[str, Any]]:
     """Every combination of SPEED_KEYS' values, fastest first."""
     options = [axis(cfg, world_size) for axis in AXES]
@@ -181,6 +209,7 @@ class SpeedChoice:
     faster: list[tuple[dict[str, Any], mp.MemoryPlan]] | None = None
     why_not_planned: str = ""  # without a plan: no GPU, or the shape's error
     fits: bool = True
+    seqs_why: str = ""  # rollout.max_num_seqs's bound, where "auto" chose it with a plan
 
     def line(self) -> str:
         chosen = describe(self.values, self.keys)
@@ -196,7 +225,8 @@ class SpeedChoice:
         rejected = [f"{describe(values, list(values))} {over(plan).total / mp.GiB:.1f} GiB in {over(plan).name}"
                     for values, plan in self.faster or []]
         why = f"; faster would not fit: {', '.join(rejected)}" if rejected else "; each at its fastest"
-        return f"speed settings (auto): {chosen} ({where}{why})"
+        seqs = f"; vLLM sequences: {self.seqs_why}" if self.seqs_why else ""
+        return f"speed settings (auto): {chosen} ({where}{why}{seqs})"
 
 
 def describe(values: dict[str, Any], keys: list[str]) -> str:
@@ -212,6 +242,8 @@ def describe(values: dict[str, Any], keys: list[str]) -> str:
         words.append(f"update {values[UPDATE]} tokens/GPU" if values[UPDATE] else "update by sequences")
     if LOGPROB in keys:
         words.append(f"log-prob {values[LOGPROB]} tokens/GPU" if values[LOGPROB] else "log-prob twice the update's")
+    if SEQS in keys:
+        words.append(f"vLLM {values[SEQS]} sequences at once")
     return ", ".join(words)
 
 
@@ -236,6 +268,8 @@ def choose(cfg: Config, world_size: int, device_total: float | None) -> SpeedCho
         shapes = (memory.model_shape(cfg), memory.model_shape(cfg, critic=True) if cfg.use_critic else None)
     except (KeyError, TypeError, ValueError) as e:
         return SpeedChoice(keys, defaults, why_not_planned=f"the model's shape is not predicted: {e}")
+    seqs, seqs_why = (engine_sequences(cfg, world_size, device_total, shapes[0]) if SEQS in keys
+                      else (value_of(cfg, SEQS), ""))
     work = copy.deepcopy(cfg)
     options = candidates(cfg, world_size)
     for candidate in options:
@@ -243,8 +277,8 @@ def choose(cfg: Config, world_size: int, device_total: float | None) -> SpeedCho
         if over(plan) is None:
             faster = [(values, plan_of(work, {**candidate, **values}, world_size, device_total, shapes))
                       for values in faster_neighbours(candidate, cfg, world_size)]
-            return SpeedChoice(keys, candidate, plan, faster)
-    return SpeedChoice(keys, options[-1], plan, fits=False)
+            return SpeedChoice(keys, {**candidate, SEQS: seqs}, plan, faster, seqs_why=seqs_why)
+    return SpeedChoice(keys, {**options[-1], SEQS: seqs}, plan, fits=False, seqs_why=seqs_why)
 
 
 def resolve(cfg: Config, world_size: int, device_total: float | None) -> SpeedChoice | None:

@@ -70,6 +70,9 @@ ENGINE_ASLEEP_GIB = 2.2
 preset")."""
 CUDA_GRAPH_GIB = 0.5
 """vLLM's CUDA graphs, not freed by sleep (docs/performance.md, "Memory peaks per preset")."""
+ENGINE_RUNTIME_GIB = 2.0
+"""What vLLM's share holds beside its weights and KV cache: its profiling pass's peak activations and
+its CUDA graphs (the start-up log's "Available KV cache memory" is the share less these and the weights)."""
 SYNC_BUCKETS = 2
 """Weight-sync buckets alive at once (the gathered one and the one handed to the engine)."""
 
@@ -372,6 +375,27 @@ class Engine:
     cuda_graphs: bool = True  # not rollout.enforce_eager
     weight_bytes: float = 0.0  # this GPU's engine weights (its tensor-parallel shard), for the weight sync
     sync_bucket_bytes: float = 512 * 2**20
+
+
+def kv_bytes_per_token(shape: ModelShape, tensor_parallel_size: int, dtype_bytes: int) -> float:
+    """One token's KV cache on one GPU of a tensor-parallel group: a key and a value per layer of
+    its share of the KV heads (at least one: vLLM repeats a head across ranks when there are fewer
+    heads than ranks), or the latent and the rope key per layer with latent attention (not split by
+    tensor parallelism). Every layer counted at full attention: sliding-window layers hold less."""
+    if shape.latent:
+        _, kv_rank, rope, _, _ = shape.latent
+        return shape.num_layers * (kv_rank + rope) * dtype_bytes
+    heads = max(1, shape.num_kv_heads // tensor_parallel_size)
+    return shape.num_layers * 2 * heads * shape.head_dim * dtype_bytes
+
+
+def engine_kv_tokens(engine: Engine, device_total: float, kv_token_bytes: float) -> int:
+    """Tokens the engine's KV cache holds: its share of the device less its weights and
+    ENGINE_RUNTIME_GIB, over one token's bytes (0 for the HF engine, which has no KV cache to size)."""
+    if engine.kind != "vllm":
+        return 0
+    free = engine.gpu_memory_utilization * device_total - engine.weight_bytes - ENGINE_RUNTIME_GIB * GiB
+    return max(0, int(free // kv_token_bytes))
 
 
 def engine_label(engine: Engine) -> str:

@@ -82,7 +82,7 @@ def test_the_pick_is_the_fastest_candidate_the_plan_says_fits(tmp_path, case):
     cfg = preset(tmp_path, name)
     choice = ss.resolve(cfg, world, total)
     assert expected is not None and choice.fits
-    assert {k: ss.value_of(cfg, k) for k in ss.SPEED_KEYS} == expected
+    assert {k: ss.value_of(cfg, k) for k in ss.SPEED_KEYS if k != ss.SEQS} == expected
     assert cfg.auto_chosen == tuple(ss.SPEED_KEYS)
     cfg.model.check()  # the chosen values pass the keys' own checks
     cfg.actor.check_batches(cfg, "actor", world)
@@ -107,7 +107,7 @@ def test_an_explicit_value_is_never_overridden(tmp_path):
     assert cfg.model.gradient_checkpointing is True and cfg.actor.max_token_len_per_gpu == 4096
     assert ss.CHECKPOINTING not in choice.keys and ss.UPDATE not in choice.keys
     assert cfg.model.gradient_checkpointing_layers == 0.25  # auto: the fewest layers that fit
-    assert set(cfg.auto_chosen) == {ss.LAYERS, ss.LOGPROB, ss.OFFLOAD}
+    assert set(cfg.auto_chosen) == {ss.LAYERS, ss.LOGPROB, ss.OFFLOAD, ss.SEQS}
     # nothing fits (7B in full on 2 GPUs): the least memory among the auto keys, the explicit ones kept
     cfg = load_config(os.path.join(ROOT, "configs", "qwen7b.toml"), [f'model.path="{qwen7b_dir(tmp_path)}"', *AUTO,
                                                                      "actor.offload_optimizer=false"])
@@ -126,7 +126,8 @@ def test_the_line_gives_the_plans_numbers(tmp_path):
                                 "actor.max_token_len_per_gpu=16384",
                                 f"actor.logprob_max_token_len_per_gpu={cfg.actor.logprob_max_token_len_per_gpu}"), 1, H100)
     assert line.startswith(f"speed settings (auto): gradient checkpointing off, optimizer on the GPU, update 8192 "
-                           f"tokens/GPU, log-prob {cfg.actor.logprob_max_token_len_per_gpu} tokens/GPU (training peak "
+                           f"tokens/GPU, log-prob {cfg.actor.logprob_max_token_len_per_gpu} tokens/GPU, vLLM "
+                           f"{cfg.rollout.max_num_seqs} sequences at once (training peak "
                            f"{peak.total / GiB:.1f} GiB in {peak.name}, within 90% of 79.2 GiB; faster would not fit: "
                            f"update 16384 tokens/GPU {faster.phase('actor update').total / GiB:.1f} GiB in actor update"), line
     assert "\n" not in line
@@ -194,3 +195,60 @@ def test_a_resume_chooses_again_and_a_change_is_logged_not_silent(tmp_path, capl
         changes = check_resume_config(other)
     assert changes["actor.max_token_len_per_gpu"] == (8192, 16384)
     assert "actor.max_token_len_per_gpu: 8192 -> 16384" in caplog.text
+
+
+# vLLM's own count of one measured engine, for the KV-cache prediction: a random Qwen2.5-7B shape
+# (bench_step's work, configs/qwen7b-lora.toml) on a 141 GB H200 at rollout.gpu_memory_utilization 0.6
+# logged "GPU KV cache size: 1,288,896 tokens" (docs/performance.md, "Memory predicted at start-up")
+MEASURED_KV_TOKENS_7B_H200 = 1_288_896
+H200 = 139.8 * GiB
+
+
+def test_the_predicted_kv_cache_is_within_5_percent_below_vllms_count(tmp_path):
+    """Below (a sequence "auto" admits is never preempted) and close (it admits nearly all that fit)."""
+    from spmd_rl.runtime import memory_plan as mp
+
+    cfg = preset(tmp_path, "qwen7b-lora", "rollout.gpu_memory_utilization=0.6")
+    shape = mc.model_shape(cfg)
+    token_bytes = 28 * 2 * 4 * 128 * 2  # layers x (key, value) x KV heads x head_dim x bf16, written out
+    assert mp.kv_bytes_per_token(shape, 1, 2) == token_bytes
+    assert mp.kv_bytes_per_token(shape, 2, 2) == token_bytes / 2  # 2 of the 4 KV heads a rank
+    assert mp.kv_bytes_per_token(shape, 8, 2) == token_bytes / 4  # one head each, repeated
+    tokens = mp.engine_kv_tokens(mc.engine_of(cfg, shape), H200, token_bytes)
+    assert 0.95 * MEASURED_KV_TOKENS_7B_H200 <= tokens <= MEASURED_KV_TOKENS_7B_H200
+
+
+@pytest.mark.parametrize("total, overrides, expected, bound", [
+    (BIG, (), 512, "a call's most"),  # 64 prompts x 8 in one call, and the KV cache holds more
+    (H100, (), None, "what the KV cache holds"),  # 512 asked; the cache holds fewer of 1536 tokens
+    (BIG, ("data.train_batch_size=128",), 512, "vLLM's CUDA graphs' most"),  # 1024 asked
+    (BIG, ("data.train_batch_size=16",), 256, "a call's most"),  # validation: 256 prompts x 1
+    (BIG, ("data.train_batch_size=16", "data.val_files=[]"), 128, "a call's most"),  # 16 x 8
+    (BIG, ("rollout.partial_rollouts=true", "data.train_batch_size=16", "data.val_files=[]"), 256,
+     "a call's most"),  # the partial rollouts' pool: two batches
+])
+def test_engine_sequences_are_a_calls_most_within_the_kv_cache_and_cuda_graphs(tmp_path, total, overrides,
+                                                                                expected, bound):
+    cfg = preset(tmp_path, "qwen7b-lora", *overrides)
+    if expected is None:  # the KV cache's sequences of full length, from the plan's numbers by hand
+        share = cfg.rollout.gpu_memory_utilization * total
+        weights = mc.model_shape(cfg).parameters() * 2
+        expected = int((share - weights - 2 * GiB) // (28 * 2 * 4 * 128 * 2)) // 1536
+        assert 256 < expected < 512
+    choice = ss.resolve(cfg, 1, total)
+    assert cfg.rollout.max_num_seqs == expected and ss.SEQS in cfg.auto_chosen
+    assert f"; vLLM sequences: {bound} (a call has up to " in choice.line()
+    cfg.check_ranges()
+
+
+def test_engine_sequences_keep_a_set_value_and_the_hf_engines_default(tmp_path):
+    cfg = preset(tmp_path, "qwen7b-lora", "rollout.max_num_seqs=64")
+    ss.resolve(cfg, 1, BIG)
+    assert cfg.rollout.max_num_seqs == 64 and ss.SEQS not in cfg.auto_chosen
+    cfg = preset(tmp_path, "qwen7b-lora", 'rollout.engine="hf"')
+    ss.resolve(cfg, 1, BIG)
+    assert cfg.rollout.max_num_seqs == 256 and "vLLM sequences" not in ss.choose(
+        preset(tmp_path, "qwen7b-lora", 'rollout.engine="hf"'), 1, BIG).line()
+    cfg = preset(tmp_path, "qwen7b-lora")
+    ss.resolve(cfg, 1, None)  # no GPU
+    assert cfg.rollout.max_num_seqs == 256

@@ -94,14 +94,9 @@ def eos_token_ids(model_dir: str) -> list[int]:
 
 def step_capture_sizes(cfg, world_size: int) -> list[int]:
     """The CUDA-graph batch sizes of rollout.cudagraph_step_sizes: 1, 2, 3, 4, 6, 8, 12, ... up to
-    the most sequences one engine replica (tensor_parallel_size ranks) gets in a generate call of
-    this run: training (data.train_batch_size / world_size prompts per rank, x rollout.n) or
-    validation (a rank's share of data.val_batch_size, x rollout.val_n), at most max_num_seqs."""
-    d, r = cfg.data, cfg.rollout
-    most = d.train_batch_size // world_size * r.tensor_parallel_size * r.n
-    if d.val_files:
-        most = max(most, -(-d.val_batch_size // world_size) * r.tensor_parallel_size * r.val_n)
-    cap = max(1, min(r.max_num_seqs, most))
+    the most sequences one engine replica gets in a generate call of this run
+    (Config.engine_sequences_per_call), at most max_num_seqs."""
+    cap = max(1, min(cfg.rollout.max_num_seqs, cfg.engine_sequences_per_call(world_size)))
     sizes, k = {cap}, 1
     while k < cap:
         sizes.update((k, k + k // 2) if k > 1 else (k,))
