@@ -135,11 +135,13 @@ class RolloutConfig:
     step waits for its longest response); with algorithm.rollout_is to correct for the older
     policies (docs/training.md, "Long-tailed response lengths"). Needs every response's log-probs; not with
     multi-turn or algorithm.dynamic_sampling."""
-    partial_chunk_tokens: int = 256
+    partial_chunk_tokens: int = 0
     """Partial rollouts: tokens per unfinished response per engine call; after each call the ranks
-    check whether the step's groups are complete. Smaller cuts closer to the batch, at one more
-    prefill of every running response per call."""
-    max_staleness: int = 1
+    check whether the step's groups are complete. 0 = a quarter of data.max_response_length. Smaller
+    cuts closer to the batch, at one more prefill of every running response per call and a step
+    that waits in more rounds for the groups at the staleness bound (docs/training.md,
+    "Long-tailed response lengths", says how the defaults were chosen)."""
+    max_staleness: int = 2
     """Partial rollouts: most policy versions (optimizer steps) between a group's first token and
     the update that trains it."""
     stale_policy: str = "wait"
@@ -271,7 +273,7 @@ class RolloutConfig:
             ("max_tool_response_tokens", self.max_tool_response_tokens >= 0, ">= 0 (0 = no limit)"),
             ("tool_pool_size", self.tool_pool_size >= 1, ">= 1"),
             ("logprob_sample_every", self.logprob_sample_every >= 0, ">= 0 (0 = no mismatch metrics)"),
-            ("partial_chunk_tokens", self.partial_chunk_tokens >= 1, ">= 1"),
+            ("partial_chunk_tokens", self.partial_chunk_tokens >= 0, ">= 0 (0 = a quarter of data.max_response_length)"),
             ("max_staleness", self.max_staleness >= 1, ">= 1"),
         ]
 

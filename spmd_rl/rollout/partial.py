@@ -2,8 +2,8 @@
 
 With `rollout.partial_rollouts` on, a step does not wait for its longest response. Each rank keeps a
 pool of prompt groups in flight: the groups carried over from earlier steps (oldest first), then the
-step's new prompts. The engine generates in rounds of `rollout.partial_chunk_tokens` tokens per
-unfinished response (a round resumes a response as a new request whose prompt is prompt + the tokens
+step's new prompts. The engine generates in rounds of `rollout.partial_chunk_tokens` tokens (by
+default a quarter of data.max_response_length) per unfinished response (a round resumes a response as a new request whose prompt is prompt + the tokens
 so far, with the tokens it has left; vLLM rebuilds the KV cache by prefill, prefix caching helps).
 After each round the ranks agree, by counts alone, whether every rank has its batch: the step's
 prompts per rank in complete groups (all n samples done: GRPO's advantages need the whole group),
@@ -104,7 +104,8 @@ class PartialRollouts:
         data.max_response_length)."""
         pool, dropped = [], 0
         for g in sorted(self.carried, key=lambda g: g.born(version)):  # oldest first
-            if version - g.born(version) > self.max_staleness:  # only "drop" lets a group get this old
+            if version - g.born(version) > self.max_staleness:  # "drop"; "wait" only where more groups
+                # reached the bound in one step than a step trains (counted alike: rollout/stale_dropped)
                 dropped += 1
             else:
                 pool.append(g)
@@ -124,7 +125,8 @@ class PartialRollouts:
         return self.stale_policy == "wait" and version - g.born(version) >= self.max_staleness
 
     def _agreed(self, pool: list[Group], version: int) -> bool:
-        """Whether every rank has its batch (collective: one all-reduce of a count)."""
+        """Whether every rank has its batch (collective: one all-reduce of a count). A step whose
+        pool already holds its batch complete generates nothing (its new prompts start next step)."""
         ready = sum(g.complete for g in pool) >= self.per_rank and all(
             g.complete for g in pool if self._must_finish(g, version))
         running = any(not g.complete for g in pool)
@@ -172,5 +174,6 @@ def from_config(cfg, world_size: int, device: torch.device) -> PartialRollouts |
     r = cfg.rollout
     if not r.partial_rollouts:
         return None
-    return PartialRollouts(r.n, cfg.data.train_batch_size // world_size, cfg.data.max_response_length,
-                           r.partial_chunk_tokens, r.max_staleness, r.stale_policy, device)
+    longest = cfg.data.max_response_length
+    return PartialRollouts(r.n, cfg.data.train_batch_size // world_size, longest,
+                           r.partial_chunk_tokens or max(1, longest // 4), r.max_staleness, r.stale_policy, device)

@@ -152,3 +152,17 @@ def test_a_group_ages_from_its_first_token():
     assert [g.born(3) for g in pr.carried] == [3, 3]  # not started: as young as the step that starts them
     recs, _, m = run_step(pr, eng, records(2, 3), version=3)
     assert [r.index for r in recs] == [0, 1] and m["rollout/stale_dropped"] == 0 and m["rollout/staleness_max"] == 0
+
+
+def test_the_rounds_default_to_a_quarter_of_the_longest_response():
+    from spmd_rl.config.run_config import Config
+    from spmd_rl.rollout.partial import from_config
+
+    cfg = Config()
+    assert from_config(cfg, 1, torch.device("cpu")) is None  # off
+    cfg.rollout.partial_rollouts, cfg.data.max_response_length = True, 8192
+    assert from_config(cfg, 1, torch.device("cpu")).chunk == 2048
+    cfg.data.max_response_length = 2
+    assert from_config(cfg, 1, torch.device("cpu")).chunk == 1  # at least one token
+    cfg.rollout.partial_chunk_tokens = 300
+    assert from_config(cfg, 1, torch.device("cpu")).chunk == 300  # a set value is kept
