@@ -296,9 +296,9 @@ def _call_compiled_layer(forward, layer, *args, **kwargs):
     plain module's ints constant, but reads an FSDP-managed module's attributes without guards
     (skip_fsdp_guards), and so as symbols: head_dim would be one, and every view and the rotary
     embedding's slices would add floor-division guards, whose reasoning takes most of a compile,
-    even with Inductor's cache warm (docs/performance.md, "Why the defaults are what they are" and
-    "Compile warm-up on a restart"). skip_fsdp_guards=False treats the layer's modules as plain ones
-    (their attributes guarded as usual). The ints the layer takes as arguments (the longest sequence,
+    even with Inductor's cache warm (docs/performance.md, "Why the defaults are what they are";
+    docs/performance-details.md, "Compile warm-up on a restart"). skip_fsdp_guards=False treats the
+    layer's modules as plain ones (their attributes guarded as usual). The ints the layer takes as arguments (the longest sequence,
     max_length_q) stay symbolic.
 
     A layer switched to activation checkpointing (set_layer_checkpointing) runs inside torch's
