@@ -100,6 +100,11 @@ class Config:
             return self.rollout.sleep_level
         return 1 if self.model.adapter_sync else 2
 
+    def engine_max_model_len(self) -> int:
+        """The engine's context length: rollout.max_model_len, or where it is 0 the longest prompt and
+        response (data.max_prompt_length + data.max_response_length)."""
+        return self.rollout.max_model_len or self.data.max_prompt_length + self.data.max_response_length
+
     def engine_sequences_per_call(self, world_size: int) -> int:
         """The most sequences one engine replica (rollout.tensor_parallel_size ranks) gets in a generate
         call of this run: training (data.train_batch_size / world_size prompts per rank, x rollout.n;

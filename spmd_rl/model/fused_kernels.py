@@ -298,8 +298,8 @@ def _call_compiled_layer(forward, layer, *args, **kwargs):
     embedding's slices would add floor-division guards, whose reasoning takes most of a compile,
     even with Inductor's cache warm (docs/performance.md, "Why the defaults are what they are";
     docs/performance-details.md, "Compile warm-up on a restart"). skip_fsdp_guards=False treats the
-    layer's modules as plain ones (their attributes guarded as usual). The ints the layer takes as arguments (the longest sequence,
-    max_length_q) stay symbolic.
+    layer's modules as plain ones (their attributes guarded as usual). The ints the layer takes as
+    arguments (the longest sequence, max_length_q) stay symbolic.
 
     A layer switched to activation checkpointing (set_layer_checkpointing) runs inside torch's
     non-reentrant checkpoint, in training mode with gradients on (as transformers checkpoints its

@@ -158,11 +158,11 @@ def engine_sequences(cfg: Config, world_size: int, device_total: float, shape: m
     one engine call (Config.engine_sequences_per_call), at most SEQS_MAX and at most the sequences of
     max_model_len tokens the KV cache holds (memory_plan.engine_kv_tokens); the key's default with
     the HF engine, which has no KV cache to size."""
-    r, d = cfg.rollout, cfg.data
+    r = cfg.rollout
     if r.engine != "vllm":
         return NO_GPU_VALUES[SEQS], ""
     calls = cfg.engine_sequences_per_call(world_size)
-    length = r.max_model_len or d.max_prompt_length + d.max_response_length
+    length = cfg.engine_max_model_len()
     token_bytes = mp.kv_bytes_per_token(shape, r.tensor_parallel_size, mp.DTYPE_BYTES[r.dtype])
     fit = mp.engine_kv_tokens(memory.engine_of(cfg, shape), device_total, token_bytes) // length
     value = max(1, min(calls, SEQS_MAX, fit))

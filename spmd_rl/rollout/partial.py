@@ -3,8 +3,9 @@
 With `rollout.partial_rollouts` on, a step does not wait for its longest response. Each rank keeps a
 pool of prompt groups in flight: the groups carried over from earlier steps (oldest first), then the
 step's new prompts. The engine generates in rounds of `rollout.partial_chunk_tokens` tokens (by
-default a quarter of data.max_response_length) per unfinished response (a round resumes a response as a new request whose prompt is prompt + the tokens
-so far, with the tokens it has left; vLLM rebuilds the KV cache by prefill, prefix caching helps).
+default a quarter of data.max_response_length) per unfinished response (a round resumes a response
+as a new request whose prompt is prompt + the tokens so far, with the tokens it has left; vLLM
+rebuilds the KV cache by prefill, prefix caching helps).
 After each round the ranks agree, by counts alone, whether every rank has its batch: the step's
 prompts per rank in complete groups (all n samples done: GRPO's advantages need the whole group),
 and, under stale_policy "wait", every group at the staleness bound complete. Never by clocks: in

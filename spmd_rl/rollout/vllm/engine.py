@@ -129,7 +129,7 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
     `overrides`. `dummy=False, sleep_mode=False` gives a plain engine that reads the checkpoint from
     disk with otherwise identical settings (tests, bench). `world_size`: the run's ranks (the
     batch sizes of rollout.cudagraph_step_sizes)."""
-    r, d = cfg.rollout, cfg.data
+    r = cfg.rollout
     kw: dict[str, Any] = dict(
         model=model_dir,
         tensor_parallel_size=r.tensor_parallel_size,
@@ -140,7 +140,7 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
         load_format="dummy" if dummy else "auto",
         enable_sleep_mode=sleep_mode,
         logprobs_mode="processed_logprobs",
-        max_model_len=r.max_model_len or (d.max_prompt_length + d.max_response_length),
+        max_model_len=cfg.engine_max_model_len(),
         gpu_memory_utilization=r.gpu_memory_utilization,
         max_num_seqs=r.max_num_seqs,
         max_num_batched_tokens=r.max_num_batched_tokens,
