@@ -304,11 +304,15 @@ def _call_compiled_layer(forward, layer, *args, **kwargs):
     A layer switched to activation checkpointing (set_layer_checkpointing) runs inside torch's
     non-reentrant checkpoint, in training mode with gradients on (as transformers checkpoints its
     layers): the backward recomputes it through the same compiled function (the forward's graphs,
-    no eager copy of the layer); module hooks (FSDP2's) stay outside the checkpoint."""
+    no eager copy of the layer), routed as the forward was (routing.checkpoint_contexts); module
+    hooks (FSDP2's) stay outside the checkpoint."""
     if getattr(layer, "spmd_checkpoint", False) and layer.training and torch.is_grad_enabled():
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(functools.partial(_run_compiled_layer, forward, layer, **kwargs), *args, use_reentrant=False)
+        from spmd_rl.model.routing import checkpoint_contexts
+
+        return checkpoint(functools.partial(_run_compiled_layer, forward, layer, **kwargs), *args, use_reentrant=False,
+                          context_fn=checkpoint_contexts)
     return _run_compiled_layer(forward, layer, *args, **kwargs)
 
 

@@ -36,6 +36,7 @@ from spmd_rl.errors import ConfigError
 from spmd_rl.model import fused_kernels, logprob_head, varlen_attention
 from spmd_rl.model.files import check_no_missing_weights, loading
 from spmd_rl.model.lora import LoraSettings, add_adapter
+from spmd_rl.model.routing import checkpoint_contexts
 
 log = logging.getLogger(__name__)
 
@@ -400,12 +401,13 @@ def _transformers_checkpointing(model: torch.nn.Module, on: bool) -> None:
     (5.24; gradient_checkpointing_* are their deprecated aliases there, with a FutureWarning),
     else gradient_checkpointing_enable / _disable (5.17)."""
     new_api = hasattr(model, "activation_checkpointing_enable")
+    kwargs = {"use_reentrant": False, "context_fn": checkpoint_contexts}  # a recompute routes as its forward
     if not on:
         (model.activation_checkpointing_disable if new_api else model.gradient_checkpointing_disable)()
     elif new_api:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def checkpointed_layers(n_layers: int, share: float) -> list[int]:

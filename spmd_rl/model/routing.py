@@ -11,7 +11,10 @@ that token routes as the router itself decides (tokens the engine did not route,
 and a `weight` [num_experts, hidden] whose forward returns (router_logits, router_scores,
 router_indices): the top-k softmax routers of transformers 5, Qwen3-MoE's `Qwen3MoeTopKRouter`
 among them). Nothing in transformers is edited; a model without routers is left as it is (a
-dense model: replay is a no-op). Then:
+dense model: replay is a no-op). Every router runs the same wrapped code: a router's layer is never
+a constant in it (replay hands each router its own layer's routes as a tensor, `GIVEN`), so a
+compiled decoder layer (model.fused_kernels = "compile") is one graph for all its layers, not one
+per layer. Then:
 
 - `replay(model, routes)`: while the block runs, a router takes the given experts and weights them
   with its own scores gathered at them (softmax probabilities; sigmoid scores for the routers with a
@@ -22,10 +25,13 @@ dense model: replay is a no-op). Then:
   own choice was another (what replay changed).
 - `capture(model)`: the block's forward records each router's own choices; `.routes` is then the
   int16 [tokens, layers, top_k] routes of that forward (NO_ROUTE in layers without a router).
+- `checkpoint_contexts`: the `context_fn` of every activation checkpoint (spmd_rl.model.loading,
+  fused_kernels): the backward's recompute of a layer routes as its forward did, although it runs
+  after `replay`'s block has ended, and counts nothing twice.
 
-The weight formula is checked once per router against the router's own scores at its own choice;
-a router that weights experts another way is refused with a `UserError` instead of being replayed
-wrongly.
+The weight formula is checked at a model's first replayed router (its routers are of one class)
+against the router's own scores at its own choice; a router that weights experts another way is
+refused with a `UserError` instead of being replayed wrongly.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import re
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -44,34 +51,61 @@ NO_ROUTE = -1
 BATCH_KEY = "routes"
 """The batch's [B, L, layers, top_k] int16 routes of every row's tokens (spmd_rl.batching.batch)."""
 ROUTES_DTYPE = torch.int16
+GIVEN = "spmd_given_routes"
+"""A router's attribute: while replaying, its layer's routes [tokens, top_k], else None (read by its forward)."""
+OWN, LOGITS, CHANGED, DECIDED = "spmd_own_routes", "spmd_router_logits", "spmd_changed", "spmd_decided"
+"""A router's attributes its forward writes (never reads): its own top-k while capturing, its logits while
+`router_logits` collects, and its replay's counts (changed, decided); collected when the block ends."""
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_STATES: "weakref.WeakSet[RoutingState]" = weakref.WeakSet()
+"""Every installed model's routing state (checkpoint_contexts)."""
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: one per model (the WeakSet of installed states)
 class RoutingState:
-    """What a model's routers do in the current forward (one per model, `model.spmd_routing`)."""
+    """What a model's routers do in the current forward (one per model, `model.spmd_routing`). A
+    router's forward reads `capturing`, `collecting`, `checked` and its own `GIVEN`: the same values
+    for every router of a forward, so a compiled decoder layer traces one graph for all layers."""
 
     num_layers: int
     top_k: int
+    routers: list[tuple[int, torch.nn.Module]] = field(default_factory=list)
+    """(decoder layer, router) of every router (`routers`), in the order a forward calls them."""
     routes: torch.Tensor | None = None
-    """[tokens, layers, top_k] to replay, or None (the routers' own choice)."""
-    captured: dict[int, torch.Tensor] | None = None
-    """While capturing: layer -> [tokens, top_k] of the routers' own choices."""
-    checked: set[int] = field(default_factory=set)
-    logits: list[torch.Tensor] | None = None
-    """While `router_logits` collects: every router's logits of the forward, in call order."""
+    """[tokens, layers, top_k] to replay, or None (the routers' own choice); each router holds its
+    layer's part as `GIVEN` (`give`)."""
+    capturing: bool = False
+    """Whether `capture` records the routers' own choices."""
+    collecting: bool = False
+    """Whether `router_logits` collects the routers' logits."""
+    checked: bool = False
+    """Whether the weight formula was checked (at the first replayed router)."""
     changed: torch.Tensor | None = None
     """Of the router decisions (token x layer) replayed since `take_changed`: those where the router's
     own top-k is another set of experts than the given one (a count on the routers' device)."""
     decided: torch.Tensor | None = None
     """The router decisions replayed since `take_changed` (tokens with a given route x layers)."""
 
-    def count(self, changed: torch.Tensor, decided: torch.Tensor) -> None:
-        if self.changed is None:
-            self.changed, self.decided = changed.detach().clone(), decided.detach().clone()
-        else:
-            self.changed += changed.detach()
-            self.decided += decided.detach()
+    def give(self, routes: torch.Tensor | None) -> None:
+        """Replay `routes` from now on (None: the routers' own choice): each router gets its layer's."""
+        self.routes = routes
+        for layer, router in self.routers:
+            setattr(router, GIVEN, None if routes is None else routes[:, layer])
+
+    def take(self, name: str) -> list[torch.Tensor]:
+        """What every router wrote to its attribute `name` in the last forward, in call order; cleared."""
+        out = [getattr(r, name) for _, r in self.routers]
+        for _, r in self.routers:
+            setattr(r, name, None)
+        return [t for t in out if t is not None]
+
+    def count_replays(self) -> None:
+        """Add the routers' counts of the last forward to `changed` and `decided`."""
+        changed, decided = self.take(CHANGED), self.take(DECIDED)
+        if changed:
+            changed, decided = torch.stack(changed).sum(), torch.stack(decided).sum()
+            self.changed = changed if self.changed is None else self.changed + changed
+            self.decided = decided if self.decided is None else self.decided + decided
 
 
 def is_router(module: torch.nn.Module) -> bool:
@@ -102,10 +136,13 @@ def install(model: torch.nn.Module) -> int:
         return 0
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_layers = max(getattr(config, "num_hidden_layers", 0), max(layer for layer, _ in found) + 1)
-    state = RoutingState(num_layers, found[0][1].top_k)
-    for layer, router in found:
-        router.forward = types.MethodType(_routed_forward(type(router).forward, layer, state), router)
+    state = RoutingState(num_layers, found[0][1].top_k, found)
+    for _, router in found:
+        for name in (GIVEN, OWN, LOGITS, CHANGED, DECIDED):
+            setattr(router, name, None)
+        router.forward = types.MethodType(_routed_forward(type(router).forward, state), router)
     model.spmd_routing = state
+    _STATES.add(state)
     return len(found)
 
 
@@ -116,8 +153,8 @@ def state_of(model: torch.nn.Module) -> RoutingState | None:
 
 @contextlib.contextmanager
 def replay(model: torch.nn.Module, routes: torch.Tensor | None) -> Iterator[None]:
-    """Forwards of `model` in the block take `routes` ([tokens, layers, top_k], see the module doc).
-    No-op when `routes` is None or the model has no routers installed."""
+    """The forward of `model` in the block (one) takes `routes` ([tokens, layers, top_k], see the module
+    doc). No-op when `routes` is None or the model has no routers installed."""
     state = state_of(model)
     if state is None or routes is None:
         yield
@@ -126,27 +163,59 @@ def replay(model: torch.nn.Module, routes: torch.Tensor | None) -> Iterator[None
         raise UserError(f"routing replay: routes of shape {tuple(routes.shape)} do not fit this model's "
                         f"[tokens, {state.num_layers} layers, top-{state.top_k}]: the engine's model is not the "
                         'trainer\'s; set actor.router_replay = "off"')
-    state.routes = routes
+    before = state.routes
+    state.give(routes)
+    try:
+        yield
+        state.count_replays()
+    finally:
+        state.give(before)
+
+
+def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """torch.utils.checkpoint's `context_fn` (spmd_rl.model.loading, fused_kernels): called when a
+    checkpointed layer runs forward, it keeps what every model's routers see then, and returns (a
+    no-op for the forward, the recompute's context). The recompute, in backward, after `replay`'s
+    block, sees the same: the same routes (without them its routers would choose their own experts:
+    other tokens per expert, other gradients), and so the same code path (a compiled layer takes the
+    forward's graph and saves the same tensors, which torch checks). What it writes is dropped."""
+    saved = [(s, s.routes, s.collecting, s.checked) for s in list(_STATES)]
+    return contextlib.nullcontext(), _recompute(saved)
+
+
+@contextlib.contextmanager
+def _recompute(saved: list[tuple[RoutingState, torch.Tensor | None, bool, bool]]) -> Iterator[None]:
+    before = [(s, s.routes, s.collecting, s.checked) for s, *_ in saved]
+    for s, routes, collecting, checked in saved:
+        s.give(routes)
+        s.collecting, s.checked = collecting, checked
     try:
         yield
     finally:
-        state.routes = None
+        for s, routes, collecting, checked in before:
+            for name in (LOGITS, CHANGED, DECIDED):
+                s.take(name)
+            s.give(routes)
+            s.collecting, s.checked = collecting, checked or s.checked
 
 
 @contextlib.contextmanager
 def router_logits(model: torch.nn.Module, on: bool = True) -> Iterator[list[torch.Tensor]]:
-    """The routers' logits ([tokens, experts] each, with their graph) of the block's forwards, in call
-    order, in the list yielded (empty where `on` is false or the model has no routers installed)."""
+    """The routers' logits ([tokens, experts] each, with their graph) of the block's forward (one), in
+    call order, in the list yielded once the block ends (empty where `on` is false or the model has no
+    routers installed)."""
     out: list[torch.Tensor] = []
     state = state_of(model)
     if state is None or not on:
         yield out
         return
-    state.logits = out
+    state.collecting = True
     try:
         yield out
+        out.extend(state.take(LOGITS))
     finally:
-        state.logits = None
+        state.collecting = False
+        state.take(LOGITS)
 
 
 def take_changed(model: torch.nn.Module) -> tuple[float, float]:
@@ -185,18 +254,21 @@ def capture(model: torch.nn.Module) -> Iterator[Captured]:
     if state is None:
         yield out
         return
-    state.captured = {}
+    state.capturing = True
     try:
         yield out
-        if state.captured:
-            tokens = next(iter(state.captured.values())).shape[0]
-            device = next(iter(state.captured.values())).device
-            routes = torch.full((tokens, state.num_layers, state.top_k), NO_ROUTE, dtype=ROUTES_DTYPE, device=device)
-            for layer, idx in state.captured.items():
+        own = state.take(OWN)
+        if own:
+            if len(own) != len(state.routers):
+                raise RuntimeError(f"routing capture: {len(own)} of the {len(state.routers)} routers ran in the block")
+            routes = torch.full((own[0].shape[0], state.num_layers, state.top_k), NO_ROUTE, dtype=ROUTES_DTYPE,
+                                device=own[0].device)
+            for (layer, _), idx in zip(state.routers, own):
                 routes[:, layer] = idx
             out.routes = routes
     finally:
-        state.captured = None
+        state.capturing = False
+        state.take(OWN)
 
 
 def rows_of_routes(routes: list[torch.Tensor | None], length: int) -> torch.Tensor:
@@ -248,31 +320,33 @@ def _weights(router: torch.nn.Module, logits: torch.Tensor, experts: torch.Tenso
     return w * getattr(router, "routed_scaling_factor", 1.0)
 
 
-def _routed_forward(original, layer: int, state: RoutingState):
+def _routed_forward(original, state: RoutingState):
     def forward(self, hidden_states, *args, **kwargs):
         out = original(self, hidden_states, *args, **kwargs)
-        if state.logits is not None and isinstance(out, tuple):
-            state.logits.append(out[0])
-        if state.routes is None and state.captured is None:
+        if state.collecting and isinstance(out, tuple):
+            setattr(self, LOGITS, out[0])
+        given = getattr(self, GIVEN)
+        if given is None and not state.capturing:
             return out
         if not (isinstance(out, tuple) and len(out) == 3):
             raise UserError(f"routing replay: {type(self).__name__}.forward does not return (router_logits, "
                             'router_scores, router_indices); set actor.router_replay = "off" for this model')
         logits, scores, own = out
-        if state.captured is not None:
-            state.captured[layer] = own.to(ROUTES_DTYPE)
-        if state.routes is None:
+        if state.capturing:
+            setattr(self, OWN, own.to(ROUTES_DTYPE))
+        if given is None:
             return out
-        if layer not in state.checked:
+        if not state.checked:
             _check_formula(self, logits, scores, own)
-            state.checked.add(layer)
-        given = state.routes[:, layer].to(own.device)
+            state.checked = True
+        given = given.to(own.device)
         if given.shape[0] != own.shape[0]:
             raise RuntimeError(f"routing replay: {given.shape[0]} routes for the {own.shape[0]} tokens of a forward "
                                "(the routes must be cut like the tokens: see the layouts' token_rows)")
         given_here = given[:, 0] != NO_ROUTE
         other = (given.long().sort(-1).values != own.long().sort(-1).values).any(-1) & given_here
-        state.count(other.sum(), given_here.sum())
+        setattr(self, CHANGED, other.sum())
+        setattr(self, DECIDED, given_here.sum())
         experts = torch.where(given[:, :1] == NO_ROUTE, own, given.long())
         return logits, _weights(self, logits, experts).to(scores.dtype), experts.to(own.dtype)
 

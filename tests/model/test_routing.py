@@ -171,6 +171,64 @@ def test_packed_equals_padded_with_replay():
         torch.testing.assert_close(out[True][1][n], g, rtol=0, atol=1e-10, msg=n)
 
 
+@pytest.mark.parametrize("kernels", ["none", "compile"])
+def test_a_checkpointed_layer_recomputes_with_the_routes_of_its_forward(kernels, monkeypatch):
+    """Activation checkpointing of every layer (transformers' for "none", the compiled layer's own for
+    "compile"): the backward's recompute, after replay's block, routes as the forward did, so the
+    gradients are those without checkpointing; the replayed decisions are counted once."""
+    from spmd_rl.model import fused_kernels
+    from spmd_rl.model.loading import set_gradient_checkpointing
+
+    monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": "aot_eager"})
+    base = moe_model()
+    mb = ragged_batch([7, 12, 3, 10], base.config.vocab_size)
+    routes = own_routes(base, mb)
+    perturb_routers(base)
+    batch = Batch({**mb.tensors, routing.BATCH_KEY: routes})
+    keep = mb["attention_mask"].bool()
+    keep[:, 0] = False
+    out = {}
+    for share in (0, 1.0):
+        model = prepare_policy(copy.deepcopy(base), remove_padding=True, fused_kernels=kernels)
+        routing.install(model)
+        set_gradient_checkpointing(model, share)
+        model.train()
+        logp, _ = forward_logprobs(model, batch, 1.0)
+        logp[keep].sum().backward()
+        out[share] = ({n: p.grad for n, p in model.named_parameters()}, routing.take_changed(model))
+    assert out[1.0][1] == out[0][1] and out[0][1][0] > 0  # (changed, replayed) decisions: the forward's only
+    for name, grad in out[0][0].items():
+        torch.testing.assert_close(out[1.0][0][name], grad, rtol=0, atol=1e-10, msg=name)
+
+
+def test_one_compiled_graph_serves_the_routers_of_every_layer(monkeypatch):
+    """model.fused_kernels = "compile" with replay: the compiled decoder layer's graphs are as many for
+    6 layers as for 2 (a router's layer is no constant of the traced code; one graph per layer would
+    pass torch.compile's recompile limit on a 48-layer model and run the rest eagerly)."""
+    from torch._dynamo.utils import counters
+
+    from spmd_rl.model import fused_kernels
+
+    monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": "aot_eager"})
+    made = {}
+    for layers in (2, 6):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        config = random_model_config("qwen3-moe-tiny")
+        config.num_hidden_layers = layers
+        base = AutoModelForCausalLM.from_config(config)
+        plain = copy.deepcopy(base)  # its routes, outside the compiled model
+        model = prepare_policy(base, remove_padding=True, fused_kernels="compile")
+        routing.install(model)
+        before = counters["stats"]["unique_graphs"]
+        with torch.no_grad():
+            for lens in ([5, 9], [4, 7, 2]):
+                mb = ragged_batch(lens, config.vocab_size)
+                forward_logprobs(model, Batch({**mb.tensors, routing.BATCH_KEY: own_routes(plain, mb)}), 1.0)
+        made[layers] = counters["stats"]["unique_graphs"] - before
+    assert made[6] == made[2] > 0, made
+
+
 def test_missing_routes_route_as_the_trainer_does_per_token():
     """NO_ROUTE on some tokens: those tokens take the router's own choice, the others the given."""
     base = moe_model()
@@ -377,7 +435,7 @@ def test_without_the_aux_loss_no_router_logits_are_kept():
     original = state.__class__.__setattr__
 
     def watch(self, name, value):
-        if name == "logits" and value is not None:
+        if name == "collecting" and value:
             seen.append(value)
         original(self, name, value)
 
