@@ -111,15 +111,21 @@ def returns_routes(cfg, model_dir: str) -> bool:
     num_hidden_layers, top_k] (the last sampled token is never fed), prefix-cached tokens included
     (its RoutedExpertsManager keeps them by KV block); dense layers' rows are zeros, which the
     trainer's dense layers never read."""
+    return cfg.actor.router_replay == "engine" and expert_count(model_dir) > 0
+
+
+def expert_count(model_dir: str) -> int:
+    """The routed experts of each mixture-of-experts layer of model_dir's config.json (its text
+    config); 0 for a dense model or a directory without one."""
     path = os.path.join(model_dir, "config.json")
-    if cfg.actor.router_replay != "engine" or not os.path.exists(path):
-        return False
+    if not os.path.exists(path):
+        return 0
     from spmd_rl.runtime.memory_plan import EXPERT_KEYS
 
     with open(path) as f:
         config = json.load(f)
     config = config.get("text_config", config)
-    return any(config.get(k) for k in EXPERT_KEYS)
+    return max((int(config.get(k) or 0) for k in EXPERT_KEYS), default=0)
 
 
 def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_mode: bool = True,
@@ -327,6 +333,7 @@ class VLLMEngine:
         self._wrapped: set[str] | None = None  # transformers names of the modules vLLM's LoRA layers wrap
         self.engine_seed = r.seed + self.replica
         self.stop_ids = eos_token_ids(model_dir)
+        self.num_experts = expert_count(model_dir)  # the bound of the routes vLLM returns (outputs.routes)
         if not self.stop_ids:
             log.warning("%s names no eos_token_id: responses end only at stop_token_ids or the length limit",
                         model_dir)
@@ -550,7 +557,7 @@ class VLLMEngine:
                 outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps, use_tqdm=False,
                                          **adapter_kwargs(self._lora_request))
                 for o, ask in zip(outs, asks):
-                    comps = [completion(c, ask) for c in sorted(o.outputs, key=lambda c: c.index)]
+                    comps = [completion(c, ask, self.num_experts) for c in sorted(o.outputs, key=lambda c: c.index)]
                     if sampling.greedy and sampling.n > 1:
                         comps = [comps[0].copy() for _ in range(sampling.n)]
                     results.append(comps)

@@ -77,20 +77,28 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
     return values
 
 
-def routes(out: Any) -> torch.Tensor | None:
+def routes(out: Any, num_experts: int = 0) -> torch.Tensor | None:
     """A CompletionOutput's routed experts (`enable_return_routed_experts`: a numpy array [tokens,
-    layers, top_k] of uint8 / uint16) as int16 (spmd_rl.model.routing), None when it has none."""
+    layers, top_k] of uint8 / uint16) as int16 (spmd_rl.model.routing), None when it has none. With
+    `num_experts`, an expert id outside [0, num_experts) is refused here, on the host, in one line:
+    replayed, it would index past the trainer's experts on the GPU (a device-side assert)."""
     arr = getattr(out, "routed_experts", None)
     if arr is None:
         return None
-    return torch.from_numpy(np.ascontiguousarray(arr).astype(np.int16))
+    arr = np.ascontiguousarray(arr)
+    if num_experts and arr.size and int(arr.max()) >= num_experts:
+        raise RuntimeError(f"vLLM returned expert {int(arr.max())} among a request's routes, for a model of "
+                           f"{num_experts} experts: its routes are not this model's; set actor.router_replay "
+                           '= "off" to train without them')
+    return torch.from_numpy(arr.astype(np.int16))
 
 
-def completion(out: Any, asked: bool) -> Completion:
+def completion(out: Any, asked: bool, num_experts: int = 0) -> Completion:
     """Our Completion of a vLLM CompletionOutput; log-probs when its request `asked` for them, and
-    the routed experts of its prompt and generated tokens when the engine returns them."""
+    the routed experts of its prompt and generated tokens when the engine returns them (each below
+    `num_experts` where given: `routes`)."""
     ids = list(out.token_ids)
     if out.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a request with reason {out.finish_reason!r} (aborted?)")
     return Completion(token_ids=ids, logprobs=sampled_logprobs(ids, out.logprobs) if asked else None,
-                      finish_reason=out.finish_reason, routes=routes(out))
+                      finish_reason=out.finish_reason, routes=routes(out, num_experts))

@@ -118,6 +118,33 @@ def test_completion_carries_vllms_routed_experts_as_int16():
     assert vo.completion(CompletionOutput(0, list(IDS), None, "stop"), asked=False).routes is None
 
 
+def test_an_expert_id_past_the_models_experts_is_refused_on_the_host():
+    """Routes with an expert id >= the model's experts would index past the trainer's experts on the GPU
+    (a device-side assert, far from its cause): refused where they arrive, in one line."""
+    import numpy as np
+
+    arr = np.zeros((6, 2, 3), dtype=np.uint8)
+    arr[4, 1, 2] = 127
+    assert vo.completion(CompletionOutput(0, list(IDS), None, "stop", arr), asked=False, num_experts=128).routes.max() == 127
+    arr[4, 1, 2] = 128
+    with pytest.raises(RuntimeError, match=r"vLLM returned expert 128 .* a model of 128 experts.*router_replay = \"off\""):
+        vo.completion(CompletionOutput(0, list(IDS), None, "stop", arr), asked=False, num_experts=128)
+
+
+def test_the_engine_knows_its_models_experts(tmp_path):
+    import json
+
+    from spmd_rl.rollout.vllm.engine import expert_count
+
+    assert expert_count(str(tmp_path)) == 0  # no config.json
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 8}))
+    assert expert_count(str(tmp_path)) == 0
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_experts": 128, "num_experts_per_tok": 8}}))
+    assert expert_count(str(tmp_path)) == 128
+    (tmp_path / "config.json").write_text(json.dumps({"n_routed_experts": 64}))
+    assert expert_count(str(tmp_path)) == 64
+
+
 def test_logprob_request_and_flat_support():
     assert vo.logprob_request(False, True) == {"logprobs": None}
     assert vo.logprob_request(True, False) == {"logprobs": 0}
