@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -118,13 +119,34 @@ def keep_run_files(dirs: list[Path], dest: Path, max_bytes: int = 20 << 20) -> N
             shutil.copyfileobj(src, dst)
 
 
+ASSERTING_KERNEL = re.compile(r"(/\S+\.py):\d+: unknown: block: .* Assertion `")
+"""A device-side assert of an Inductor-generated Triton kernel, as a run's log prints it (the kernel's file)."""
+
+
 def logs_tarball(out: Path) -> Path:
-    """OUT/gpu_logs.tgz: every check's logs so far (gpu_logs/<check>)."""
+    """OUT/gpu_logs.tgz: every check's logs so far (gpu_logs/<check>), and the Inductor kernels whose
+    device-side asserts they print (inductor_kernels/<file>: the ops fused into the kernel name the
+    op that indexed out of bounds; the kernels live in this machine's cache only)."""
     path = out / "gpu_logs.tgz"
+    logs = machine.WORK / "gpu_logs"
     with tarfile.open(path, "w:gz") as tar:
-        if (machine.WORK / "gpu_logs").is_dir():
-            tar.add(machine.WORK / "gpu_logs", arcname="gpu_logs")
+        if logs.is_dir():
+            tar.add(logs, arcname="gpu_logs")
+            for kernel in sorted(asserting_kernels(logs)):
+                tar.add(kernel, arcname=f"inductor_kernels/{kernel.name}")
     return path
+
+
+def asserting_kernels(logs: Path) -> set[Path]:
+    """The existing kernel files named by device-side asserts in the .log files under `logs`."""
+    found = set()
+    for log in logs.rglob("*.log"):
+        with open(log, errors="replace") as f:
+            for line in f:
+                hit = ASSERTING_KERNEL.search(line)
+                if hit and Path(hit.group(1)).is_file():
+                    found.add(Path(hit.group(1)))
+    return found
 
 
 def prebuild(checks: list[Check], out: Path) -> subprocess.Popen | None:

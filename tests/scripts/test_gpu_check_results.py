@@ -137,3 +137,23 @@ def test_a_cut_check_fails_says_how_far_it_got_and_keeps_its_logs(fake):
     for want in ("pytest.log", "metrics.jsonl", "trainer.log"):
         assert any(n.startswith("gpu_logs/check-cut/") and n.endswith(want) for n in names), (want, names)
     assert not any(n.endswith("model.safetensors") for n in names), names
+
+
+def test_the_tarball_keeps_the_inductor_kernels_whose_asserts_a_log_prints(tmp_path, monkeypatch):
+    """A device-side assert names an Inductor kernel in the machine's cache: the tarball takes that file
+    (the name of its fused ops says which op indexed out of bounds), not the cache's others."""
+    monkeypatch.setattr(gpu_check_machine, "WORK", tmp_path / "work")
+    cache = tmp_path / "torchinductor_root" / "6n"
+    cache.mkdir(parents=True)
+    (cache / "c6nq.py").write_text("def triton_poi_fused_index_sort(): pass\n")
+    (cache / "cother.py").write_text("")
+    run = tmp_path / "work" / "gpu_logs" / "check-x" / "run"
+    run.mkdir(parents=True)
+    (run / "stdout-5.log").write_text(
+        "step 4\n" + f"{cache}/c6nq.py:70: unknown: block: [2576,0,0], thread: [32,0,0] Assertion "
+        "`index out of bounds: 0 <= tmp26 < ks2` failed.\n" * 3)
+    gpu_check_runner.logs_tarball(tmp_path)
+    with tarfile.open(tmp_path / "gpu_logs.tgz") as tar:
+        names = tar.getnames()
+        assert b"fused_index_sort" in tar.extractfile("inductor_kernels/c6nq.py").read()
+    assert [n for n in names if n.startswith("inductor_kernels/")] == ["inductor_kernels/c6nq.py"], names
