@@ -84,7 +84,8 @@ def work_of(cfg: Config, role: str) -> mp.Work:
     padded = mb.rows * (d.max_prompt_length + d.max_response_length)
     return mp.Work(update_tokens=(mb.update_tokens or padded) // sp, forward_tokens=(mb.forward_tokens or padded) // sp,
                    compute_bytes=mp.DTYPE_BYTES[m.compute_dtype], checkpointed_share=m.checkpointed_share(),
-                   chunked_logprobs=m.chunked_logprobs, head=m.fused_logprob_head)
+                   chunked_logprobs=m.chunked_logprobs, head=m.fused_logprob_head,
+                   experts_trained=not (m.use_lora and role == "actor"))
 
 
 def roles_of(cfg: Config, shape: mp.ModelShape, critic_shape: mp.ModelShape | None) -> list[mp.Role]:

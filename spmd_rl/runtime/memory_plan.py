@@ -26,7 +26,8 @@ layer's activations while it is recomputed; the log-prob head holds its chunk te
 full [vocab, h] logits x 3 in float32 without `model.chunked_logprobs`); FSDP holds two gathered
 layers and their unsharded gradients. A no-grad pass holds one layer's activations at a time.
 A mixture-of-experts layer has no dense MLP: it holds the fitted layer's share less that MLP's, its
-router's and routed copies' tensors and any shared expert's (mixture_layer_activation_bytes).
+router's and routed copies' tensors and any shared expert's (mixture_layer_activation_bytes), fewer
+where its experts are frozen (LoRA), as no weight gradient reads their inputs.
 
 Parameter counts come from the model's shape (config.json or loading.ARCH_PRESETS), arithmetically:
 no weights are read. Nothing here imports torch; spmd_rl/preflight/memory.py reads the
@@ -52,6 +53,15 @@ SWIGLU_VALUES_PER_INTERMEDIATE = 3
 """Values a compiled SwiGLU MLP keeps for backward per token and unit of its intermediate size: the gate
 and up projections' outputs and their activated product (the compiled layer's saved tensors, counted on
 CPU by tests/runtime/test_activation_count.py; the same count per routed copy in a mixture layer)."""
+ATTENTION_VALUES_PER_HEAD_UNIT = {False: 2, True: 3}
+"""Values a compiled attention keeps for backward per token and unit of its query width (heads x head_dim)
+and of its key-value width (kv heads x head_dim), without and with RMSNorms on the queries and keys
+(Qwen3's, Gemma 3's: one more each; counted on CPU by tests/runtime/test_activation_count.py)."""
+FIT_KV_PER_HIDDEN = 0.155
+"""Key-value width / hidden size of the shapes ACTIVATION_BYTES_PER_HIDDEN is fitted to (Qwen2 0.5B: 1/7,
+1.5B: 1/6; their query width is the hidden size, without query-key norms): the constant holds their
+attention's ATTENTION_VALUES_PER_HEAD_UNIT[False] x (1 + this) values per hidden unit, and a shape whose
+attention is wider or normed adds the difference (attention_extra_values)."""
 FIT_INTERMEDIATE_PER_HIDDEN = 5.6
 """intermediate_size / hidden_size of the shapes ACTIVATION_BYTES_PER_HIDDEN is fitted to (Qwen2 0.5B:
 5.43, 1.5B: 5.83): the dense MLP's part of that constant is SWIGLU_VALUES_PER_INTERMEDIATE x 2 bytes x this."""
@@ -102,6 +112,7 @@ class ModelShape:
     moe_intermediate_size: int = 0
     moe_layers: int = 0  # layers whose MLP is the mixture (the rest are dense)
     shared_expert_intermediate_size: int = 0  # a mixture layer's always-on expert (0: none)
+    qk_norm: bool = False  # RMSNorms on the queries and keys (QK_NORM_MODEL_TYPES)
     latent: tuple[int, int, int, int, int] = ()
     """Multi-head latent attention (DeepSeek-V3's, GLM-4.7-Flash's): (q_lora_rank (0: a plain query
     projection), kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim); () for the usual heads."""
@@ -230,7 +241,8 @@ def shape_from_config(config: dict) -> ModelShape:
         num_kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
         tied_embeddings=bool(config.get("tie_word_embeddings", True)),
         qkv_bias=attention_bias or model_type in QKV_BIAS_MODEL_TYPES,
-        o_bias=attention_bias, mlp_bias=bool(config.get("mlp_bias", False)), layer_norm_parameters=norms, **moe)
+        o_bias=attention_bias, mlp_bias=bool(config.get("mlp_bias", False)), layer_norm_parameters=norms,
+        qk_norm=model_type in QK_NORM_MODEL_TYPES, **moe)
 
 
 # --------------------------------------------------------------------------- training state
@@ -290,11 +302,24 @@ class Work:
     chunked_logprobs: bool = True
     head: str = "none"  # model.fused_logprob_head
     bytes_per_hidden: float = ACTIVATION_BYTES_PER_HIDDEN
+    experts_trained: bool = True  # False: a mixture's experts frozen (LoRA adapts its attention: lora.adapted_modules)
 
 
 def layer_activation_bytes(shape: ModelShape, tokens: int, work: Work) -> float:
-    """One decoder layer's activations for `tokens` tokens."""
-    return tokens * shape.hidden_size * work.bytes_per_hidden * work.compute_bytes / 2
+    """One decoder layer's activations for `tokens` tokens: the fitted constant's, and what a wider or
+    normed attention than the fitted shapes' keeps beyond it."""
+    return tokens * (shape.hidden_size * work.bytes_per_hidden / 2 + attention_extra_values(shape)) * work.compute_bytes
+
+
+def attention_extra_values(shape: ModelShape) -> float:
+    """Values per token an attention keeps beyond what ACTIVATION_BYTES_PER_HIDDEN holds for it (the fitted
+    Qwen2 shapes': query width = hidden, no query-key norms): more for Qwen3-MoE's query twice its hidden
+    size, or normed queries and keys (FIT_KV_PER_HIDDEN). 0 for latent attention (not counted apart)."""
+    if shape.latent:
+        return 0.0
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    fitted = ATTENTION_VALUES_PER_HEAD_UNIT[False] * shape.hidden_size * (1 + FIT_KV_PER_HIDDEN)
+    return ATTENTION_VALUES_PER_HEAD_UNIT[shape.qk_norm] * (q + kv) - fitted
 
 
 def mixture_layer_activation_bytes(shape: ModelShape, tokens: int, work: Work) -> float:
@@ -302,9 +327,16 @@ def mixture_layer_activation_bytes(shape: ModelShape, tokens: int, work: Work) -
     less its SwiGLU MLP, which a mixture layer does not have; its shared expert's SwiGLU, if any; and its
     router's and routed copies' tensors (expert_activation_bytes)."""
     dense_mlp = SWIGLU_VALUES_PER_INTERMEDIATE * 2 * FIT_INTERMEDIATE_PER_HIDDEN
-    own = tokens * shape.hidden_size * (work.bytes_per_hidden - dense_mlp) * work.compute_bytes / 2
-    shared = tokens * SWIGLU_VALUES_PER_INTERMEDIATE * shape.shared_expert_intermediate_size * work.compute_bytes
+    own = layer_activation_bytes(shape, tokens, work) - tokens * shape.hidden_size * dense_mlp * work.compute_bytes / 2
+    shared = tokens * swiglu_values(work) * shape.shared_expert_intermediate_size * work.compute_bytes
     return own + shared + expert_activation_bytes(shape, tokens, work)
+
+
+def swiglu_values(work: Work) -> int:
+    """Values an expert's SwiGLU keeps per routed copy and unit of its intermediate size: the gate and up
+    outputs, and their activated product where the down projection's weight is trained (its gradient
+    reads it; a frozen expert's does not)."""
+    return SWIGLU_VALUES_PER_INTERMEDIATE if work.experts_trained else SWIGLU_VALUES_PER_INTERMEDIATE - 1
 
 
 def largest_layer_activation_bytes(shape: ModelShape, tokens: int, work: Work) -> float:
@@ -315,15 +347,17 @@ def largest_layer_activation_bytes(shape: ModelShape, tokens: int, work: Work) -
 
 def expert_activation_bytes(shape: ModelShape, tokens: int, work: Work) -> float:
     """A mixture layer's router and routed copies for `tokens` tokens: the router's float32 logits and
-    probabilities, and per routed copy of a token (top-k of them) its permuted input and output, its routing
-    weight and its expert's SwiGLU values: 2 x hidden + 1 + SWIGLU_VALUES_PER_INTERMEDIATE x
-    moe_intermediate_size values (the compiled layer's saved tensors, tests/runtime/test_activation_count.py)."""
+    probabilities, and per routed copy of a token (top-k of them) its output, its routing weight, its
+    expert's SwiGLU values (swiglu_values x moe_intermediate_size) and, where the experts are trained, its
+    permuted input (the up projection's weight gradient reads it): 2 x hidden + 1 + 3 x moe_intermediate_size
+    values trained, hidden + 1 + 2 x moe_intermediate_size frozen (the compiled layer's saved tensors,
+    tests/runtime/test_activation_count.py)."""
     if not shape.moe_layers:
         return 0.0
     routed = tokens * shape.experts_per_token
-    return (tokens * shape.num_experts * 4 * 2
-            + routed * (2 * shape.hidden_size + SWIGLU_VALUES_PER_INTERMEDIATE * shape.moe_intermediate_size + 1)
-            * work.compute_bytes)
+    copy_values = ((2 if work.experts_trained else 1) * shape.hidden_size + 1
+                   + swiglu_values(work) * shape.moe_intermediate_size)
+    return tokens * shape.num_experts * 4 * 2 + routed * copy_values * work.compute_bytes
 
 
 def head_bytes(shape: ModelShape, tokens: int, work: Work, backward: bool) -> float:

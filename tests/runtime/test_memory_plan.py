@@ -287,6 +287,21 @@ def test_measured_update_peaks_within_10_percent(arch, tokens, checkpointed, mea
     assert predicted == pytest.approx(measured, rel=0.10)
 
 
+def test_the_moe_lora_presets_measured_update_peak_within_10_percent():
+    """configs/qwen3-30b-a3b-lora.toml on four 141 GB GPUs (gpu_check's preset-30b-a3b-lora, 4xH200,
+    2026-11-28): memory/update_actor_peak_gb 77.16 at its step 2, one micro-batch of 13,024 tokens per GPU
+    (512 responses of 128 tokens after 75.5-token prompts, over 4 GPUs and 2 mini-batches), no
+    checkpointing. The experts are frozen (their inputs not kept) and Qwen3-MoE's attention is twice its
+    hidden size wide, with query-key norms (attention_extra_values)."""
+    cfg = load_config(os.path.join(ROOT, "configs", "qwen3-30b-a3b-lora.toml"),
+                      ['model.init="random"', 'model.arch="qwen3-30b-a3b"', 'model.path=""', 'model.tokenizer="char"',
+                       "data.max_prompt_length=128", "data.max_response_length=128",
+                       "actor.max_token_len_per_gpu=13024", "actor.logprob_max_token_len_per_gpu=32768",
+                       "model.gradient_checkpointing=false", "rollout.max_num_seqs=512"])
+    update = mc.plan_for(cfg, 4, 139.8 * GiB).phase("actor update")
+    assert (update.total - update.parts["overhead"]) / GiB == pytest.approx(77.16, rel=0.10)
+
+
 def test_out_of_memory_in_a_phase_is_one_line_naming_it(tmp_path, capsys):
     from spmd_rl.trainer import PhaseTimer
 
