@@ -170,6 +170,7 @@ def replay(model: torch.nn.Module, routes: torch.Tensor | None) -> Iterator[None
         state.count_replays()
     finally:
         state.give(before)
+        state.take(CHANGED), state.take(DECIDED)  # a forward that raised counts nothing
 
 
 def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
