@@ -197,6 +197,11 @@ FOUR_NORM_MODEL_TYPES = ("gemma3_text",)
 """Model types with four RMSNorms of hidden_size per layer (Gemma 3: before and after attention and MLP)."""
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 """config.json entries that count a mixture's experts."""
+
+
+def experts_of(config: dict) -> int:
+    """The routed experts a config.json's (text config's) entries name (EXPERT_KEYS); 0 for a dense model."""
+    return next((int(config[k]) for k in EXPERT_KEYS if config.get(k)), 0)
 MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe_lite")
 """Mixture-of-experts families whose layout the formula knows (moe_layer_count); others are refused."""
 LATENT_ATTENTION_MODEL_TYPES = ("glm4_moe_lite",)
@@ -220,7 +225,7 @@ def shape_from_config(config: dict) -> ModelShape:
     ValueError for a mixture-of-experts family the formula does not know; KeyError where an entry it
     needs is missing."""
     model_type = config.get("model_type", "qwen2")
-    experts = next((int(config[k]) for k in EXPERT_KEYS if config.get(k)), 0)
+    experts = experts_of(config)
     if experts and model_type not in MOE_MODEL_TYPES:
         raise ValueError(f"{model_type} with {experts} experts: a mixture-of-experts family the memory formula does "
                          f"not count (it counts {', '.join(MOE_MODEL_TYPES)})")

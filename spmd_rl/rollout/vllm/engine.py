@@ -120,12 +120,11 @@ def expert_count(model_dir: str) -> int:
     path = os.path.join(model_dir, "config.json")
     if not os.path.exists(path):
         return 0
-    from spmd_rl.runtime.memory_plan import EXPERT_KEYS
+    from spmd_rl.runtime.memory_plan import experts_of
 
     with open(path) as f:
         config = json.load(f)
-    config = config.get("text_config", config)
-    return max((int(config.get(k) or 0) for k in EXPERT_KEYS), default=0)
+    return experts_of(config.get("text_config", config))
 
 
 def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_mode: bool = True,
