@@ -40,6 +40,8 @@ import logging
 
 import torch
 
+from spmd_rl.model.routing import checkpoint_contexts
+
 log = logging.getLogger(__name__)
 
 MODES = ("none", "liger", "compile")
@@ -308,8 +310,6 @@ def _call_compiled_layer(forward, layer, *args, **kwargs):
     hooks (FSDP2's) stay outside the checkpoint."""
     if getattr(layer, "spmd_checkpoint", False) and layer.training and torch.is_grad_enabled():
         from torch.utils.checkpoint import checkpoint
-
-        from spmd_rl.model.routing import checkpoint_contexts
 
         return checkpoint(functools.partial(_run_compiled_layer, forward, layer, **kwargs), *args, use_reentrant=False,
                           context_fn=checkpoint_contexts)

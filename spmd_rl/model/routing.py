@@ -170,7 +170,8 @@ def replay(model: torch.nn.Module, routes: torch.Tensor | None) -> Iterator[None
         state.count_replays()
     finally:
         state.give(before)
-        state.take(CHANGED), state.take(DECIDED)  # a forward that raised counts nothing
+        for name in (CHANGED, DECIDED):  # a forward that raised counts nothing
+            state.take(name)
 
 
 def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
