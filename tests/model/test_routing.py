@@ -151,14 +151,20 @@ def test_replaying_a_models_own_routes_changes_nothing():
     assert routing.take_changed(model) == (0.0, (9 + 4) * 2)  # packed: the real tokens, 2 layers; none changed
 
 
-def test_packed_equals_padded_with_replay():
+def replayed_case(lens):
+    """A perturbed model, a batch of rows of `lens` tokens carrying the unperturbed model's routes, and the
+    positions whose log-prob counts (real tokens but each row's first)."""
     base = moe_model()
-    mb = ragged_batch([5, 11, 2, 9, 11], base.config.vocab_size)
+    mb = ragged_batch(lens, base.config.vocab_size)
     routes = own_routes(base, mb)
     perturb_routers(base)
-    batch = Batch({**mb.tensors, routing.BATCH_KEY: routes})
     keep = mb["attention_mask"].bool()
     keep[:, 0] = False
+    return base, Batch({**mb.tensors, routing.BATCH_KEY: routes}), keep
+
+
+def test_packed_equals_padded_with_replay():
+    base, batch, keep = replayed_case([5, 11, 2, 9, 11])
     out = {}
     for packed in (False, True):
         model = prepare_policy(copy.deepcopy(base), remove_padding=packed, chunked_logprobs=packed)
@@ -180,13 +186,7 @@ def test_a_checkpointed_layer_recomputes_with_the_routes_of_its_forward(kernels,
     from spmd_rl.model.loading import set_gradient_checkpointing
 
     monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": "aot_eager"})
-    base = moe_model()
-    mb = ragged_batch([7, 12, 3, 10], base.config.vocab_size)
-    routes = own_routes(base, mb)
-    perturb_routers(base)
-    batch = Batch({**mb.tensors, routing.BATCH_KEY: routes})
-    keep = mb["attention_mask"].bool()
-    keep[:, 0] = False
+    base, batch, keep = replayed_case([7, 12, 3, 10])
     out = {}
     for share in (0, 1.0):
         model = prepare_policy(copy.deepcopy(base), remove_padding=True, fused_kernels=kernels)
