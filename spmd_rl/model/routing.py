@@ -29,9 +29,13 @@ per layer. Then:
   fused_kernels): the backward's recompute of a layer routes as its forward did, although it runs
   after `replay`'s block has ended, and counts nothing twice.
 
-The weight formula is checked at a model's first replayed router (its routers are of one class)
-against the router's own scores at its own choice; a router that weights experts another way is
-refused with a `UserError` instead of being replayed wrongly.
+The weight formula is checked against each router's own scores at its own choice: every replayed
+router writes whether they differ (`FORMULA`), and a model's first replayed forward reads it, once
+its block ends, on the host; a router that weights experts another way is refused with a
+`UserError` before any update uses its weights. Nothing in a router's forward branches on a
+tensor's value or on a per-layer constant, so the router is traced inside its layer's graph
+(a branch on a value would break the graph there and compile what follows apart, with every size
+symbolic, the expert count included).
 """
 
 from __future__ import annotations
@@ -53,9 +57,12 @@ BATCH_KEY = "routes"
 ROUTES_DTYPE = torch.int16
 GIVEN = "spmd_given_routes"
 """A router's attribute: while replaying, its layer's routes [tokens, top_k], else None (read by its forward)."""
-OWN, LOGITS, CHANGED, DECIDED = "spmd_own_routes", "spmd_router_logits", "spmd_changed", "spmd_decided"
+OWN, LOGITS, CHANGED, DECIDED, FORMULA = ("spmd_own_routes", "spmd_router_logits", "spmd_changed", "spmd_decided",
+                                          "spmd_formula_differs")
 """A router's attributes its forward writes (never reads): its own top-k while capturing, its logits while
-`router_logits` collects, and its replay's counts (changed, decided); collected when the block ends."""
+`router_logits` collects, its replay's counts (changed, decided) and whether its own weights differ from
+the replay formula's (a bool tensor); collected when the block ends."""
+WRITTEN = (OWN, LOGITS, CHANGED, DECIDED, FORMULA)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _STATES: "weakref.WeakSet[RoutingState]" = weakref.WeakSet()
 """Every installed model's routing state (checkpoint_contexts)."""
@@ -64,8 +71,9 @@ _STATES: "weakref.WeakSet[RoutingState]" = weakref.WeakSet()
 @dataclass(eq=False)  # compared and hashed by identity: one per model (the WeakSet of installed states)
 class RoutingState:
     """What a model's routers do in the current forward (one per model, `model.spmd_routing`). A
-    router's forward reads `capturing`, `collecting`, `checked` and its own `GIVEN`: the same values
-    for every router of a forward, so a compiled decoder layer traces one graph for all layers."""
+    router's forward reads `capturing`, `collecting` and its own `GIVEN`: the same values for every
+    router of a forward (`GIVEN`: a tensor of the same shape), so a compiled decoder layer traces one
+    graph for all layers."""
 
     num_layers: int
     top_k: int
@@ -79,7 +87,8 @@ class RoutingState:
     collecting: bool = False
     """Whether `router_logits` collects the routers' logits."""
     checked: bool = False
-    """Whether the weight formula was checked (at the first replayed router)."""
+    """Whether the weight formula was checked (at the end of the first replayed forward; read on the host,
+    never by a router's forward)."""
     changed: torch.Tensor | None = None
     """Of the router decisions (token x layer) replayed since `take_changed`: those where the router's
     own top-k is another set of experts than the given one (a count on the routers' device)."""
@@ -138,7 +147,7 @@ def install(model: torch.nn.Module) -> int:
     num_layers = max(getattr(config, "num_hidden_layers", 0), max(layer for layer, _ in found) + 1)
     state = RoutingState(num_layers, found[0][1].top_k, found)
     for _, router in found:
-        for name in (GIVEN, OWN, LOGITS, CHANGED, DECIDED):
+        for name in (GIVEN, *WRITTEN):
             setattr(router, name, None)
         router.forward = types.MethodType(_routed_forward(type(router).forward, state), router)
     model.spmd_routing = state
@@ -168,9 +177,12 @@ def replay(model: torch.nn.Module, routes: torch.Tensor | None) -> Iterator[None
     try:
         yield
         state.count_replays()
+        differs = state.take(FORMULA)
+        if not state.checked and differs:
+            _refuse_other_formulas(state, differs)
     finally:
         state.give(before)
-        for name in (CHANGED, DECIDED):  # a forward that raised counts nothing
+        for name in (CHANGED, DECIDED, FORMULA):  # a forward that raised counts nothing
             state.take(name)
 
 
@@ -181,24 +193,24 @@ def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager, contextlib
     block, sees the same: the same routes (without them its routers would choose their own experts:
     other tokens per expert, other gradients), and so the same code path (a compiled layer takes the
     forward's graph and saves the same tensors, which torch checks). What it writes is dropped."""
-    saved = [(s, s.routes, s.collecting, s.checked) for s in list(_STATES)]
+    saved = [(s, s.routes, s.collecting) for s in list(_STATES)]
     return contextlib.nullcontext(), _recompute(saved)
 
 
 @contextlib.contextmanager
-def _recompute(saved: list[tuple[RoutingState, torch.Tensor | None, bool, bool]]) -> Iterator[None]:
-    before = [(s, s.routes, s.collecting, s.checked) for s, *_ in saved]
-    for s, routes, collecting, checked in saved:
+def _recompute(saved: list[tuple[RoutingState, torch.Tensor | None, bool]]) -> Iterator[None]:
+    before = [(s, s.routes, s.collecting) for s, *_ in saved]
+    for s, routes, collecting in saved:
         s.give(routes)
-        s.collecting, s.checked = collecting, checked
+        s.collecting = collecting
     try:
         yield
     finally:
-        for s, routes, collecting, checked in before:
-            for name in (LOGITS, CHANGED, DECIDED):
+        for s, routes, collecting in before:
+            for name in (LOGITS, CHANGED, DECIDED, FORMULA):
                 s.take(name)
             s.give(routes)
-            s.collecting, s.checked = collecting, checked or s.checked
+            s.collecting = collecting
 
 
 @contextlib.contextmanager
@@ -338,9 +350,7 @@ def _routed_forward(original, state: RoutingState):
             setattr(self, OWN, own.to(ROUTES_DTYPE))
         if given is None:
             return out
-        if not state.checked:
-            _check_formula(self, logits, scores, own)
-            state.checked = True
+        setattr(self, FORMULA, _formula_differs(self, logits, scores, own))
         given = given.to(own.device)
         if given.shape[0] != own.shape[0]:
             raise RuntimeError(f"routing replay: {given.shape[0]} routes for the {own.shape[0]} tokens of a forward "
@@ -355,9 +365,17 @@ def _routed_forward(original, state: RoutingState):
     return forward
 
 
-def _check_formula(router, logits: torch.Tensor, scores: torch.Tensor, own: torch.Tensor) -> None:
+def _formula_differs(router, logits: torch.Tensor, scores: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """Whether the router's own weights at its own choice differ from `_weights`' (a bool tensor, no branch)."""
     mine = _weights(router, logits.detach(), own.long())
-    if not torch.allclose(mine, scores.detach().float(), rtol=2e-2, atol=1e-3):
+    return (~torch.isclose(mine, scores.detach().float(), rtol=2e-2, atol=1e-3)).any()
+
+
+def _refuse_other_formulas(state: RoutingState, differs: list[torch.Tensor]) -> None:
+    """At the end of a model's first replayed forward: refuse a router whose weights are not `_weights`'."""
+    if bool(torch.stack(differs).any()):
+        router = state.routers[0][1]
         raise UserError(f"routing replay: {type(router).__name__} does not weight its experts by their softmax "
                         "probability or sigmoid score (renormalised when norm_topk_prob, times routed_scaling_factor), "
                         'so its routing cannot be replayed; set actor.router_replay = "off" for this model')
+    state.checked = True

@@ -229,6 +229,35 @@ def test_one_compiled_graph_serves_the_routers_of_every_layer(monkeypatch):
     assert made[6] == made[2] > 0, made
 
 
+def test_replay_adds_no_graph_break_or_graph_to_a_compiled_layer(monkeypatch):
+    """model.fused_kernels = "compile": the replayed routers are traced inside their layer's graph, as the
+    plain model's: no graph break (a break at the router compiled the rest of the block apart, every size
+    symbolic, the expert count included) and no graph more than the plain model's, whichever layer."""
+    from torch._dynamo.utils import counters
+
+    from spmd_rl.model import fused_kernels
+
+    monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": "aot_eager"})
+    made = {}
+    for replayed in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        config = random_model_config("qwen3-moe-tiny")
+        config.num_hidden_layers = 3
+        base = AutoModelForCausalLM.from_config(config)
+        plain = copy.deepcopy(base)
+        model = prepare_policy(base, remove_padding=False, fused_kernels="compile")
+        if replayed:
+            routing.install(model)
+        with torch.no_grad():
+            for lens in ([5, 9], [4, 7, 2]):
+                mb = ragged_batch(lens, config.vocab_size)
+                forward_logprobs(model, Batch({**mb.tensors, routing.BATCH_KEY: own_routes(plain, mb)}), 1.0)
+        made[replayed] = (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
+    assert made[True] == made[False], made
+
+
 def test_missing_routes_route_as_the_trainer_does_per_token():
     """NO_ROUTE on some tokens: those tokens take the router's own choice, the others the given."""
     base = moe_model()
