@@ -112,15 +112,18 @@ ARCH_PRESETS: dict[str, dict] = {
     # correction bias, a shared expert, a dense first layer) at the CPU default job's size
     "glm4-moe-lite-tiny": dict(model_type="glm4_moe_lite", vocab_size=64, hidden_size=64, intermediate_size=128,
                                moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                               n_group=1, topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True,
+                               first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True,
                                kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                                num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
                                tie_word_embeddings=True, max_position_embeddings=512),
     # GLM-4.7-Flash's config.json values (transformers' Glm4MoeLiteConfig defaults) with its 47 layers cut to 4
-    # (the first dense): its latent attention, 64 experts, top-4 and shared expert for tests/gpu/test_moe_gpu.py
+    # (the first dense): its latent attention, 64 experts, top-4 and shared expert for tests/gpu/test_moe_gpu.py.
+    # first_k_dense_replace: the dense layers before the first mixture, as GLM's config.json says it; vLLM's
+    # glm4_moe_lite reads it (transformers' config has no default for it, and says it as mlp_layer_types)
     "glm-4.7-flash-4layers": dict(model_type="glm4_moe_lite", vocab_size=154880, hidden_size=2048,
                                   intermediate_size=10240, moe_intermediate_size=1536, n_routed_experts=64,
-                                  num_experts_per_tok=4, n_shared_experts=1, n_group=1, topk_group=1,
+                                  num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                                  topk_group=1,
                                   routed_scaling_factor=1.8, norm_topk_prob=True, kv_lora_rank=512, q_lora_rank=768,
                                   qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256, num_attention_heads=20,
                                   num_key_value_heads=20, num_hidden_layers=4,

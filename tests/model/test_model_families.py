@@ -162,6 +162,24 @@ def test_preset_shapes_build_their_family_config_class():
     assert gemma.layer_types[:6] == ["sliding_attention"] * 5 + ["full_attention"] and gemma.sliding_window == 512
 
 
+def test_glm_presets_say_their_dense_layers_as_vllm_reads_them(tmp_path):
+    """vLLM's glm4_moe_lite reads config.json's first_k_dense_replace (transformers says the same as
+    mlp_layer_types, and writes the key only where it was given): every GLM preset's written config.json
+    has it, equal to its leading dense layers."""
+    import json
+
+    from spmd_rl.model.loading import ARCH_PRESETS, random_model_config
+
+    archs = [a for a, v in ARCH_PRESETS.items() if v.get("model_type") == "glm4_moe_lite"]
+    assert archs
+    for arch in archs:
+        config = random_model_config(arch)
+        config.save_pretrained(tmp_path / arch)
+        written = json.loads((tmp_path / arch / "config.json").read_text())
+        dense = next(i for i, t in enumerate(config.mlp_layer_types) if t != "dense")
+        assert written.get("first_k_dense_replace") == dense == 1, arch
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_equals_padded_with_gradients(family):
     """Packed rows + chunked head against padded rows + full logits (float64): log-probs, entropy,
