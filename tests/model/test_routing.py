@@ -201,31 +201,36 @@ def test_a_checkpointed_layer_recomputes_with_the_routes_of_its_forward(kernels,
         torch.testing.assert_close(out[1.0][0][name], grad, rtol=0, atol=1e-10, msg=name)
 
 
-def test_one_compiled_graph_serves_the_routers_of_every_layer(monkeypatch):
-    """model.fused_kernels = "compile" with replay: the compiled decoder layer's graphs are as many for
-    6 layers as for 2 (a router's layer is no constant of the traced code; one graph per layer would
-    pass torch.compile's recompile limit on a 48-layer model and run the rest eagerly)."""
+def compiled_counts(monkeypatch, layers: int, remove_padding: bool, replayed: bool = True) -> tuple[int, int]:
+    """(graph breaks, graphs) dynamo makes for two no-grad forwards of a fresh qwen3-moe-tiny of `layers` layers
+    with model.fused_kernels = "compile" (aot_eager), routes in the batch, replayed where routing is installed."""
     from torch._dynamo.utils import counters
 
     from spmd_rl.model import fused_kernels
 
     monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": "aot_eager"})
-    made = {}
-    for layers in (2, 6):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        config = random_model_config("qwen3-moe-tiny")
-        config.num_hidden_layers = layers
-        base = AutoModelForCausalLM.from_config(config)
-        plain = copy.deepcopy(base)  # its routes, outside the compiled model
-        model = prepare_policy(base, remove_padding=True, fused_kernels="compile")
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    config = random_model_config("qwen3-moe-tiny")
+    config.num_hidden_layers = layers
+    base = AutoModelForCausalLM.from_config(config)
+    plain = copy.deepcopy(base)  # its routes, outside the compiled model
+    model = prepare_policy(base, remove_padding=remove_padding, fused_kernels="compile")
+    if replayed:
         routing.install(model)
-        before = counters["stats"]["unique_graphs"]
-        with torch.no_grad():
-            for lens in ([5, 9], [4, 7, 2]):
-                mb = ragged_batch(lens, config.vocab_size)
-                forward_logprobs(model, Batch({**mb.tensors, routing.BATCH_KEY: own_routes(plain, mb)}), 1.0)
-        made[layers] = counters["stats"]["unique_graphs"] - before
+    with torch.no_grad():
+        for lens in ([5, 9], [4, 7, 2]):
+            mb = ragged_batch(lens, config.vocab_size)
+            forward_logprobs(model, Batch({**mb.tensors, routing.BATCH_KEY: own_routes(plain, mb)}), 1.0)
+    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+
+
+def test_one_compiled_graph_serves_the_routers_of_every_layer(monkeypatch):
+    """model.fused_kernels = "compile" with replay: the compiled decoder layer's graphs are as many for
+    6 layers as for 2 (a router's layer is no constant of the traced code; one graph per layer would
+    pass torch.compile's recompile limit on a 48-layer model and run the rest eagerly)."""
+    made = {layers: compiled_counts(monkeypatch, layers, remove_padding=True)[1] for layers in (2, 6)}
     assert made[6] == made[2] > 0, made
 
 
@@ -233,28 +238,8 @@ def test_replay_adds_no_graph_break_or_graph_to_a_compiled_layer(monkeypatch):
     """model.fused_kernels = "compile": the replayed routers are traced inside their layer's graph, as the
     plain model's: no graph break (a break at the router compiled the rest of the block apart, every size
     symbolic, the expert count included) and no graph more than the plain model's, whichever layer."""
-    from torch._dynamo.utils import counters
-
-    from spmd_rl.model import fused_kernels
-
-    monkeypatch.setattr(fused_kernels, "COMPILE_OPTIONS", {"backend": "aot_eager"})
-    made = {}
-    for replayed in (False, True):
-        torch._dynamo.reset()
-        counters.clear()
-        torch.manual_seed(0)
-        config = random_model_config("qwen3-moe-tiny")
-        config.num_hidden_layers = 3
-        base = AutoModelForCausalLM.from_config(config)
-        plain = copy.deepcopy(base)
-        model = prepare_policy(base, remove_padding=False, fused_kernels="compile")
-        if replayed:
-            routing.install(model)
-        with torch.no_grad():
-            for lens in ([5, 9], [4, 7, 2]):
-                mb = ragged_batch(lens, config.vocab_size)
-                forward_logprobs(model, Batch({**mb.tensors, routing.BATCH_KEY: own_routes(plain, mb)}), 1.0)
-        made[replayed] = (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
+    made = {replayed: compiled_counts(monkeypatch, 3, remove_padding=False, replayed=replayed)
+            for replayed in (False, True)}
     assert made[True] == made[False], made
 
 
