@@ -123,10 +123,9 @@ ARCH_PRESETS: dict[str, dict] = {
     "glm-4.7-flash-4layers": dict(model_type="glm4_moe_lite", vocab_size=154880, hidden_size=2048,
                                   intermediate_size=10240, moe_intermediate_size=1536, n_routed_experts=64,
                                   num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
-                                  topk_group=1,
-                                  routed_scaling_factor=1.8, norm_topk_prob=True, kv_lora_rank=512, q_lora_rank=768,
-                                  qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256, num_attention_heads=20,
-                                  num_key_value_heads=20, num_hidden_layers=4,
+                                  topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True, kv_lora_rank=512,
+                                  q_lora_rank=768, qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256,
+                                  num_attention_heads=20, num_key_value_heads=20, num_hidden_layers=4,
                                   tie_word_embeddings=False, max_position_embeddings=202752, rms_norm_eps=1e-5),
     # its layers cut to 4: the real experts, router and attention shapes for the GPU tests (tests/gpu/test_moe_gpu.py)
     "qwen3-30b-a3b-4layers": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,

@@ -197,15 +197,15 @@ FOUR_NORM_MODEL_TYPES = ("gemma3_text",)
 """Model types with four RMSNorms of hidden_size per layer (Gemma 3: before and after attention and MLP)."""
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 """config.json entries that count a mixture's experts."""
+MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe_lite")
+"""Mixture-of-experts families whose layout the formula knows (moe_layer_count); others are refused."""
+LATENT_ATTENTION_MODEL_TYPES = ("glm4_moe_lite",)
+"""Model types with multi-head latent attention (ModelShape.latent)."""
 
 
 def experts_of(config: dict) -> int:
     """The routed experts a config.json's (text config's) entries name (EXPERT_KEYS); 0 for a dense model."""
     return next((int(config[k]) for k in EXPERT_KEYS if config.get(k)), 0)
-MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe_lite")
-"""Mixture-of-experts families whose layout the formula knows (moe_layer_count); others are refused."""
-LATENT_ATTENTION_MODEL_TYPES = ("glm4_moe_lite",)
-"""Model types with multi-head latent attention (ModelShape.latent)."""
 
 
 def moe_layer_count(config: dict) -> int:
