@@ -136,11 +136,12 @@ class RolloutConfig:
     policies (docs/training.md, "Long-tailed response lengths"). Needs every response's log-probs; not with
     multi-turn or algorithm.dynamic_sampling."""
     partial_chunk_tokens: int = 0
-    """Partial rollouts: tokens per unfinished response per engine call; after each call the ranks
-    check whether the step's groups are complete. 0 = a quarter of data.max_response_length. Smaller
-    cuts closer to the batch, at one more prefill of every running response per call and a step
-    that waits in more rounds for the groups at the staleness bound (docs/training.md,
-    "Long-tailed response lengths", says how the defaults were chosen)."""
+    """Partial rollouts: engine steps (tokens per running response) between two checks of whether the
+    step's groups are complete; the step's run stops at the first check that finds them.
+    0 = 64, or a quarter of data.max_response_length where that is fewer. Smaller cuts closer to the
+    batch at one more all-reduce per check; with an engine that resumes its requests at every check
+    (the HF engine's rounds) also one more prefill of every running response (docs/training.md,
+    "Long-tailed response lengths")."""
     max_staleness: int = 2
     """Partial rollouts: most policy versions (optimizer steps) between a group's first token and
     the update that trains it."""
@@ -273,7 +274,8 @@ class RolloutConfig:
             ("max_tool_response_tokens", self.max_tool_response_tokens >= 0, ">= 0 (0 = no limit)"),
             ("tool_pool_size", self.tool_pool_size >= 1, ">= 1"),
             ("logprob_sample_every", self.logprob_sample_every >= 0, ">= 0 (0 = no mismatch metrics)"),
-            ("partial_chunk_tokens", self.partial_chunk_tokens >= 0, ">= 0 (0 = a quarter of data.max_response_length)"),
+            ("partial_chunk_tokens", self.partial_chunk_tokens >= 0,
+             ">= 0 (0 = 64, or a quarter of data.max_response_length where fewer)"),
             ("max_staleness", self.max_staleness >= 1, ">= 1"),
         ]
 

@@ -76,7 +76,8 @@ class Completion:
     """log p(token_t | prefix) under logits / temperature (greedy: temperature 1); None when its
     prompt did not ask for them (SamplingParams.logprobs_every)."""
     finish_reason: str
-    """"stop" (EOS or a stop token, which is included in token_ids) or "length"."""
+    """"stop" (EOS or a stop token, which is included in token_ids) or "length"; "" for a request an
+    engine run stopped before its end (EngineRun.stop)."""
     mask: list[int] | None = None
     """Multi-turn trajectories (spmd_rl/rollout/multiturn/): 1 on the tokens the model sampled, 0 on
     the tool/environment tokens between its turns (their log-probs are 0). None: every token is
@@ -97,6 +98,19 @@ class Completion:
         return Completion(list(self.token_ids), None if self.logprobs is None else list(self.logprobs),
                           self.finish_reason, None if self.mask is None else list(self.mask), self.reward,
                           None if self.messages is None else [dict(m) for m in self.messages], self.routes)
+
+
+class EngineRun(Protocol):
+    """Requests an engine runs until the caller stops them (partial rollouts, spmd_rl/rollout/partial.py):
+    what an engine's optional `start(prompts, sampling, max_new_tokens, asks_logprobs)` returns, with
+    the arguments of `generate` and one completion per prompt. Collective like generate."""
+
+    def advance(self, steps: int) -> list[tuple[int, Completion]]:
+        """Up to `steps` more tokens per running request: the requests that finished in them, as
+        (index among the caller's prompts, its completion)."""
+
+    def stop(self) -> list[tuple[int, Completion]]:
+        """End the run: every unfinished request, with its tokens and log-probs so far (finish_reason "")."""
 
 
 class RolloutEngine(Protocol):

@@ -2,14 +2,20 @@
 
 With `rollout.partial_rollouts` on, a step does not wait for its longest response. Each rank keeps a
 pool of prompt groups in flight: the groups carried over from earlier steps (oldest first), then the
-step's new prompts. The engine generates in rounds of `rollout.partial_chunk_tokens` tokens (by
-default a quarter of data.max_response_length) per unfinished response (a round resumes a response
-as a new request whose prompt is prompt + the tokens so far, with the tokens it has left; vLLM
-rebuilds the KV cache by prefill, prefix caching helps).
-After each round the ranks agree, by counts alone, whether every rank has its batch: the step's
-prompts per rank in complete groups (all n samples done: GRPO's advantages need the whole group),
-and, under stale_policy "wait", every group at the staleness bound complete. Never by clocks: in
-lockstep SPMD every rank (and tensor-parallel group) must make the same number of engine calls.
+step's new prompts. Every unfinished response of the pool goes into one engine run a step, carried
+groups first (a carried response is resumed as a new request whose prompt is prompt + its tokens so
+far, with the tokens it has left; vLLM rebuilds its KV cache by prefill, once a step). The run goes on
+in stretches of `rollout.partial_chunk_tokens` engine steps (tokens per running response); after each,
+the ranks agree, by counts alone, whether every rank has its batch: the step's prompts per rank in
+complete groups (all n samples done: GRPO's advantages need the whole group), and, under stale_policy
+"wait", every group at the staleness bound complete. Then the run stops: the unfinished responses keep
+their tokens and go on next step. Never by clocks: in lockstep SPMD every rank (and tensor-parallel
+group) must make the same calls.
+
+vLLM's engine keeps its requests running between the checks (`VLLMEngine.start`: a streamed run,
+spmd_rl/rollout/vllm/streamed.py), so the engine stays full of work until the cut. An engine without a
+streamed run (the HF engine) runs `Rounds`: each stretch one generate call that resumes every unfinished
+response anew.
 
 Every response token keeps the policy version that sampled it (the number of optimizer steps behind
 the weights it was sampled with) and its behaviour log-prob under those weights: the rollout log-probs
@@ -36,6 +42,11 @@ import torch
 
 from spmd_rl.rollout.base import Completion, SamplingParams
 from spmd_rl.runtime.distributed import all_reduce_sum
+
+CHECK_EVERY = 64
+"""rollout.partial_chunk_tokens = 0: the ranks check the cut every this many engine steps, or every
+quarter of data.max_response_length where that is fewer. A check is one all-reduce of a flag; the
+engine decodes on past the cut by up to this many steps, whose tokens carry over."""
 
 
 @dataclass
@@ -100,8 +111,8 @@ class PartialRollouts:
              limits: list[int] | None = None) -> tuple[list, list[list[Completion]], dict[str, float]]:
         """Generate until every rank has `per_rank` complete groups (collective), and return this
         step's records, their completions (behaviour log-probs per token) and the metrics, reduced over
-        ranks. `version`: the policy version of the engine's weights now; `sampling(round)`: the
-        round's sampling settings (its seed); `limits`: each new record's token limit (default
+        ranks. `version`: the policy version of the engine's weights now; `sampling(k)`: the sampling
+        settings of the step's run (k = 0; Rounds: its k-th generate call, for the seed); `limits`: each new record's token limit (default
         data.max_response_length)."""
         pool, dropped = [], 0
         for g in sorted(self.carried, key=lambda g: g.born(version)):  # oldest first
@@ -112,14 +123,21 @@ class PartialRollouts:
                 pool.append(g)
         pool += [Group(rec, [Response() for _ in range(self.n)], limit)
                  for rec, limit in zip(records, limits or [self.max_len] * len(records))]
-        rounds = 0
+        run, running, checks = None, [], 0
         while not self._agreed(pool, version):
-            self._round(engine, pool, version, sampling(rounds))
-            rounds += 1
+            if run is None:  # one run a step: every unfinished response, carried groups first
+                running = [(g, r) for g in pool for r in g.responses if not r.finish_reason]
+                run = self._start(engine, running, sampling)
+            for i, c in run.advance(self.chunk):
+                self._extend(*running[i], c, version)
+            checks += 1
+        if run is not None:
+            for i, c in run.stop():  # unfinished: their tokens so far carry over
+                self._extend(*running[i], c, version)
         done = [g for g in pool if g.complete][:self.per_rank]  # oldest first: pool order
         chosen = set(map(id, done))
         self.carried = [g for g in pool if id(g) not in chosen]
-        metrics = self._metrics(done, version, dropped, rounds)
+        metrics = self._metrics(done, version, dropped, checks)
         return [g.record for g in done], [[r.completion() for r in g.responses] for g in done], metrics
 
     def _must_finish(self, g: Group, version: int) -> bool:
@@ -134,26 +152,38 @@ class PartialRollouts:
         flag = torch.tensor([0.0 if (ready or not running) else 1.0], dtype=torch.float64, device=self.device)
         return all_reduce_sum(flag, op=torch.distributed.ReduceOp.MAX).item() == 0.0
 
-    def _round(self, engine, pool: list[Group], version: int, sampling: SamplingParams) -> None:
-        """One engine call: every unfinished response (carried groups first) for up to chunk_tokens
-        more tokens. Every rank calls, also with none to run (a tensor-parallel group gathers)."""
-        running = [(g, r) for g in pool for r in g.responses if not r.finish_reason]
-        prompts = [list(g.record.prompt_ids) + r.tokens for g, r in running]
-        limits = [min(self.chunk, g.max_len - len(r.tokens)) for g, r in running]
-        one = dataclasses.replace(sampling, n=1, max_new_tokens=self.chunk, logprobs_every=1)
-        outs = engine.generate(prompts, one, max_new_tokens=limits, asks_logprobs=[True] * len(prompts))
-        for (g, r), limit, (c,) in zip(running, limits, outs):
-            r.tokens += c.token_ids
-            r.logprobs += c.logprobs
-            r.versions += [version] * len(c.token_ids)
-            r.routes = c.routes
-            if c.finish_reason == "stop" or len(r.tokens) >= g.max_len:
-                r.finish_reason = c.finish_reason if c.finish_reason == "stop" else "length"
+    def resume_prompt(self, g: Group, r: Response) -> list[int]:
+        """What the engine continues: the prompt and the response's tokens so far."""
+        return list(g.record.prompt_ids) + r.tokens
+
+    def _start(self, engine, running: list[tuple[Group, Response]], sampling: Callable[[int], SamplingParams]):
+        """The step's engine run of `running` (each to its group's token limit): the engine's own
+        streamed run where it has one (`start`: vLLM), else `Rounds` of generate calls. Every rank
+        starts one, also with nothing to run (a tensor-parallel group gathers)."""
+        prompts = [self.resume_prompt(g, r) for g, r in running]
+        limits = [g.max_len - len(r.tokens) for g, r in running]
+        if hasattr(engine, "start"):
+            one = dataclasses.replace(sampling(0), n=1, max_new_tokens=self.max_len, logprobs_every=1)
+            return engine.start(prompts, one, max_new_tokens=limits, asks_logprobs=[True] * len(prompts))
+        return Rounds(engine, prompts, limits, sampling)
+
+    @staticmethod
+    def _extend(g: Group, r: Response, c: Completion, version: int) -> None:
+        """A response's tokens from this step's run: sampled by the weights of `version`; finished
+        when the run finished it ("stop", or "length" at its group's limit)."""
+        r.tokens += c.token_ids
+        r.logprobs += c.logprobs
+        r.versions += [version] * len(c.token_ids)
+        if c.finish_reason:
+            r.routes = c.routes  # the whole row's, from its last run
+            r.finish_reason = c.finish_reason
+
 
     def _metrics(self, done: list[Group], version: int, dropped: int, rounds: int) -> dict[str, float]:
         """rollout/staleness_mean and _max over the trained tokens (versions behind the weights that
         train them), rollout/staleness_share_k (k = 0..max_staleness: a histogram), stale_dropped,
-        dropped_at_save, carried_groups (after the cut, summed over ranks), rounds (engine calls)."""
+        dropped_at_save, carried_groups (after the cut, summed over ranks), partial_rounds (the checks of
+        the cut: stretches of partial_chunk_tokens engine steps)."""
         ages = torch.tensor([version - v for g in done for r in g.responses for v in r.versions], dtype=torch.float64)
         hist = [float((ages == k).sum()) for k in range(self.max_staleness + 1)]
         sums = torch.tensor([float(ages.sum()), float(len(ages)), dropped, self.dropped_at_save, len(self.carried),
@@ -170,6 +200,37 @@ class PartialRollouts:
         return out
 
 
+class Rounds:
+    """An engine run (spmd_rl/rollout/base.py, EngineRun) made of `generate` calls, for an engine
+    without its own (the HF engine): each `advance(steps)` is one call that resumes every unfinished
+    request as a new one (prompt + its tokens so far) for up to `steps` more tokens."""
+
+    def __init__(self, engine, prompts: list[list[int]], limits: list[int], sampling: Callable[[int], SamplingParams]):
+        self.engine, self.prompts, self.limits, self.sampling = engine, prompts, limits, sampling
+        self.out = [Completion([], [], "") for _ in prompts]
+        self.calls = 0
+
+    def advance(self, steps: int) -> list[tuple[int, Completion]]:
+        todo = [i for i, c in enumerate(self.out) if not c.finish_reason]
+        one = dataclasses.replace(self.sampling(self.calls), n=1, max_new_tokens=steps, logprobs_every=1)
+        self.calls += 1
+        outs = self.engine.generate([self.prompts[i] + self.out[i].token_ids for i in todo], one,
+                                    max_new_tokens=[min(steps, self.limits[i] - len(self.out[i].token_ids))
+                                                    for i in todo],
+                                    asks_logprobs=[True] * len(todo))
+        finished = []
+        for i, (c,) in zip(todo, outs):
+            o = self.out[i]
+            o.token_ids += c.token_ids
+            o.logprobs += c.logprobs
+            if c.finish_reason == "stop" or len(o.token_ids) >= self.limits[i]:
+                o.finish_reason, o.routes = c.finish_reason, c.routes
+                finished.append((i, o.copy()))
+        return finished
+
+    def stop(self) -> list[tuple[int, Completion]]:
+        return [(i, o.copy()) for i, o in enumerate(self.out) if not o.finish_reason]
+
 def from_config(cfg, world_size: int, device: torch.device) -> PartialRollouts | None:
     """The trainer's partial rollouts (rollout.partial_rollouts), or None when off."""
     r = cfg.rollout
@@ -177,4 +238,5 @@ def from_config(cfg, world_size: int, device: torch.device) -> PartialRollouts |
         return None
     longest = cfg.data.max_response_length
     return PartialRollouts(r.n, cfg.data.train_batch_size // world_size, longest,
-                           r.partial_chunk_tokens or max(1, longest // 4), r.max_staleness, r.stale_policy, device)
+                           r.partial_chunk_tokens or min(CHECK_EVERY, max(1, longest // 4)), r.max_staleness,
+                           r.stale_policy, device)

@@ -52,20 +52,11 @@ def run_step(pr, engine, recs, version):
 
 
 class TwoSamples(PartialRollouts):
-    """Sample s of a group sees the prompt [g, s], so the scripted engine knows which sample it runs."""
+    """Sample s of group g resumes as the prompt [g, s] + its tokens, so the scripted engine knows which
+    sample it runs."""
 
-    def _round(self, engine, pool, version, sampling):
-        super()._round(_Tagged(engine, pool), pool, version, sampling)
-
-
-class _Tagged:
-    def __init__(self, engine, pool):
-        self.engine, self.pool = engine, pool
-
-    def generate(self, prompts, sampling, max_new_tokens=None, asks_logprobs=None):
-        running = [(g, s) for g in self.pool for s, r in enumerate(g.responses) if not r.finish_reason]
-        tagged = [[g.record.prompt_ids[0], s] + p[1:] for (g, s), p in zip(running, prompts)]
-        return self.engine.generate(tagged, sampling, max_new_tokens, asks_logprobs)
+    def resume_prompt(self, g, r):
+        return [g.record.prompt_ids[0], next(s for s, x in enumerate(g.responses) if x is r)] + r.tokens
 
 
 LENGTHS = {0: [2, 2], 1: [8, 8], 2: [2, 4], 3: [4, 4], 4: [2, 2], 5: [2, 2], 6: [2, 2], 7: [2, 2]}
@@ -94,7 +85,7 @@ def test_versions_logprobs_and_correction_weights_are_exact():
     # a mixture's routing: the last call's, over the whole row (prompt [g, s] + 4 tokens, the last one never fed)
     assert comps[0][0].routes.flatten().tolist() == [0] * 5
     carried = pr.carried[0].responses[0]
-    assert carried.routes.flatten().tolist() == [1] * 7
+    assert carried.routes is None  # unfinished: its last run gives the whole row's when it finishes
     assert carried.versions == [0, 0, 0, 0, 1, 1] and carried.logprobs == pytest.approx([-0.1] * 4 + [-0.2] * 2)
 
     # the actor now (version 1) gives -0.2 to every token: token-level TIS = exp(actor - behaviour)
@@ -117,6 +108,7 @@ def test_wait_finishes_the_groups_at_the_bound():
     # group 1 is at the bound: the step runs until its 8 tokens are done (two more rounds), and it trains first
     assert [r.index for r in recs] == [1, 3] and m["rollout/partial_rounds"] == 2 and m["rollout/stale_dropped"] == 0
     assert comps[0][0].logprobs == pytest.approx([-0.1] * 4 + [-0.2] * 4)
+    assert comps[0][0].routes.flatten().tolist() == [1] * 9  # its last call's: prompt [g, s] + 8 tokens, less one
     assert m["rollout/staleness_max"] == 1
     _, _, m = run_step(pr, eng, records(6, 7), version=2)
     assert m["rollout/stale_dropped"] == 0 and m["rollout/staleness_max"] <= 1
@@ -154,15 +146,82 @@ def test_a_group_ages_from_its_first_token():
     assert [r.index for r in recs] == [0, 1] and m["rollout/stale_dropped"] == 0 and m["rollout/staleness_max"] == 0
 
 
-def test_the_rounds_default_to_a_quarter_of_the_longest_response():
+def test_the_checks_default_to_64_steps_or_a_quarter_of_the_longest_response():
     from spmd_rl.config.run_config import Config
     from spmd_rl.rollout.partial import from_config
 
     cfg = Config()
     assert from_config(cfg, 1, torch.device("cpu")) is None  # off
     cfg.rollout.partial_rollouts, cfg.data.max_response_length = True, 8192
-    assert from_config(cfg, 1, torch.device("cpu")).chunk == 2048
+    assert from_config(cfg, 1, torch.device("cpu")).chunk == 64
+    cfg.data.max_response_length = 200
+    assert from_config(cfg, 1, torch.device("cpu")).chunk == 50
     cfg.data.max_response_length = 2
     assert from_config(cfg, 1, torch.device("cpu")).chunk == 1  # at least one token
     cfg.rollout.partial_chunk_tokens = 300
     assert from_config(cfg, 1, torch.device("cpu")).chunk == 300  # a set value is kept
+
+
+class StreamingEngine(ScriptedEngine):
+    """The scripted engine with a streamed run of its own (`start`, as vLLM's): a run keeps its requests
+    between `advance` calls instead of resuming them as new ones. Counts its runs."""
+
+    def __init__(self, lengths):
+        super().__init__(lengths)
+        self.starts = 0
+
+    def start(self, prompts, sampling, max_new_tokens=None, asks_logprobs=None):
+        assert sampling.n == 1 and all(asks_logprobs)
+        self.starts += 1
+        return _ScriptedRun(self, prompts, max_new_tokens)
+
+
+class _ScriptedRun:
+    def __init__(self, engine, prompts, limits):
+        self.engine, self.prompts, self.limits = engine, prompts, limits
+        self.out = [Completion([], [], "") for _ in prompts]
+
+    def advance(self, steps):
+        finished = []
+        for i, (prompt, limit, o) in enumerate(zip(self.prompts, self.limits, self.out)):
+            if o.finish_reason:
+                continue
+            target = self.engine.lengths[prompt[0]][prompt[1]] - (len(prompt) - 2)  # tokens this run owes
+            n = min(steps, target - len(o.token_ids), limit - len(o.token_ids))
+            o.token_ids += [7] * n
+            o.logprobs += [-0.1 * (self.engine.version + 1)] * n
+            if len(o.token_ids) == target:
+                o.token_ids[-1], o.finish_reason = STOP, "stop"
+            elif len(o.token_ids) == limit:
+                o.finish_reason = "length"
+            if o.finish_reason:
+                o.routes = torch.full((len(prompt) + len(o.token_ids) - 1, 1, 1), self.engine.version,
+                                      dtype=torch.int16)
+                finished.append((i, o.copy()))
+        return finished
+
+    def stop(self):
+        return [(i, o.copy()) for i, o in enumerate(self.out) if not o.finish_reason]
+
+
+@pytest.mark.parametrize("policy", ["drop", "wait"])
+def test_a_streamed_run_cuts_as_rounds_do_with_one_run_a_step(policy):
+    """An engine with its own run (vLLM's streamed one) trains the same groups, tokens, log-probs,
+    versions and routes as rounds of generate calls, step after step, and starts one run a step: its
+    unfinished requests are not resumed at every check."""
+    rounds_pr, rounds_eng = new(policy), ScriptedEngine(LENGTHS)
+    stream_pr, stream_eng = new(policy), StreamingEngine(LENGTHS)
+    generating = 0
+    for version, recs in enumerate([(0, 1, 2, 3), (4, 5), (6, 7), (), ()]):
+        a = run_step(rounds_pr, rounds_eng, records(*recs), version)
+        b = run_step(stream_pr, stream_eng, records(*recs), version)
+        assert [r.index for r in a[0]] == [r.index for r in b[0]]
+        for ca, cb in zip(sum(a[1], []), sum(b[1], [])):
+            assert (ca.token_ids, ca.logprobs, ca.finish_reason) == (cb.token_ids, cb.logprobs, cb.finish_reason)
+            assert torch.equal(ca.routes, cb.routes)
+        assert a[2] == b[2]
+        assert [[r.versions for r in g.responses] for g in rounds_pr.carried] == \
+               [[r.versions for r in g.responses] for g in stream_pr.carried]
+        generating += a[2]["rollout/partial_rounds"] > 0
+    assert stream_eng.starts == generating and stream_eng.calls == 0
+    assert rounds_eng.calls > generating  # rounds resume the unfinished requests at every check

@@ -67,11 +67,17 @@ from spmd_rl.rollout.base import Completion, SamplingParams
 from spmd_rl.rollout.vllm import sleep as vllm_sleep
 from spmd_rl.rollout.vllm.model_inspection import in_process_inspection
 from spmd_rl.rollout.vllm.outputs import completion, logprob_request, paused_gc, supports_flat_logprobs
+from spmd_rl.rollout.vllm.streamed import StreamedRun
 from spmd_rl.runtime.gpu_memory import engine_build_allocator, expandable_segments_requested, set_expandable_segments
 
 log = logging.getLogger(__name__)
 
 TAGS = ("weights", "kv_cache")
+STREAM_INTERVAL = 16
+"""vLLM's `stream_interval` with partial rollouts: a streamed run's request (streamed.py) delivers its new
+tokens every this many, not every step (each delivery is a Python object per running request, on the
+CPU the decode loop waits for); a stopped request loses at most this many - 1 of its last tokens, which
+it samples again when it goes on. Requests of `generate` deliver only at their end either way."""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -154,6 +160,8 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
         enable_chunked_prefill=r.enable_chunked_prefill,
         disable_custom_all_reduce=r.disable_custom_all_reduce,
     )
+    if r.partial_rollouts:  # a streamed run's requests deliver their new tokens every STREAM_INTERVAL tokens
+        kw["stream_interval"] = STREAM_INTERVAL
     if returns_routes(cfg, model_dir):  # routing replay: each token's experts come back (Completion.routes)
         kw["enable_return_routed_experts"] = True
     if cfg.model.adapter_sync:  # LoRA layers in the engine: the base kept, the adapter loaded each step
@@ -375,6 +383,7 @@ class VLLMEngine:
         self._awake = set(TAGS)
         self._weights_valid = False  # dummy weights until the first load_weights
         self._prefix_cache_stale = False
+        self._runs = 0  # streamed runs started (their request ids)
         self.sleep()
         log.info("vLLM engine ready in %.1fs: replica %d, tp %d, sleep level %d, stop ids %s",
                  self.init_seconds, self.replica, tp, self.sleep_level, self.stop_ids)
@@ -524,12 +533,11 @@ class VLLMEngine:
         dist.all_gather_object(out, payload, group=self._group)
         return out
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: list[int] | None = None,
-                 asks_logprobs: list[bool] | None = None) -> list[list[Completion]]:
-        """`sampling.n` completions per prompt. Collective within the TP group: every rank calls it
-        (with its own, possibly empty, prompt list) and the same sampling settings.
-        `max_new_tokens`: a limit per prompt instead of sampling.max_new_tokens; `asks_logprobs`:
-        per prompt, whether it gets log-probs, instead of sampling.asks_logprobs (each rank's own)."""
+    def _group_requests(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: list[int] | None,
+                        asks_logprobs: list[bool] | None) -> tuple[list[list[int]], list[Any], list[bool], int]:
+        """The TP group's requests (collective within the group: every rank passes its own prompts and
+        the same sampling settings): every rank's prompts in rank order, their vLLM SamplingParams, whether
+        each asks for log-probs, and where this rank's prompts start among them."""
         self._check_ready()
         limits, asks = sampling.per_prompt(len(prompts), max_new_tokens, asks_logprobs)
         parts = self._gather(([list(map(int, p)) for p in prompts], _sampling_key(sampling), limits, asks))
@@ -540,18 +548,26 @@ class VLLMEngine:
         seed = parts[0][1][-1]  # the group's first rank decides the seed
         all_prompts = [p for ps, _, _, _ in parts for p in ps]
         all_limits = [k for _, _, ks, _ in parts for k in ks]
+        all_asks = [a for _, _, _, ask in parts for a in ask]
+        # An explicit seed per request, from (engine seed, call seed, position in the group's batch):
+        # the same on every rank of the group, different across replicas, and not drawn from numpy's
+        # global RNG (vLLM's default), which ranks of a group could consume differently. vLLM 0.26's
+        # V2 model runner (the default for dense models) turns it into a counter-based Gumbel seed per
+        # (request, position): no per-request cost; n > 1 children get seed + index.
+        sps = [to_vllm_sampling(dataclasses.replace(sampling, max_new_tokens=limit), self.stop_ids, ask,
+                                self.flat_logprobs, seed=_mix_seed(self.engine_seed, seed, j) % 2**62)
+               for j, (limit, ask) in enumerate(zip(all_limits, all_asks))]
+        return all_prompts, sps, all_asks, sum(len(ps) for ps, _, _, _ in parts[: self.tp_rank])
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: list[int] | None = None,
+                 asks_logprobs: list[bool] | None = None) -> list[list[Completion]]:
+        """`sampling.n` completions per prompt. Collective within the TP group: every rank calls it
+        (with its own, possibly empty, prompt list) and the same sampling settings.
+        `max_new_tokens`: a limit per prompt instead of sampling.max_new_tokens; `asks_logprobs`:
+        per prompt, whether it gets log-probs, instead of sampling.asks_logprobs (each rank's own)."""
+        all_prompts, sps, asks, start = self._group_requests(prompts, sampling, max_new_tokens, asks_logprobs)
         results: list[list[Completion]] = []
         if all_prompts:
-            # An explicit seed per request, from (engine seed, call seed, position in the group's
-            # batch): the same on every rank of the group, different across replicas, and not drawn
-            # from numpy's global RNG (vLLM's default), which ranks of a group could consume
-            # differently. vLLM 0.26's V2 model runner (the default for dense models) turns it into
-            # a counter-based Gumbel seed per (request, position): no per-request cost; n > 1
-            # children get seed + index.
-            asks = [a for _, _, _, ask in parts for a in ask]
-            sps = [to_vllm_sampling(dataclasses.replace(sampling, max_new_tokens=limit), self.stop_ids, ask,
-                                    self.flat_logprobs, seed=_mix_seed(self.engine_seed, seed, j) % 2**62)
-                   for j, (limit, ask) in enumerate(zip(all_limits, asks))]
             with paused_gc(self.pause_gc):
                 outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps, use_tqdm=False,
                                          **adapter_kwargs(self._lora_request))
@@ -560,8 +576,25 @@ class VLLMEngine:
                     if sampling.greedy and sampling.n > 1:
                         comps = [comps[0].copy() for _ in range(sampling.n)]
                     results.append(comps)
-        start = sum(len(ps) for ps, _, _, _ in parts[: self.tp_rank])
         return results[start : start + len(prompts)]
+
+    def start(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: list[int] | None = None,
+              asks_logprobs: list[bool] | None = None) -> StreamedRun:
+        """The requests of `generate` (one completion each: sampling.n must be 1), added to the engine
+        without running them: the caller advances the run and stops it (spmd_rl/rollout/vllm/streamed.py;
+        partial rollouts). Collective within the TP group like generate."""
+        if sampling.n != 1:
+            raise ValueError(f"a streamed run takes one completion per prompt, got n = {sampling.n}")
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        all_prompts, sps, asks, start = self._group_requests(prompts, sampling, max_new_tokens, asks_logprobs)
+        for sp in sps:
+            sp.output_kind = RequestOutputKind.DELTA  # each output: the tokens new since the last
+        self._runs += 1
+        return StreamedRun(self.llm.llm_engine, [tokens_input(p) for p in all_prompts], sps, asks,
+                           range(start, start + len(prompts)), f"run{self._runs}-", self._lora_request,
+                           self.num_experts, self.pause_gc)
 
     def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
         """Teacher-forced log p(seq[t] | seq[:t]), t >= 1, for this rank's sequences (collective

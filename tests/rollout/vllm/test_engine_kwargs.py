@@ -414,3 +414,14 @@ def test_the_adapter_sync_builds_vllms_lora_layers_for_the_rank(tmp_path):
         "rollout.engine_kwargs.lora_target_modules cannot be set: set from model.lora_target_modules")
     for name in ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras"):
         assert "set from model.lora_rank and model.lora_sync" in refusal({name: 1})
+
+
+def test_partial_rollouts_stream_new_tokens_every_few():
+    """With rollout.partial_rollouts, vLLM sends a streamed run's tokens every STREAM_INTERVAL (streamed.py);
+    without, vLLM's default."""
+    from spmd_rl.rollout.vllm.engine import STREAM_INTERVAL
+
+    cfg = Config()
+    assert "stream_interval" not in engine_kwargs(cfg, "/m", 0)
+    cfg.rollout.partial_rollouts = True
+    assert engine_kwargs(cfg, "/m", 0)["stream_interval"] == STREAM_INTERVAL > 1

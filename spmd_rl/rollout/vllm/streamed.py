@@ -1,0 +1,89 @@
+"""A streamed run: requests added to vLLM's engine that the caller advances a few engine steps at a time
+and stops, keeping what every unfinished request has generated so far (partial rollouts:
+spmd_rl/rollout/partial.py).
+
+`LLM.generate` runs its requests to the end. A streamed run drives the same `LLMEngine` itself
+(`add_request`, `step`, `abort_request`), as `generate` does inside. Its requests ask for DELTA outputs
+(VLLMEngine.start sets them), so a request's output carries the tokens (and their log-probs) that are new
+since its last one, and the run appends them; `stop` aborts the unfinished requests and hands back their
+tokens so far. vLLM sends a running request's new tokens every `stream_interval` tokens (an engine
+argument, set by spmd_rl.rollout.vllm.engine.engine_kwargs with partial rollouts), so up to
+stream_interval - 1 of an aborted request's last tokens never arrive: they go with it, and the response
+samples them again when it goes on.
+
+Collective like `generate`: every rank of a tensor-parallel group holds the group's requests and makes
+the same calls, so the ranks' engines step in lockstep; a rank returns only its own requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from spmd_rl.rollout.base import Completion
+from spmd_rl.rollout.vllm.outputs import paused_gc, routes, sampled_logprobs
+
+
+class StreamedRun:
+    """The run of one call of VLLMEngine.start (the EngineRun protocol of spmd_rl/rollout/base.py)."""
+
+    def __init__(self, engine: Any, prompts: list[Any], params: list[Any], asks: list[bool], mine: range,
+                 id_prefix: str, lora_request: Any = None, num_experts: int = 0, pause_gc: bool = True):
+        """`engine`: vLLM's LLMEngine; `prompts` (vLLM's token inputs), `params` (vLLM SamplingParams asking
+        for DELTA outputs) and `asks` (whether each asks for log-probs): the tensor-parallel group's
+        requests; `mine`: this rank's among them; `id_prefix`: their request ids' (unique per run)."""
+        self.engine, self.mine, self.asks = engine, mine, asks
+        self.num_experts, self.pause_gc = num_experts, pause_gc
+        self.ids = [f"{id_prefix}{j}" for j in range(len(prompts))]
+        self.index = {rid: j for j, rid in enumerate(self.ids)}
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.logprobs: list[list[float] | None] = [[] if a else None for a in asks]
+        self.finished: list[str] = ["" for _ in prompts]
+        self.routes: dict[int, torch.Tensor | None] = {}  # a finished request's routing (Completion.routes)
+        kw = {"lora_request": lora_request} if lora_request is not None else {}
+        for rid, prompt, sp in zip(self.ids, prompts, params):
+            engine.add_request(rid, prompt, sp, **kw)
+
+    def advance(self, steps: int) -> list[tuple[int, Completion]]:
+        """Up to `steps` engine steps (fewer once nothing runs): the requests of this rank that finished
+        in them, as (index among this rank's prompts, its completion)."""
+        done: list[int] = []
+        with paused_gc(self.pause_gc):
+            for _ in range(steps):
+                if not self.engine.has_unfinished_requests():
+                    break
+                for out in self.engine.step():
+                    j = self.index.get(out.request_id)
+                    if j is None:  # not this run's (nothing else runs while it does)
+                        continue
+                    self._append(j, out.outputs[0])
+                    if out.finished:
+                        done.append(j)
+        return [(j - self.mine.start, self._completion(j)) for j in done if j in self.mine]
+
+    def stop(self) -> list[tuple[int, Completion]]:
+        """Abort the unfinished requests: each of this rank's, with its tokens and log-probs so far
+        (finish_reason "")."""
+        left = [rid for rid, j in self.index.items() if not self.finished[j]]
+        if left:
+            self.engine.abort_request(left)
+        return [(j - self.mine.start, self._completion(j)) for j in self.mine if not self.finished[j]]
+
+    # ------------------------------------------------------------------ internals
+    def _append(self, j: int, out: Any) -> None:
+        """A DELTA output's new tokens (and log-probs), and its finish reason and routing once finished."""
+        ids = list(out.token_ids)
+        self.tokens[j] += ids
+        if ids and self.asks[j]:
+            self.logprobs[j] += sampled_logprobs(ids, out.logprobs)
+        if out.finish_reason is not None:
+            if out.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM finished a request with reason {out.finish_reason!r} (aborted?)")
+            self.finished[j] = out.finish_reason
+            self.routes[j] = routes(out, self.num_experts)
+
+    def _completion(self, j: int) -> Completion:
+        lps = self.logprobs[j]
+        return Completion(list(self.tokens[j]), None if lps is None else list(lps), self.finished[j],
+                          routes=self.routes.get(j))
