@@ -64,6 +64,7 @@ class Variant(NamedTuple):
     flat: bool  # log-probs in vLLM's flat lists (SamplingParams.flat_logprobs)
     pause_gc: bool  # the garbage collector paused during the call
     doc: str
+    streamed: bool = False  # the requests run as a streamed run (VLLMEngine.start: partial rollouts), n = 1 each
 
 
 GROUPS = {
@@ -86,6 +87,8 @@ VARIANTS = {
     "ours": Variant("colocated", "plan", True, True, "as shipped: log-probs of every 8th prompt (mismatch metrics)"),
     "ours-none": Variant("colocated", "none", True, True, "no rollout log-probs"),
     "ours-all": Variant("colocated", "all", True, True, "every prompt's log-probs (TIS/MIS runs), flat, GC paused"),
+    "ours-all-streamed": Variant("colocated", "all", True, True, "every prompt's, as partial rollouts run them: "
+                                 "a streamed run advanced 64 engine steps at a time", streamed=True),
     "ours-all-flat": Variant("colocated", "all", True, False, "every prompt's, flat lists, GC running"),
     "ours-all-gc": Variant("colocated", "all", False, True, "every prompt's, vLLM's dicts, GC paused"),
     "ours-all-dicts": Variant("colocated", "all", False, False, "every prompt's, vLLM's dicts, GC running (a9e81bb)"),
@@ -402,7 +405,14 @@ class Colocated:
         self.eng.flat_logprobs, self.eng.pause_gc = flat, pause_gc
 
     def generate(self, prompts, sampling):
-        return self.eng.generate(prompts, sampling)
+        if not getattr(self, "streamed", False):
+            return self.eng.generate(prompts, sampling)
+        rows = [p for p in prompts for _ in range(sampling.n)]  # n = 1 a request, as partial rollouts ask
+        run, done = self.eng.start(rows, dataclasses.replace(sampling, n=1)), {}
+        while len(done) < len(rows):
+            done.update(run.advance(64))
+        run.stop()
+        return [[done[k * sampling.n + i] for i in range(sampling.n)] for k in range(len(prompts))]
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -550,6 +560,7 @@ def run_group(args: argparse.Namespace) -> None:
         for name in args.variants:
             v = VARIANTS[name]
             gen.levers(v.flat, v.pause_gc)
+            gen.streamed = v.streamed
             sampling = SamplingParams(n=args.samples, temperature=1.0, max_new_tokens=args.max_tokens, seed=1,
                                       logprobs_every=every_of[v.logprobs])
             out = {"logprobs_every": sampling.logprobs_every, "flat": v.flat, "pause_gc": v.pause_gc}
