@@ -13,6 +13,9 @@ files. Needs a GPU and vLLM.
     python scripts/bench/tune_lora_kernels.py --arch qwen2-7b --rank 32 --out DIR [--tp 2]
     VLLM_TUNED_CONFIG_FOLDER=DIR bash scripts/bench/bench_step.sh ...      (use them)
 
+The engine uses the files in spmd_rl/rollout/vllm/lora_kernel_configs/ by default where they were tuned
+for its GPU and shape (spmd_rl/rollout/vllm/lora_kernels.py): add a new GPU's or shape's entries there.
+
 The adapted layers are a decoder layer's q/k/v (one call of 3 slices), o, gate/up (2 slices) and down,
 as vLLM's LoRA layers slice them over tensor parallelism: a column-parallel layer (q/k/v, gate/up)
 shrinks the whole input and expands to its share of the outputs, a row-parallel one (o, down) shrinks
@@ -103,9 +106,11 @@ def nested(best: dict[KernelCall, dict], op: str) -> dict:
 
 
 def file_names(gpu_name: str) -> dict[str, str]:
-    """The file of each op vLLM's load_lora_op_config reads (spaces and dashes of the GPU's name as
-    underscores; expand's add_inputs is True in the LoRA layers' calls)."""
-    gpu = gpu_name.replace(" ", "_").replace("-", "_")
+    """The file of each op vLLM's load_lora_op_config reads (lora_kernels.file_prefix; expand's
+    add_inputs is True in the LoRA layers' calls)."""
+    from spmd_rl.rollout.vllm.lora_kernels import file_prefix
+
+    gpu = file_prefix(gpu_name)
     return {"shrink": f"{gpu}_SHRINK.json", "expand": f"{gpu}_EXPAND_TRUE.json"}
 
 

@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from spmd_rl.model.loading import DTYPES
 from spmd_rl.rollout.base import Completion, SamplingParams
+from spmd_rl.rollout.vllm import lora_kernels
 from spmd_rl.rollout.vllm import sleep as vllm_sleep
 from spmd_rl.rollout.vllm.model_inspection import in_process_inspection
 from spmd_rl.rollout.vllm.outputs import completion, logprob_request, paused_gc, supports_flat_logprobs
@@ -120,17 +121,22 @@ def returns_routes(cfg, model_dir: str) -> bool:
     return cfg.actor.router_replay == "engine" and expert_count(model_dir) > 0
 
 
+def text_config(model_dir: str) -> dict:
+    """model_dir's config.json (its text config, for a multimodal one); {} without one."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        config = json.load(f)
+    return config.get("text_config", config)
+
+
 def expert_count(model_dir: str) -> int:
     """The routed experts of each mixture-of-experts layer of model_dir's config.json (its text
     config); 0 for a dense model or a directory without one."""
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.exists(path):
-        return 0
     from spmd_rl.runtime.memory_plan import experts_of
 
-    with open(path) as f:
-        config = json.load(f)
-    return experts_of(config.get("text_config", config))
+    return experts_of(text_config(model_dir))
 
 
 def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_mode: bool = True,
@@ -372,6 +378,12 @@ class VLLMEngine:
         # are"). scripts/bench/bench_generation.py measures each.
         self.flat_logprobs = supports_flat_logprobs(VSP)
         self.pause_gc = True
+
+        if self.lora is not None:  # the LoRA kernels' tuned configs, where they ship for this GPU and shape
+            from spmd_rl.model.lora import vllm_max_lora_rank
+
+            log.info(lora_kernels.choose(torch.cuda.get_device_name(), text_config(model_dir)["hidden_size"],
+                                         vllm_max_lora_rank(cfg.model.lora_rank), tp))
 
         t0 = time.perf_counter()
         # CUDA graphs captured outside expandable segments (custom all-reduce); the model class
