@@ -382,7 +382,7 @@ class VLLMEngine:
         if self.lora is not None:  # the LoRA kernels' tuned configs, where they ship for this GPU and shape
             from spmd_rl.model.lora import vllm_max_lora_rank
 
-            log.info(lora_kernels.choose(torch.cuda.get_device_name(), text_config(model_dir).get("hidden_size", 0),
+            log.info(lora_kernels.choose(torch.cuda.get_device_name(), text_config(model_dir),
                                          vllm_max_lora_rank(cfg.model.lora_rank), tp))
 
         t0 = time.perf_counter()

@@ -2,16 +2,20 @@
 
 vLLM applies an adapter with two Triton kernels per adapted layer (shrink, expand). It looks each call's
 tile config up in the folder VLLM_TUNED_CONFIG_FOLDER names (`{GPU}_SHRINK.json`, `{GPU}_EXPAND_TRUE.json`,
-the GPU's name with spaces and dashes as underscores, keyed [max_loras][num_slices][tokens][k][n], the
-nearest key where none is equal), read once per process when a kernel first runs; without the folder it
-takes one default config for every shape, which at a 7B decode step can cost more than the base layers
-(docs/performance-details.md, "LoRA kernels").
+the GPU's name with spaces and dashes as underscores), keyed [max_loras][num_slices][tokens][k][n]: the
+number of slices must be a key, each other level takes the nearest key where none is equal. It reads the
+files once per process, when a kernel first runs (the engine's profile run), so setting the variable before
+the engine is built is enough. Without the folder it takes one default config for every shape, which at a 7B
+decode step can cost more than the base layers (docs/performance-details.md, "LoRA kernels").
 
 `lora_kernel_configs/` holds the configs `scripts/bench/tune_lora_kernels.py` found for a model shape on a
-GPU, one GPU per engine. `choose` points vLLM at them before the engine is built when they were tuned for
-this GPU, this hidden size and this rank, and the engine has no tensor parallelism (which splits the
-layers into other shapes): a nearest key of another shape is not a tuned config, and could be slower than
-vLLM's default. A folder the user set always wins. The start-up line says which configs the engine uses.
+GPU, one GPU per engine. `choose` points vLLM at them before the engine is built only where every kernel
+call of the model's decoder layer (q/k/v, o, gate/up, down at its hidden, attention and MLP widths and the
+engine's LoRA rank) has its own entry for this GPU at every tuned token count: by nearest key vLLM would
+take configs tuned at another shape too, which could be slower there than its default. Not with tensor
+parallelism (which splits the layers into other shapes), nor for a mixture of experts (with the folder set,
+vLLM's MoE LoRA layers look their configs up in it too, in place of their own choice, and none ship). A
+folder the user set always wins. The start-up line says which configs the engine uses.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ import os
 
 FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lora_kernel_configs")
 ENV = "VLLM_TUNED_CONFIG_FOLDER"
+MAX_LORAS = "2"
+"""The max_loras key the engine's kernels look up: its one adapter (engine_kwargs' max_loras=1) plus the
+no-adapter slot (scripts/bench/tune_lora_kernels.py's MAX_LORAS)."""
 TUNE = ("python scripts/bench/tune_lora_kernels.py --arch ARCH --rank R --out DIR, then run with "
         f"{ENV}=DIR (docs/lora.md, \"LoRA kernels\")")
 
@@ -30,30 +37,57 @@ def file_prefix(device_name: str) -> str:
     return device_name.replace(" ", "_").replace("-", "_")
 
 
-def tuned_for(folder: str, device_name: str, hidden_size: int, rank: int) -> bool:
-    """Whether `folder`'s shrink configs for this GPU hold the shape: an entry with k = hidden_size
-    (the input of the q/k/v and gate/up layers) and n = rank (vLLM's max_lora_rank)."""
-    path = os.path.join(folder, f"{file_prefix(device_name)}_SHRINK.json")
-    if not os.path.exists(path):
+def kernel_keys(config: dict, rank: int) -> dict[str, set[tuple[str, str, str]]]:
+    """The (num_slices, k, n) keys of the shrink and expand calls of a dense decoder layer at one GPU per
+    engine, from its config.json (text config): q/k/v (3 slices), o, gate/up (2 slices), down; shrink's
+    k is the layer's input and n the rank, expand's k the rank and n its widest slice."""
+    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
+    shrink = {(3, hidden), (1, q), (2, hidden), (1, inter)}
+    expand = {(3, max(q, kv)), (1, hidden), (2, inter)}
+    return {"shrink": {(str(s), str(k), str(rank)) for s, k in shrink},
+            "expand": {(str(s), str(rank), str(n)) for s, n in expand}}
+
+
+def tuned_for(folder: str, device_name: str, config: dict, rank: int) -> bool:
+    """Whether `folder`'s files for this GPU hold an entry of the model's own shape (kernel_keys) for every
+    kernel call at every token count they hold: vLLM's nearest-key lookup then never lands on another shape."""
+    try:
+        keys = kernel_keys(config, rank)
+    except KeyError:  # not a dense decoder's config.json
         return False
-    with open(path) as f:
-        data = json.load(f)
-    return any(str(rank) in by_k.get(str(hidden_size), {})
-               for by_slices in data.values() for by_m in by_slices.values() for by_k in by_m.values())
+    for op, name in (("shrink", "SHRINK"), ("expand", "EXPAND_TRUE")):
+        path = os.path.join(folder, f"{file_prefix(device_name)}_{name}.json")
+        if not os.path.exists(path):
+            return False
+        with open(path) as f:
+            by_slices = json.load(f).get(MAX_LORAS, {})
+        for slices, k, n in keys[op]:
+            by_m = by_slices.get(slices)
+            if not by_m or any(n not in by_k.get(k, {}) for by_k in by_m.values()):
+                return False
+    return True
 
 
-def choose(device_name: str, hidden_size: int, rank: int, tp: int = 1, environ=os.environ) -> str:
-    """Point vLLM at the shipped configs (sets `environ[ENV]`) where they were tuned for this GPU and
-    shape (`tp`: the engine's tensor-parallel size) and the user named no folder; returns the start-up
-    line's words for what the engine uses."""
+def choose(device_name: str, config: dict, rank: int, tp: int = 1, environ=os.environ) -> str:
+    """Point vLLM at the shipped configs (sets `environ[ENV]`) where they were tuned for this GPU and the
+    model's shape (`config`: its config.json's text config; `rank`: vLLM's max_lora_rank; `tp`: the engine's
+    tensor-parallel size) and the user named no folder; returns the start-up line's words for what the
+    engine uses."""
     if environ.get(ENV):
         return f"LoRA kernels: the configs in {ENV}={environ[ENV]}"
     if tp > 1:
         return (f"LoRA kernels: vLLM's default configs (the shipped ones are for one GPU per engine; to tune "
                 f"them for tensor parallelism {tp}: {TUNE.replace('--out DIR', f'--tp {tp} --out DIR')})")
-    if tuned_for(FOLDER, device_name, hidden_size, rank):
+    from spmd_rl.runtime.memory_plan import experts_of
+
+    if experts_of(config):
+        return ("LoRA kernels: vLLM's default configs (a mixture of experts: the shipped configs are for dense "
+                "models, and vLLM picks its MoE LoRA configs itself without a folder)")
+    shape = f"hidden size {config.get('hidden_size')}, rank {rank}"
+    if tuned_for(FOLDER, device_name, config, rank):
         environ[ENV] = FOLDER
-        return (f"LoRA kernels: configs tuned for {device_name}, hidden size {hidden_size}, rank {rank} "
-                "(spmd_rl/rollout/vllm/lora_kernel_configs)")
-    return (f"LoRA kernels: vLLM's default configs (none ship for {device_name} at hidden size {hidden_size}, "
-            f"rank {rank}; to tune them: {TUNE})")
+        return f"LoRA kernels: configs tuned for {device_name}, {shape} (spmd_rl/rollout/vllm/lora_kernel_configs)"
+    return (f"LoRA kernels: vLLM's default configs (none ship for {device_name} at this model's shape, {shape}; "
+            f"to tune them: {TUNE})")
