@@ -29,68 +29,21 @@ import itertools
 import json
 import os
 import sys
-from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+# the kernel calls, as the engine checks its shipped files for them
+from spmd_rl.rollout.vllm.lora_kernels import MAX_LORAS, KernelCall, file_prefix, kernel_calls, lora_linears  # noqa: E402
 
 BATCHES = (16, 64, 128, 256, 512, 8192)
 """Tokens per kernel call tuned by default: decode batches (CUDA-graph sizes up to vLLM's 512 sequences)
 and a prefill chunk (rollout.max_num_batched_tokens)."""
-MAX_LORAS = 2
-"""vLLM's `max_loras` key as its kernels see it: the engine's one adapter plus the no-adapter slot
-(lora_ids has max_loras + 1 entries)."""
 
 SHRINK_GRID = [dict(block_m=bm, block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_ctas=1, num_stages=s,
                     group_size_m=8, max_nreg=None)
                for bm, bn, bk, sk, w, s in itertools.product((16, 32, 64), (16, 32), (32, 128), (1, 4, 8), (4,), (2,))]
 EXPAND_GRID = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_ctas=1, num_stages=s, max_nreg=None)
                for bm, bn, bk, w, s in itertools.product((32, 64, 128), (64, 128), (16, 32), (4,), (2,))]
-
-
-@dataclass(frozen=True)
-class LoraLinear:
-    """One adapted linear layer as one rank's LoRA kernels see it."""
-
-    name: str
-    in_features: int  # what shrink reads (this rank's share for a row-parallel layer)
-    outs: tuple[int, ...]  # each slice's outputs expand writes (this rank's share for a column-parallel layer)
-
-
-@dataclass(frozen=True)
-class KernelCall:
-    """A shrink or expand call: the key vLLM's get_lora_op_configs looks its config up by."""
-
-    op: str  # "shrink" or "expand"
-    num_slices: int
-    m: int  # tokens
-    k: int  # shrink: the layer's input; expand: the rank
-    n: int  # shrink: the rank; expand: the widest slice's outputs
-    outs: tuple[int, ...] = ()  # expand: each slice's outputs (what it writes; not part of the key)
-
-    def key(self) -> tuple[str, str, str, str]:
-        return str(self.num_slices), str(self.m), str(self.k), str(self.n)
-
-
-def lora_linears(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, tp: int) -> list[LoraLinear]:
-    """A dense decoder layer's adapted linear layers on one of `tp` tensor-parallel ranks."""
-    q, kv = heads * head_dim, kv_heads * head_dim
-    if q % tp or kv % tp or intermediate % tp:
-        raise ValueError(f"heads ({heads} x {head_dim}), kv heads ({kv_heads}) or intermediate ({intermediate}) "
-                         f"do not split over {tp} ranks")
-    return [LoraLinear("qkv", hidden, (q // tp, kv // tp, kv // tp)), LoraLinear("o", q // tp, (hidden,)),
-            LoraLinear("gate_up", hidden, (intermediate // tp, intermediate // tp)),
-            LoraLinear("down", intermediate // tp, (hidden,))]
-
-
-def kernel_calls(linears: list[LoraLinear], rank: int, batches: tuple[int, ...]) -> list[KernelCall]:
-    """Every distinct shrink and expand call the layers make at each batch size."""
-    calls: dict[tuple, KernelCall] = {}
-    for m in batches:
-        for layer in linears:
-            for call in (KernelCall("shrink", len(layer.outs), m, layer.in_features, rank),
-                         KernelCall("expand", len(layer.outs), m, rank, max(layer.outs), layer.outs)):
-                calls.setdefault((call.op, *call.key()), call)
-    return list(calls.values())
 
 
 def nested(best: dict[KernelCall, dict], op: str) -> dict:
@@ -108,8 +61,6 @@ def nested(best: dict[KernelCall, dict], op: str) -> dict:
 def file_names(gpu_name: str) -> dict[str, str]:
     """The file of each op vLLM's load_lora_op_config reads (lora_kernels.file_prefix; expand's
     add_inputs is True in the LoRA layers' calls)."""
-    from spmd_rl.rollout.vllm.lora_kernels import file_prefix
-
     gpu = file_prefix(gpu_name)
     return {"shrink": f"{gpu}_SHRINK.json", "expand": f"{gpu}_EXPAND_TRUE.json"}
 
@@ -181,10 +132,7 @@ def main(argv: list[str] | None = None) -> None:  # pragma: no cover (GPU)
     from spmd_rl.model.loading import preset_config
     from spmd_rl.model.lora import vllm_max_lora_rank
 
-    c = preset_config(args.arch)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    linears = lora_linears(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
-                           head_dim, args.tp)
+    linears = lora_linears(preset_config(args.arch).to_dict(), args.tp)
     best, rows = tune(kernel_calls(linears, vllm_max_lora_rank(args.rank), tuple(map(int, args.batches.split(",")))))
     os.makedirs(args.out, exist_ok=True)
     for op, name in file_names(torch.cuda.get_device_name()).items():

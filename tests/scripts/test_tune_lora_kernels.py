@@ -15,24 +15,24 @@ sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))
 
 import tune_lora_kernels as tl  # noqa: E402
 
-QWEN7B = dict(hidden=3584, intermediate=18944, heads=28, kv_heads=4, head_dim=128)
+QWEN7B = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4, head_dim=128)
 
 
 def test_a_7b_layers_adapted_linears_on_one_and_two_ranks():
-    one = tl.lora_linears(**QWEN7B, tp=1)
+    one = tl.lora_linears(QWEN7B, tp=1)
     assert [(x.name, x.in_features, x.outs) for x in one] == [
         ("qkv", 3584, (3584, 512, 512)), ("o", 3584, (3584,)), ("gate_up", 3584, (18944, 18944)),
         ("down", 18944, (3584,))]
-    two = tl.lora_linears(**QWEN7B, tp=2)  # column-parallel: outputs split; row-parallel: inputs split
+    two = tl.lora_linears(QWEN7B, tp=2)  # column-parallel: outputs split; row-parallel: inputs split
     assert [(x.name, x.in_features, x.outs) for x in two] == [
         ("qkv", 3584, (1792, 256, 256)), ("o", 1792, (3584,)), ("gate_up", 3584, (9472, 9472)),
         ("down", 9472, (3584,))]
     with pytest.raises(ValueError, match="do not split over 3 ranks"):
-        tl.lora_linears(**QWEN7B, tp=3)
+        tl.lora_linears(QWEN7B, tp=3)
 
 
 def test_each_distinct_call_once_per_batch_with_its_lookup_key():
-    calls = tl.kernel_calls(tl.lora_linears(**QWEN7B, tp=1), 32, (256, 8192))
+    calls = tl.kernel_calls(tl.lora_linears(QWEN7B, tp=1), 32, (256, 8192))
     at_256 = [c for c in calls if c.m == 256]
     # shrink: (slices, k = the input, n = rank); o and qkv shrink the same input width with other slices
     assert [(c.op, c.num_slices, c.k, c.n) for c in at_256 if c.op == "shrink"] == [

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lora_kernel_configs")
 ENV = "VLLM_TUNED_CONFIG_FOLDER"
-MAX_LORAS = "2"
-"""The max_loras key the engine's kernels look up: its one adapter (engine_kwargs' max_loras=1) plus the
-no-adapter slot (scripts/bench/tune_lora_kernels.py's MAX_LORAS)."""
+MAX_LORAS = 2
+"""vLLM's `max_loras` key as the engine's kernels see it: its one adapter (engine_kwargs' max_loras=1) plus
+the no-adapter slot (lora_ids has max_loras + 1 entries)."""
 TUNE = ("python scripts/bench/tune_lora_kernels.py --arch ARCH --rank R --out DIR, then run with "
         f"{ENV}=DIR (docs/lora.md, \"LoRA kernels\")")
 
@@ -37,17 +38,63 @@ def file_prefix(device_name: str) -> str:
     return device_name.replace(" ", "_").replace("-", "_")
 
 
-def kernel_keys(config: dict, rank: int) -> dict[str, set[tuple[str, str, str]]]:
-    """The (num_slices, k, n) keys of the shrink and expand calls of a dense decoder layer at one GPU per
-    engine, from its config.json (text config): q/k/v (3 slices), o, gate/up (2 slices), down; shrink's
-    k is the layer's input and n the rank, expand's k the rank and n its widest slice."""
+@dataclass(frozen=True)
+class LoraLinear:
+    """One adapted linear layer as one rank's LoRA kernels see it."""
+
+    name: str
+    in_features: int  # what shrink reads (this rank's share for a row-parallel layer)
+    outs: tuple[int, ...]  # each slice's outputs expand writes (this rank's share for a column-parallel layer)
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """A shrink or expand call: the key vLLM's get_lora_op_configs looks its config up by."""
+
+    op: str  # "shrink" or "expand"
+    num_slices: int
+    m: int  # tokens
+    k: int  # shrink: the layer's input; expand: the rank
+    n: int  # shrink: the rank; expand: the widest slice's outputs
+    outs: tuple[int, ...] = ()  # expand: each slice's outputs (what it writes; not part of the key)
+
+    def key(self) -> tuple[str, str, str, str]:
+        return str(self.num_slices), str(self.m), str(self.k), str(self.n)
+
+
+def lora_linears(config: dict, tp: int) -> list[LoraLinear]:
+    """A dense decoder layer's adapted linear layers on one of `tp` tensor-parallel ranks, from its
+    config.json (text config): q/k/v (3 slices), o, gate/up (2 slices), down, as vLLM's LoRA layers
+    slice them (column-parallel layers split their outputs, row-parallel ones their inputs)."""
     hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
-    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
-    shrink = {(3, hidden), (1, q), (2, hidden), (1, inter)}
-    expand = {(3, max(q, kv)), (1, hidden), (2, inter)}
-    return {"shrink": {(str(s), str(k), str(rank)) for s, k in shrink},
-            "expand": {(str(s), str(rank), str(n)) for s, n in expand}}
+    q, kv = heads * head_dim, config.get("num_key_value_heads") or heads
+    kv *= head_dim
+    if q % tp or kv % tp or inter % tp:
+        raise ValueError(f"heads ({heads} x {head_dim}), kv heads ({kv // head_dim}) or intermediate ({inter}) "
+                         f"do not split over {tp} ranks")
+    return [LoraLinear("qkv", hidden, (q // tp, kv // tp, kv // tp)), LoraLinear("o", q // tp, (hidden,)),
+            LoraLinear("gate_up", hidden, (inter // tp, inter // tp)), LoraLinear("down", inter // tp, (hidden,))]
+
+
+def kernel_calls(linears: list[LoraLinear], rank: int, batches: tuple[int, ...]) -> list[KernelCall]:
+    """Every distinct shrink and expand call the layers make at each batch size (tokens per call)."""
+    calls: dict[tuple, KernelCall] = {}
+    for m in batches:
+        for layer in linears:
+            for call in (KernelCall("shrink", len(layer.outs), m, layer.in_features, rank),
+                         KernelCall("expand", len(layer.outs), m, rank, max(layer.outs), layer.outs)):
+                calls.setdefault((call.op, *call.key()), call)
+    return list(calls.values())
+
+
+def kernel_keys(config: dict, rank: int) -> dict[str, set[tuple[str, str, str]]]:
+    """The (num_slices, k, n) keys of a dense decoder layer's shrink and expand calls at one GPU per engine."""
+    keys: dict[str, set[tuple[str, str, str]]] = {"shrink": set(), "expand": set()}
+    for call in kernel_calls(lora_linears(config, 1), rank, (0,)):
+        slices, _, k, n = call.key()
+        keys[call.op].add((slices, k, n))
+    return keys
 
 
 def tuned_for(folder: str, device_name: str, config: dict, rank: int) -> bool:
@@ -62,7 +109,7 @@ def tuned_for(folder: str, device_name: str, config: dict, rank: int) -> bool:
         if not os.path.exists(path):
             return False
         with open(path) as f:
-            by_slices = json.load(f).get(MAX_LORAS, {})
+            by_slices = json.load(f).get(str(MAX_LORAS), {})
         for slices, k, n in keys[op]:
             by_m = by_slices.get(slices)
             if not by_m or any(n not in by_k.get(k, {}) for by_k in by_m.values()):

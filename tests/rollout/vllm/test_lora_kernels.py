@@ -29,7 +29,6 @@ sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))
 import tune_lora_kernels as tl  # noqa: E402
 
 H200 = "NVIDIA H200"
-QWEN7B = dict(hidden=3584, intermediate=18944, heads=28, kv_heads=4, head_dim=128)
 QWEN7B_CONFIG = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944,
                      num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28, vocab_size=152064)
 QWEN1_5B_CONFIG = dict(QWEN7B_CONFIG, hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
@@ -62,11 +61,12 @@ def test_a_folder_the_user_set_wins():
     assert env == {lk.ENV: "/mine"}
 
 
-def test_the_keys_checked_are_the_tuning_scripts_kernel_calls():
-    calls = tl.kernel_calls(tl.lora_linears(**QWEN7B, tp=1), 32, tl.BATCHES)
-    assert lk.kernel_keys(QWEN7B_CONFIG, 32) == {op: {c.key()[0:1] + c.key()[2:] for c in calls if c.op == op}
-                                                 for op in ("shrink", "expand")}
-    assert str(tl.MAX_LORAS) == lk.MAX_LORAS
+def test_the_keys_checked_are_a_7b_layers_calls():
+    """(num_slices, k, n), written out by hand: q/k/v, o, gate/up and down shrink their inputs to the rank;
+    expand writes q/k/v's widest slice, o's and down's hidden (one call), gate/up's intermediate."""
+    assert lk.kernel_keys(QWEN7B_CONFIG, 32) == {
+        "shrink": {("3", "3584", "32"), ("1", "3584", "32"), ("2", "3584", "32"), ("1", "18944", "32")},
+        "expand": {("3", "32", "3584"), ("1", "32", "3584"), ("2", "32", "18944")}}
 
 
 def vllm_lookup(data: dict, max_loras: int, num_slices: int, m: int, k: int, n: int) -> dict:
@@ -82,7 +82,7 @@ def test_every_kernel_call_of_the_shipped_shape_finds_its_own_entry(gpu):
     files = tl.file_names(gpu)
     data = {op: json.load(open(os.path.join(lk.FOLDER, name))) for op, name in files.items()}
     graph_sizes = [1, 2, 4] + list(range(8, 513, 8))  # vLLM's CUDA-graph batch sizes, and a prefill chunk
-    for call in tl.kernel_calls(tl.lora_linears(**QWEN7B, tp=1), 32, tl.BATCHES):
+    for call in tl.kernel_calls(tl.lora_linears(QWEN7B_CONFIG, tp=1), 32, tl.BATCHES):
         entry = data[call.op][str(tl.MAX_LORAS)][str(call.num_slices)][str(call.m)][str(call.k)][str(call.n)]
         assert READS[call.op] <= set(entry), call
         assert vllm_lookup(data[call.op], tl.MAX_LORAS, call.num_slices, call.m, call.k, call.n) is entry
