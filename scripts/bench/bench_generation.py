@@ -400,12 +400,13 @@ class Colocated:
         self.eng.load_weights(checkpoint_tensors(model_dir))
         self.eng.wake_up(["kv_cache"])
         self.llm = self.eng.llm
+        self.streamed = False  # the variant's (Variant.streamed), set before each
 
     def levers(self, flat: bool, pause_gc: bool) -> None:
         self.eng.flat_logprobs, self.eng.pause_gc = flat, pause_gc
 
     def generate(self, prompts, sampling):
-        if not getattr(self, "streamed", False):
+        if not self.streamed:
             return self.eng.generate(prompts, sampling)
         rows = [p for p in prompts for _ in range(sampling.n)]  # n = 1 a request, as partial rollouts ask
         run, done = self.eng.start(rows, dataclasses.replace(sampling, n=1)), {}

@@ -112,8 +112,8 @@ class PartialRollouts:
         """Generate until every rank has `per_rank` complete groups (collective), and return this
         step's records, their completions (behaviour log-probs per token) and the metrics, reduced over
         ranks. `version`: the policy version of the engine's weights now; `sampling(k)`: the sampling
-        settings of the step's run (k = 0; Rounds: its k-th generate call, for the seed); `limits`: each new record's token limit (default
-        data.max_response_length)."""
+        settings of the step's run (k = 0; Rounds: its k-th generate call, for the seed); `limits`: each
+        new record's token limit (default data.max_response_length)."""
         pool, dropped = [], 0
         for g in sorted(self.carried, key=lambda g: g.born(version)):  # oldest first
             if version - g.born(version) > self.max_staleness:  # "drop"; "wait" only where more groups
@@ -178,7 +178,6 @@ class PartialRollouts:
             r.routes = c.routes  # the whole row's, from its last run
             r.finish_reason = c.finish_reason
 
-
     def _metrics(self, done: list[Group], version: int, dropped: int, rounds: int) -> dict[str, float]:
         """rollout/staleness_mean and _max over the trained tokens (versions behind the weights that
         train them), rollout/staleness_share_k (k = 0..max_staleness: a histogram), stale_dropped,
@@ -230,6 +229,7 @@ class Rounds:
 
     def stop(self) -> list[tuple[int, Completion]]:
         return [(i, o.copy()) for i, o in enumerate(self.out) if not o.finish_reason]
+
 
 def from_config(cfg, world_size: int, device: torch.device) -> PartialRollouts | None:
     """The trainer's partial rollouts (rollout.partial_rollouts), or None when off."""

@@ -68,8 +68,7 @@ def lora_linears(config: dict, tp: int) -> list[LoraLinear]:
     slice them (column-parallel layers split their outputs, row-parallel ones their inputs)."""
     hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
-    q, kv = heads * head_dim, config.get("num_key_value_heads") or heads
-    kv *= head_dim
+    q, kv = heads * head_dim, (config.get("num_key_value_heads") or heads) * head_dim
     if q % tp or kv % tp or inter % tp:
         raise ValueError(f"heads ({heads} x {head_dim}), kv heads ({kv // head_dim}) or intermediate ({inter}) "
                          f"do not split over {tp} ranks")

@@ -93,12 +93,17 @@ def routes(out: Any, num_experts: int = 0) -> torch.Tensor | None:
     return torch.from_numpy(arr.astype(np.int16))
 
 
+def finish_reason(out: Any) -> str:
+    """A finished CompletionOutput's reason, "stop" or "length"; any other (an abort) is refused."""
+    if out.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a request with reason {out.finish_reason!r} (aborted?)")
+    return out.finish_reason
+
+
 def completion(out: Any, asked: bool, num_experts: int = 0) -> Completion:
     """Our Completion of a vLLM CompletionOutput; log-probs when its request `asked` for them, and
     the routed experts of its prompt and generated tokens when the engine returns them (each below
     `num_experts` where given: `routes`)."""
     ids = list(out.token_ids)
-    if out.finish_reason not in ("stop", "length"):
-        raise RuntimeError(f"vLLM finished a request with reason {out.finish_reason!r} (aborted?)")
     return Completion(token_ids=ids, logprobs=sampled_logprobs(ids, out.logprobs) if asked else None,
-                      finish_reason=out.finish_reason, routes=routes(out, num_experts))
+                      finish_reason=finish_reason(out), routes=routes(out, num_experts))

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from spmd_rl.rollout.base import Completion
-from spmd_rl.rollout.vllm.outputs import paused_gc, routes, sampled_logprobs
+from spmd_rl.rollout.vllm.outputs import finish_reason, paused_gc, routes, sampled_logprobs
 
 
 class StreamedRun:
@@ -78,9 +78,7 @@ class StreamedRun:
         if ids and self.asks[j]:
             self.logprobs[j] += sampled_logprobs(ids, out.logprobs)
         if out.finish_reason is not None:
-            if out.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM finished a request with reason {out.finish_reason!r} (aborted?)")
-            self.finished[j] = out.finish_reason
+            self.finished[j] = finish_reason(out)
             self.routes[j] = routes(out, self.num_experts)
 
     def _completion(self, j: int) -> Completion:
