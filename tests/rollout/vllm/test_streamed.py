@@ -63,3 +63,17 @@ def test_a_rank_gets_its_requests_whole_and_a_stop_keeps_what_arrived(interval):
     assert len(sampled) - interval < len(c.token_ids) <= len(sampled) == 4
     assert c.logprobs == pytest.approx([-t / 100 for t in range(len(c.token_ids))])
     assert sorted(eng.aborted) == ["r-1", "r-3"] and not eng.has_unfinished_requests()
+
+
+def test_a_request_vllm_finished_another_way_is_refused():
+    """A finish reason other than "stop" or "length" (vLLM's "abort") never becomes a response."""
+    class AbortingEngine(DeltaEngine):
+        def step(self):
+            outs = super().step()
+            for out in outs:
+                out.outputs[0].finish_reason, out.finished = "abort", True
+            return outs
+
+    run = StreamedRun(AbortingEngine(1), [[1]], [SimpleNamespace(max_tokens=3)], [True], range(0, 1), "r-")
+    with pytest.raises(RuntimeError, match="reason 'abort'"):
+        run.advance(1)
