@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from spmd_rl.build import choose_speed_settings  # noqa: E402
 from spmd_rl.config.run_config import load_config  # noqa: E402
 from spmd_rl.model.loading import random_model_config  # noqa: E402
 from spmd_rl.runtime.distributed import init_distributed  # noqa: E402
@@ -51,6 +52,7 @@ def main() -> None:
     cfg = load_config(args.config, [f"rollout.disable_custom_all_reduce={'true' if args.nccl else 'false'}",
                                     f"data.max_prompt_length={args.prompt_tokens}",
                                     f"data.max_response_length={args.tokens}"])
+    choose_speed_settings(cfg, env)  # "auto" (rollout.max_num_seqs) as the trainer chooses it
     if env.rank == 0:
         random_model_config(args.arch).save_pretrained(model_dir)  # config.json only: the engine loads dummy weights
     dist.barrier()

@@ -44,10 +44,12 @@ import tempfile
 import time
 from typing import NamedTuple
 
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(SCRIPTS))
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # scripts/: gpu_check_runner
+ROOT = os.path.dirname(SCRIPTS)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, SCRIPTS)
+
+import gpu_check_runner  # noqa: E402  (runs each process with its log and time limit)
 
 
 class Group(NamedTuple):
@@ -336,16 +338,21 @@ def build_report(args: argparse.Namespace, processes: dict[str, dict]) -> dict:
 # --------------------------------------------------------------------------- one process (GPU)
 
 
-def bench_config(args: argparse.Namespace, group: Group):
-    """The shipped config of the shape with bench_step.sh's settings and the group's overrides."""
+def bench_config(args: argparse.Namespace, group: Group, device_total: float | None = None):
+    """The shipped config of the shape with bench_step.sh's settings and the group's overrides, its
+    "auto" speed settings chosen as the trainer chooses them for a GPU of `device_total` bytes
+    (spmd_rl/preflight/speed_settings.py; None: without a GPU)."""
     from spmd_rl.config.run_config import load_config
+    from spmd_rl.preflight import speed_settings
 
-    return load_config(os.path.join(ROOT, CONFIGS[args.arch]), [
+    cfg = load_config(os.path.join(ROOT, CONFIGS[args.arch]), [
         'model.init="random"', f'model.arch="{args.arch}"', 'model.tokenizer="char"', 'model.path=""',
         "data.apply_chat_template=false", "data.max_prompt_length=128", f"data.max_response_length={args.max_tokens}",
         "data.val_files=[]",
         f"data.train_batch_size={args.prompts}", f"rollout.n={args.samples}", "rollout.max_num_batched_tokens=4096",
         *group.overrides])
+    speed_settings.resolve(cfg, 1, device_total)
+    return cfg
 
 
 def bench_prompts(count: int) -> list[list[int]]:
@@ -550,7 +557,7 @@ def run_group(args: argparse.Namespace) -> None:
         model_dir = runs.random_model_dir(args.arch)
         with open(os.path.join(model_dir, "config.json")) as f:
             res["shape"] = checkpoint_shape(json.load(f), tensor_shapes(model_dir))
-        cfg = bench_config(args, group)
+        cfg = bench_config(args, group, torch.cuda.mem_get_info(dev)[1])
         prompts = bench_prompts(args.prompts)
         res.update(batch=args.prompts * args.samples, prompt_len_mean=sum(map(len, prompts)) / len(prompts))
         gen = Colocated(cfg, model_dir) if group.layout == "colocated" else Plain(cfg, model_dir)
@@ -600,8 +607,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         run_group(args)
         return 0
-    from gpu_check_runner import run
-
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     env["VLLM_CACHE_ROOT"] = os.path.abspath(args.cache_dir or tempfile.mkdtemp(prefix="bench_generation_cache_"))
@@ -613,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
             processes[group] = {"error": "skipped: --deadline-s reached"}
             continue
         log = os.path.join(args.out, f"{group}.log")
-        rc, seconds = run(worker_command(args, group, names), log, left, env)
+        rc, seconds = gpu_check_runner.run(worker_command(args, group, names), log, left, env)
         proc_json = os.path.join(args.out, f"{group}.json")
         proc = json.load(open(proc_json)) if os.path.exists(proc_json) else {}
         with open(log, errors="replace") as f:

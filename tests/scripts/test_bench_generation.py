@@ -43,6 +43,19 @@ def test_a_worker_gets_the_runs_settings():
     assert bg.parse_args(bg.worker_command(bg.parse_args(["--keep-traces"]), "colocated", ["ours"])[2:]).keep_traces
 
 
+
+def test_the_engine_gets_the_speed_settings_the_trainer_would_choose():
+    """The shipped configs say rollout.max_num_seqs = "auto": the bench's engine gets a number, the
+    trainer's choice for the GPU (here: 512 sequences at once, a call's all, on a 141 GiB GPU), and
+    the key's CPU value without one."""
+    from spmd_rl.preflight import speed_settings
+
+    args = bg.parse_args([])
+    on_gpu = bg.bench_config(args, bg.GROUPS["colocated"], 141 * 2**30)
+    assert on_gpu.rollout.max_num_seqs == 512 and "rollout.max_num_seqs" in on_gpu.auto_chosen
+    assert bg.bench_config(args, bg.GROUPS["colocated"]).rollout.max_num_seqs == \
+        speed_settings.NO_GPU_VALUES[speed_settings.SEQS]
+
 QWEN05 = {"vocab_size": 151936, "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
           "num_key_value_heads": 2, "tie_word_embeddings": True}
 

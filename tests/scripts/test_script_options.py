@@ -1,4 +1,5 @@
-"""Scripts launched by torchrun take only option names that no torchrun option starts with.
+"""Scripts launched by torchrun take only option names that no torchrun option starts with, and every
+script of scripts/ starts as its docstring runs it (`python scripts/...py`, no PYTHONPATH).
 
 torchrun's argparse parser classifies every argument, also those after the script: an option of the
 script that is a prefix of torchrun's own (`--run` of `--run-path`, `--n` of `--nnodes`) stops the
@@ -9,6 +10,8 @@ from __future__ import annotations
 import ast
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 from torch.distributed.run import get_args_parser
@@ -42,3 +45,16 @@ def test_no_script_option_is_a_prefix_of_a_torchrun_option(path):
     ours = torchrun_options()
     clashes = {o: [t for t in ours if t.startswith(o)] for o in script_options(path)}
     assert not {o: t for o, t in clashes.items() if t}, f"{os.path.relpath(path, ROOT)}: rename these options"
+
+
+COMMANDS = sorted(p for p in glob.glob(os.path.join(ROOT, "scripts", "*.py")) + glob.glob(os.path.join(ROOT, "scripts", "*", "*.py"))
+                  if script_options(p))
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=[os.path.relpath(p, ROOT) for p in COMMANDS])
+def test_every_script_imports_what_it_needs_from_where_it_lies(path):
+    """`--help` after the script's imports: a module it finds only through the test's own sys.path
+    (scripts/, the repository root) fails here, as for a user."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, path, "--help"], cwd="/", env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
