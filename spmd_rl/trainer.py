@@ -283,6 +283,9 @@ class Trainer:
                 completions, turn_metrics = self.multi_turn.generate(self.engine, records, sampling,
                                                                      self.cfg.data.max_response_length)
                 merge_trajectory_metrics(timer.metrics, turn_metrics)  # over dynamic sampling's rounds too
+            if train and hasattr(self.engine, "scheduling_metrics"):  # vLLM's requests at once ("auto")
+                for key, value in self.engine.scheduling_metrics().items():  # preemptions: over dynamic sampling's rounds
+                    timer.metrics[key] = value + (timer.metrics.get(key, 0.0) if key.endswith("_preempted") else 0.0)
         with timer("sleep"):
             self.engine.sleep()
         if self.device.type == "cuda":  # what sleep handed back (and, every step, whether anything leaks)

@@ -49,10 +49,13 @@ class RolloutConfig:
     """vLLM: fraction of GPU memory vLLM may use for weights + KV cache while awake."""
     max_num_seqs: int | Auto = 256
     """vLLM: most sequences in one scheduler step. More of a call's sequences at once decode in fewer,
-    larger steps, while the KV cache holds them. "auto": the most one engine call of this run has, up
-    to 512 (the largest decode batch vLLM captures a CUDA graph for by default) and up to what the
-    KV cache predicted for rollout.gpu_memory_utilization holds at full length (max_model_len), so
-    none is preempted; 256 without a GPU (docs/training.md, "Speed settings chosen at start")."""
+    larger steps, while the KV cache holds them (when it fills, vLLM preempts the newest request and
+    prefills it again later). "auto": the engine is built for the most one engine call of this run
+    has, up to 512 (the largest decode batch vLLM captures a CUDA graph for by default), and each
+    call runs as many at once as the KV cache holds at the responses' expected lengths: the last
+    call's mean, at full length before any finished (spmd_rl/rollout/vllm/running_cap.py;
+    rollout/engine_max_running, rollout/engine_preempted); 256 without a GPU (docs/training.md,
+    "Speed settings chosen at start"). A number: vLLM's own cap for every call."""
     max_num_batched_tokens: int = 8192
     """vLLM: most tokens in one scheduler step."""
     max_model_len: int = 0

@@ -23,8 +23,9 @@ last (the least memory), which trainer.memory_check then refuses with its fixes.
 NO_GPU_VALUES (the keys' defaults), so a CPU run resolves alike every time.
 
 rollout.max_num_seqs does not change the plan (vLLM's share of the device is fixed by
-rollout.gpu_memory_utilization): "auto" takes the most sequences of one engine call, up to SEQS_MAX
-and to the sequences of full length the engine's KV cache is predicted to hold (`engine_sequences`).
+rollout.gpu_memory_utilization): "auto" builds the engine for the most sequences of one engine call,
+up to SEQS_MAX (`engine_sequences`), and each call runs as many of them at once as the KV cache holds
+at the responses' expected lengths (spmd_rl/rollout/vllm/running_cap.py).
 
 `resolve(cfg, world_size, device_total)` writes the values into the config before anything else
 reads them and names the keys in `Config.auto_chosen` (config.toml notes them); the entry point
@@ -155,9 +156,10 @@ AXES = (checkpointing_options, offload_options, update_options, logprob_options)
 
 def engine_sequences(cfg: Config, world_size: int, device_total: float, shape: mp.ModelShape) -> tuple[int, str]:
     """rollout.max_num_seqs's "auto" (the module docstring) and why, in words: the most sequences of
-    one engine call (Config.engine_sequences_per_call), at most SEQS_MAX and at most the sequences of
-    max_model_len tokens the KV cache holds (memory_plan.engine_kv_tokens); the key's default with
-    the HF engine, which has no KV cache to size."""
+    one engine call (Config.engine_sequences_per_call), at most SEQS_MAX; the words add what the KV
+    cache is predicted to hold at full length (max_model_len), the first call's cap where its limits
+    are data.max_response_length (spmd_rl/rollout/vllm/running_cap.py). The key's default with the
+    HF engine, which has no KV cache to size."""
     r = cfg.rollout
     if r.engine != "vllm":
         return NO_GPU_VALUES[SEQS], ""
@@ -165,9 +167,10 @@ def engine_sequences(cfg: Config, world_size: int, device_total: float, shape: m
     length = cfg.engine_max_model_len()
     token_bytes = mp.kv_bytes_per_token(shape, r.tensor_parallel_size, mp.DTYPE_BYTES[r.dtype])
     fit = mp.engine_kv_tokens(memory.engine_of(cfg, shape), device_total, token_bytes) // length
-    value = max(1, min(calls, SEQS_MAX, fit))
-    bound = "a call's most" if value == calls else "what the KV cache holds" if value == fit else "vLLM's CUDA graphs' most"
-    return value, f"{bound} (a call has up to {calls}; the KV cache holds {fit} of {length} tokens)"
+    value = max(1, min(calls, SEQS_MAX))
+    bound = "a call's most" if value == calls else "vLLM's CUDA graphs' most"
+    return value, (f"{bound} (a call has up to {calls}); each call runs as many as the KV cache holds at the "
+                   f"responses' expected lengths (it holds {fit} of {length} tokens)")
 
 
 def candidates(cfg: Config, world_size: int) -> list[dict[str, Any]]:
@@ -243,7 +246,7 @@ def describe(values: dict[str, Any], keys: list[str]) -> str:
     if LOGPROB in keys:
         words.append(f"log-prob {values[LOGPROB]} tokens/GPU" if values[LOGPROB] else "log-prob twice the update's")
     if SEQS in keys:
-        words.append(f"vLLM {values[SEQS]} sequences at once")
+        words.append(f"vLLM up to {values[SEQS]} sequences at once")
     return ", ".join(words)
 
 

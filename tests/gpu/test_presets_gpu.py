@@ -133,6 +133,15 @@ def check_speed_settings(name: str, logs: list[str], run_dir: Path) -> None:
     assert '"auto" chose this' in (run_dir / "config.toml").read_text(), name
 
 
+def check_running_cap(name: str, steps: dict[int, dict]) -> None:
+    """A preset with rollout.max_num_seqs = "auto": every step's engine ran under a cap of its own
+    (spmd_rl/rollout/vllm/running_cap.py: vLLM's scheduler reached in this vLLM)."""
+    if 'max_num_seqs = "auto"' not in config_path(name).read_text():
+        return
+    caps = [steps[s].get("rollout/engine_max_running", 0.0) for s in sorted(steps)]
+    assert all(c >= 1 for c in caps), (name, caps, "no per-call cap: see the warning of running_cap.py in the log")
+
+
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_preset_trains_saves_and_resumes(name, tmp_path):
     p = PRESETS[name]
@@ -152,6 +161,7 @@ def test_preset_trains_saves_and_resumes(name, tmp_path):
         keep_last = load_config(str(config_path(name)), []).trainer.keep_last
         steps = check_run(name, run_dir, p.steps, logs, p.max_mismatch, saves=expected_saves(p.steps, p.save_every),
                           keep_last=keep_last)
+        check_running_cap(name, steps)
         graphs = [steps[s]["perf/compiled_graphs"] for s in range(1, p.steps[-1] + 1)]  # the preset compiles
         for lo, hi in zip((0, *p.steps), p.steps):  # each process: its count after its first step, then no more
             assert hi - lo >= 2 and len(set(graphs[lo:hi])) == 1, (

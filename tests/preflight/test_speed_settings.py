@@ -127,7 +127,7 @@ def test_the_line_gives_the_plans_numbers(tmp_path):
                                 f"actor.logprob_max_token_len_per_gpu={cfg.actor.logprob_max_token_len_per_gpu}"), 1, H100)
     assert line.startswith(f"speed settings (auto): gradient checkpointing off, optimizer on the GPU, update 8192 "
                            f"tokens/GPU, log-prob {cfg.actor.logprob_max_token_len_per_gpu} tokens/GPU, vLLM "
-                           f"{cfg.rollout.max_num_seqs} sequences at once (training peak "
+                           f"up to {cfg.rollout.max_num_seqs} sequences at once (training peak "
                            f"{peak.total / GiB:.1f} GiB in {peak.name}, within 90% of 79.2 GiB; faster would not fit: "
                            f"update 16384 tokens/GPU {faster.phase('actor update').total / GiB:.1f} GiB in actor update"), line
     assert "\n" not in line
@@ -219,25 +219,27 @@ def test_the_predicted_kv_cache_is_within_5_percent_below_vllms_count(tmp_path):
 
 
 @pytest.mark.parametrize("total, overrides, expected, bound", [
-    (BIG, (), 512, "a call's most"),  # 64 prompts x 8 in one call, and the KV cache holds more
-    (H100, (), None, "what the KV cache holds"),  # 512 asked; the cache holds fewer of 1536 tokens
+    (BIG, (), 512, "a call's most"),  # 64 prompts x 8 in one call
+    (H100, (), 512, "a call's most"),  # the KV cache holds fewer of 1536 tokens: each call's cap decides
     (BIG, ("data.train_batch_size=128",), 512, "vLLM's CUDA graphs' most"),  # 1024 asked
     (BIG, ("data.train_batch_size=16",), 256, "a call's most"),  # validation: 256 prompts x 1
     (BIG, ("data.train_batch_size=16", "data.val_files=[]"), 128, "a call's most"),  # 16 x 8
     (BIG, ("rollout.partial_rollouts=true", "data.train_batch_size=16", "data.val_files=[]"), 256,
      "a call's most"),  # the partial rollouts' pool: two batches
 ])
-def test_engine_sequences_are_a_calls_most_within_the_kv_cache_and_cuda_graphs(tmp_path, total, overrides,
-                                                                                expected, bound):
+def test_engine_sequences_are_a_calls_most_within_cuda_graphs_and_the_line_says_what_the_kv_cache_holds(
+        tmp_path, total, overrides, expected, bound):
     cfg = preset(tmp_path, "qwen7b-lora", *overrides)
-    if expected is None:  # the KV cache's sequences of full length, from the plan's numbers by hand
-        share = cfg.rollout.gpu_memory_utilization * total
-        weights = mc.model_shape(cfg).parameters() * 2
-        expected = int((share - weights - 2 * GiB) // (28 * 2 * 4 * 128 * 2)) // 1536
-        assert 256 < expected < 512
+    share = cfg.rollout.gpu_memory_utilization * total  # the KV cache's sequences of full length, by hand
+    weights = mc.model_shape(cfg).parameters() * 2
+    fit = int((share - weights - 2 * GiB) // (28 * 2 * 4 * 128 * 2)) // 1536
     choice = ss.resolve(cfg, 1, total)
     assert cfg.rollout.max_num_seqs == expected and ss.SEQS in cfg.auto_chosen
-    assert f"; vLLM sequences: {bound} (a call has up to " in choice.line()
+    assert (f"; vLLM sequences: {bound} (a call has up to " in choice.line() and
+            f"each call runs as many as the KV cache holds at the responses' expected lengths (it holds {fit} of "
+            f"1536 tokens)" in choice.line())
+    if total == H100:
+        assert 256 < fit < 512
     cfg.check_ranges()
 
 

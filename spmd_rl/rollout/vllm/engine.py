@@ -68,6 +68,7 @@ from spmd_rl.rollout.vllm import lora_kernels
 from spmd_rl.rollout.vllm import sleep as vllm_sleep
 from spmd_rl.rollout.vllm.model_inspection import in_process_inspection
 from spmd_rl.rollout.vllm.outputs import completion, logprob_request, paused_gc, supports_flat_logprobs
+from spmd_rl.rollout.vllm.running_cap import RunningCap
 from spmd_rl.rollout.vllm.streamed import StreamedRun
 from spmd_rl.runtime.gpu_memory import engine_build_allocator, expandable_segments_requested, set_expandable_segments
 
@@ -392,6 +393,9 @@ class VLLMEngine:
             torch.cuda.empty_cache()
             self.llm = LLM(**engine_kwargs(cfg, model_dir, self.engine_seed, world_size=world_size))
         self.init_seconds = time.perf_counter() - t0
+        # rollout.max_num_seqs = "auto": each call's cap from what the KV cache holds (running_cap.py)
+        self.running_cap = (RunningCap.of(self.llm, r.max_num_seqs) if "rollout.max_num_seqs" in cfg.auto_chosen
+                            else None)
         self._awake = set(TAGS)
         self._weights_valid = False  # dummy weights until the first load_weights
         self._prefix_cache_stale = False
@@ -580,9 +584,12 @@ class VLLMEngine:
         all_prompts, sps, asks, start = self._group_requests(prompts, sampling, max_new_tokens, asks_logprobs)
         results: list[list[Completion]] = []
         if all_prompts:
+            self._set_running_cap(all_prompts, sps)
             with paused_gc(self.pause_gc):
                 outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps, use_tqdm=False,
                                          **adapter_kwargs(self._lora_request))
+                if self.running_cap is not None:
+                    self.running_cap.finished([len(c.token_ids) for o in outs for c in o.outputs])
                 for o, ask in zip(outs, asks):
                     comps = [completion(c, ask, self.num_experts) for c in sorted(o.outputs, key=lambda c: c.index)]
                     if sampling.greedy and sampling.n > 1:
@@ -604,9 +611,23 @@ class VLLMEngine:
         for sp in sps:
             sp.output_kind = RequestOutputKind.DELTA  # each output: the tokens new since the last
         self._runs += 1
+        self._set_running_cap(all_prompts, sps)
         return StreamedRun(self.llm.llm_engine, [tokens_input(p) for p in all_prompts], sps, asks,
                            range(start, start + len(prompts)), f"run{self._runs}-", self._lora_request,
-                           self.num_experts, self.pause_gc)
+                           self.num_experts, self.pause_gc,
+                           on_stop=None if self.running_cap is None else self.running_cap.finished)
+
+    def _set_running_cap(self, all_prompts: list[list[int]], sps: list) -> None:
+        """Before a call of the TP group's requests: how many vLLM runs at once ("auto": running_cap.py).
+        A request of n samples counts n times."""
+        if self.running_cap is not None:
+            lengths = [len(p) for p, sp in zip(all_prompts, sps) for _ in range(sp.n)]
+            self.running_cap.before(lengths, [sp.max_tokens for sp in sps for _ in range(sp.n)])
+
+    def scheduling_metrics(self) -> dict[str, float]:
+        """rollout/engine_max_running and rollout/engine_preempted of the step's calls (running_cap.py);
+        none where rollout.max_num_seqs was set by hand."""
+        return {} if self.running_cap is None else self.running_cap.metrics()
 
     def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
         """Teacher-forced log p(seq[t] | seq[:t]), t >= 1, for this rank's sequences (collective

@@ -17,7 +17,7 @@ the same calls, so the ranks' engines step in lockstep; a rank returns only its 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -29,11 +29,13 @@ class StreamedRun:
     """The run of one call of VLLMEngine.start (the EngineRun protocol of spmd_rl/rollout/base.py)."""
 
     def __init__(self, engine: Any, prompts: list[Any], params: list[Any], asks: list[bool], mine: range,
-                 id_prefix: str, lora_request: Any = None, num_experts: int = 0, pause_gc: bool = True):
+                 id_prefix: str, lora_request: Any = None, num_experts: int = 0, pause_gc: bool = True,
+                 on_stop: Callable[[list[int]], None] | None = None):
         """`engine`: vLLM's LLMEngine; `prompts` (vLLM's token inputs), `params` (vLLM SamplingParams asking
         for DELTA outputs) and `asks` (whether each asks for log-probs): the tensor-parallel group's
-        requests; `mine`: this rank's among them; `id_prefix`: their request ids' (unique per run)."""
-        self.engine, self.mine, self.asks = engine, mine, asks
+        requests; `mine`: this rank's among them; `id_prefix`: their request ids' (unique per run);
+        `on_stop`: given, at the stop, the tokens each request that finished generated in the run."""
+        self.engine, self.mine, self.asks, self.on_stop = engine, mine, asks, on_stop
         self.num_experts, self.pause_gc = num_experts, pause_gc
         self.ids = [f"{id_prefix}{j}" for j in range(len(prompts))]
         self.index = {rid: j for j, rid in enumerate(self.ids)}
@@ -68,6 +70,8 @@ class StreamedRun:
         left = [rid for rid, j in self.index.items() if not self.finished[j]]
         if left:
             self.engine.abort_request(left)
+        if self.on_stop is not None:
+            self.on_stop([len(t) for t, reason in zip(self.tokens, self.finished) if reason])
         return [(j - self.mine.start, self._completion(j)) for j in self.mine if not self.finished[j]]
 
     # ------------------------------------------------------------------ internals

@@ -52,7 +52,9 @@ class DeltaEngine:
 def test_a_rank_gets_its_requests_whole_and_a_stop_keeps_what_arrived(interval):
     eng = DeltaEngine(interval)
     limits = [3, 5, 2, 9]  # the group's requests: 0, 1 are another rank's, 2, 3 this rank's
-    run = StreamedRun(eng, [[1]] * 4, [SimpleNamespace(max_tokens=k) for k in limits], [True] * 4, range(2, 4), "r-")
+    stopped = []
+    run = StreamedRun(eng, [[1]] * 4, [SimpleNamespace(max_tokens=k) for k in limits], [True] * 4, range(2, 4), "r-",
+                      on_stop=stopped.append)
     (i, c), = run.advance(2)  # request 2 finished at its 2 tokens
     assert i == 0 and c.token_ids == [300, 301] and c.logprobs == pytest.approx([0, -0.01])
     assert c.finish_reason == "length"
@@ -63,6 +65,7 @@ def test_a_rank_gets_its_requests_whole_and_a_stop_keeps_what_arrived(interval):
     assert len(sampled) - interval < len(c.token_ids) <= len(sampled) == 4
     assert c.logprobs == pytest.approx([-t / 100 for t in range(len(c.token_ids))])
     assert sorted(eng.aborted) == ["r-1", "r-3"] and not eng.has_unfinished_requests()
+    assert stopped == [[3, 2]]  # the group's finished requests' tokens (0 and 2), for the engine's next cap
 
 
 def test_a_request_vllm_finished_another_way_is_refused():
