@@ -44,5 +44,7 @@ cmd=(torchrun --standalone --nproc_per_node="${GPUS:-1}" -m spmd_rl.ppo --config
 if [ "${DRY:-0}" = 1 ]; then line=$(printf '%q ' "${cmd[@]}"); echo "${line% }"; exit 0; fi
 rm -rf "$dir"; mkdir -p "$dir"
 "${cmd[@]}" > "$dir/log.txt" 2>&1
-echo "$ARCH $VARIANT${TAG:+ $TAG}: exit $? ($(grep -c '"time/step"' "$dir/run/metrics.jsonl" 2>/dev/null || echo 0) steps; log $dir/log.txt)"
+rc=$?
+rm -rf "$dir/run/init_model"  # the random weights, drawn again from the seed (a 7B shape's: 30 GB in OUT)
+echo "$ARCH $VARIANT${TAG:+ $TAG}: exit $rc ($(grep -c '"time/step"' "$dir/run/metrics.jsonl" 2>/dev/null || echo 0) steps; log $dir/log.txt)"
 [ -s "$dir/run/metrics.jsonl" ] && python scripts/summarize_run.py "$NAME=$dir/run/metrics.jsonl"
