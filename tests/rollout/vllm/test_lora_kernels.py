@@ -12,17 +12,14 @@ import json
 import logging
 import os
 import sys
-import types
 
 import pytest
 import tomllib
 import torch
-import torch.distributed as dist
 
-from spmd_rl.config.run_config import load_config
 from spmd_rl.rollout.vllm import lora_kernels as lk
-from spmd_rl.runtime.distributed import free_port
 from tests.helpers import ROOT
+from tests.helpers.stand_in_vllm import stand_in_engine
 
 sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))
 
@@ -117,30 +114,16 @@ class _RecordingLLM:
 
 @pytest.mark.parametrize("lora, user, folder", [(True, None, lk.FOLDER), (True, "/mine", "/mine"), (False, None, None)])
 def test_the_engine_points_vllm_at_them_before_it_is_built_with_lora(monkeypatch, tmp_path, caplog, lora, user, folder):
-    fake = types.ModuleType("vllm")
-    fake.LLM, fake.SamplingParams = _RecordingLLM, type("SamplingParams", (), {})
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(k, v)
     monkeypatch.setenv(lk.ENV, user or "")  # recorded, so that what the engine sets is undone after the test
     if not user:
         monkeypatch.delenv(lk.ENV)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: H200)
-    (tmp_path / "config.json").write_text(json.dumps(QWEN7B_CONFIG))
-    from spmd_rl.rollout.vllm import engine as vllm_engine
-
-    monkeypatch.setattr(vllm_engine, "set_expandable_segments", lambda on: None)
-    overrides = ['rollout.engine="vllm"', "rollout.tensor_parallel_size=1"]
+    overrides = ["rollout.tensor_parallel_size=1"]
     if lora:
         overrides += ["model.lora_rank=32", 'model.lora_sync="adapter"', 'model.lora_target_modules=["q_proj"]']
-    cfg = load_config(None, overrides)
-    dist.init_process_group("gloo")
-    try:
-        with caplog.at_level(logging.INFO):
-            vllm_engine.VLLMEngine(cfg, str(tmp_path), rank=0, world_size=1, local_rank=0, local_world_size=1)
-    finally:
-        dist.destroy_process_group()
+    with caplog.at_level(logging.INFO), stand_in_engine(monkeypatch, tmp_path, _RecordingLLM,
+                                                        type("SamplingParams", (), {}), overrides, QWEN7B_CONFIG):
+        pass
     assert _RecordingLLM.seen[-1] == (folder, lora)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LoRA kernels:")]
     assert len(said) == (1 if lora else 0)

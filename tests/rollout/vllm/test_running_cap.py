@@ -3,20 +3,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
-import types
 from types import SimpleNamespace
 
 import pytest
-import torch.distributed as dist
 
-from spmd_rl.config.run_config import load_config
-from spmd_rl.preflight import speed_settings
 from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.rollout.vllm import running_cap as rc
-from spmd_rl.runtime.distributed import free_port
+from tests.helpers.stand_in_vllm import stand_in_engine
 
 
 def test_the_cap_is_what_the_kv_cache_holds_at_the_expected_contexts():
@@ -108,30 +102,15 @@ class _SamplingParams(SimpleNamespace):
 
 @pytest.mark.parametrize("value, adapts", [('"auto"', True), ("64", False)])
 def test_the_engine_sets_the_cap_before_each_call_where_auto_chose_it(monkeypatch, tmp_path, value, adapts):
-    fake = types.ModuleType("vllm")
-    fake.LLM, fake.SamplingParams = _LLM, _SamplingParams
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(k, v)
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
-    from spmd_rl.rollout.vllm import engine as vllm_engine
-
-    monkeypatch.setattr(vllm_engine, "set_expandable_segments", lambda on: None)
-    cfg = load_config(None, ['rollout.engine="vllm"', "rollout.tensor_parallel_size=1",
-                             f"rollout.max_num_seqs={value}"])
-    speed_settings.resolve(cfg, 1, None)  # no GPU: "auto" builds for 256
-    dist.init_process_group("gloo")
-    try:
-        engine = vllm_engine.VLLMEngine(cfg, str(tmp_path), rank=0, world_size=1, local_rank=0, local_world_size=1)
+    sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=990, logprobs_every=0)
+    _LLM.length = 40
+    with stand_in_engine(monkeypatch, tmp_path, _LLM, _SamplingParams, ["rollout.tensor_parallel_size=1",
+                         f"rollout.max_num_seqs={value}"], config={"hidden_size": 64},
+                         choose_speed_settings=True) as engine:  # no GPU: "auto" builds for 256
         monkeypatch.setattr(engine, "_check_ready", lambda: None)
-        sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=990, logprobs_every=0)
-        _LLM.length = 40
         out = engine.generate([[1] * 10, [2] * 30], sampling)  # 8 requests of 20 prompt tokens on average
         engine.generate([[1] * 10, [2] * 30], sampling)
         metrics = engine.scheduling_metrics()
-    finally:
-        dist.destroy_process_group()
     assert [len(c.token_ids) for g in out for c in g] == [40] * 8
     if adapts:
         assert engine.llm.caps == [20_000 // (20 + 990), 256] and 20_000 // (20 + 40) > 256  # built for 256

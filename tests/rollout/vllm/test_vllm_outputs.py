@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import sys
 import types
 
 import pytest
-import torch.distributed as dist
 
-from spmd_rl.config.run_config import load_config
 from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.rollout.vllm import outputs as vo
-from spmd_rl.runtime.distributed import free_port
+from tests.helpers.stand_in_vllm import stand_in_engine
 
 # --------------------------------------------------------------------------- stand-ins for vLLM 0.26
 
@@ -215,24 +212,10 @@ class StandInLLM:
 
 @pytest.fixture
 def engine(monkeypatch, tmp_path):
-    fake = types.ModuleType("vllm")
-    fake.LLM, fake.SamplingParams = StandInLLM, StandInSamplingParams
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(k, v)
-    from spmd_rl.rollout.vllm import engine as vllm_engine
-
-    monkeypatch.setattr(vllm_engine, "set_expandable_segments", lambda on: None)
-    cfg = load_config(None, ['rollout.engine="vllm"'])
-    dist.init_process_group("gloo")
-    try:
-        eng = vllm_engine.VLLMEngine(cfg, str(tmp_path), rank=0, world_size=1, local_rank=0, local_world_size=1)
+    with stand_in_engine(monkeypatch, tmp_path, StandInLLM, StandInSamplingParams) as eng:
         eng.wake_up()
         eng._weights_valid = True  # as after a load_weights (the stand-in has no model to load into)
         yield eng
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("flat", [True, False])
