@@ -17,6 +17,13 @@ of every step.
 --scaling prints weak scaling instead (NAME is the run's GPU count; its prompts per step are read
 from the config.toml beside metrics.jsonl): step, generate (the ranks' mean and the slowest rank's, which
 every rank waits for) and update seconds, efficiency t(1)/t(k).
+--per-token prints the cost per trained token instead, for runs that train different tokens a step
+(long-tailed lengths; partial rollouts against synchronous): over the steps after the first, the
+response tokens trained, generate and step seconds per million of them, and each against the first
+run's (the baseline); each step's generate seconds, and where logged the engine's requests at once
+(rollout/engine_max_running), its preemptions and the staleness.
+
+    python scripts/summarize_run.py --per-token sync=a/metrics.jsonl partial=b/metrics.jsonl
 """
 
 from __future__ import annotations
@@ -188,13 +195,44 @@ def scaling_table(runs: list[tuple[int, str]]) -> str:
     return "\n".join(lines)
 
 
+def per_token_table(runs: list[tuple[str, str]]) -> str:
+    """The cost per trained token (module docstring, --per-token): one row per run, ratios against the first."""
+    lines = ["| run | steps | trained tokens | generate s / M tokens | step s / M tokens | generate s, each step | "
+             "vLLM at once | preempted | staleness mean |", "|---|---|---|---|---|---|---|---|---|"]
+    base = None
+    for i, (name, path) in enumerate(runs):
+        rows = read_steps(path)
+        steady = rows[1:] if len(rows) > 1 else rows
+        tokens = sum(r.get("response/tokens", 0.0) for r in steady)
+        if not tokens:
+            raise SystemExit(f"{path}: no response/tokens in its steps")
+        gen = sum(r.get("time/generate", 0.0) for r in steady) / tokens * 1e6
+        step = sum(r["time/step"] for r in steady) / tokens * 1e6
+        base = base or (gen, step)
+        ratio = f" ({gen / base[0]:.2f}x, {step / base[1]:.2f}x)" if i else ""
+
+        def seq(key, spec="{:.0f}"):
+            vals = [spec.format(r[key]) for r in steady if key in r]
+            return ", ".join(vals) or "–"
+
+        lines.append(f"| {name} | {steady[0]['step']}-{steady[-1]['step']} | {tokens:,.0f} | {gen:.1f} | {step:.1f}"
+                     f"{ratio} | {seq('time/generate', '{:.1f}')} | {seq('rollout/engine_max_running')} | "
+                     f"{seq('rollout/engine_preempted')} | {seq('rollout/staleness_mean', '{:.2f}')} |")
+    lines.append("(x: against the first run, generate and step)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="NAME=path/to/metrics.jsonl (or just the path)")
     ap.add_argument("--details", action="store_true", help="after the table, what it leaves out (see above)")
     ap.add_argument("--scaling", action="store_true", help="weak scaling: NAME is each run's GPU count")
+    ap.add_argument("--per-token", action="store_true", help="the cost per trained token, against the first run")
     args = ap.parse_args(argv)
     specs = [spec.rpartition("=")[::2] for spec in args.runs]
+    if args.per_token:
+        print(per_token_table([(name or path, path) for name, path in specs]))
+        return 0
     if args.scaling:
         print(scaling_table([(int(name), path) for name, path in specs]))
         return 0

@@ -18,7 +18,8 @@
 #   DRY=1 prints the torchrun command line instead of running it. Several runs at once, one per GPU of a
 #   machine: side_by_side.sh.
 #   A long tail of response lengths (random weights never stop): data.max_response_length=8192
-#   'rollout.length_profile="lognormal:mean=1532,sigma=0.9,cap=8192"' (with rollout.partial_rollouts=true: both ways).
+#   'rollout.length_profile="lognormal:mean=1532,sigma=0.9,cap=8192"' (with rollout.partial_rollouts=true: both ways;
+#   then scripts/summarize_run.py --per-token sync=OUT/step-.../run/metrics.jsonl partial=... compares them).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$1; ARCH=$2; VARIANT=$3; STEPS=${4:-4}; shift $(( $# < 4 ? $# : 4 ))

@@ -154,3 +154,22 @@ def test_scaling_table_efficiency_against_one_gpu(tmp_path):
     assert out[2:] == ["| 1 | 64 | 2 | 10.000 | 6.000 | 6.000 | 4.000 | 100.0% |",
                        "| 2 | 128 | 2 | 11.000 | 6.000 | 7.000 | 4.000 | 90.9% |",
                        "| 4 | 256 | 2 | 12.500 | 6.000 | 8.500 | 4.000 | 80.0% |"], out
+
+
+def test_per_token_costs_against_the_first_run(tmp_path):
+    """Runs that train different tokens a step compare per trained token, steps after the first only."""
+    sync = write_rows(tmp_path / "sync.jsonl", [
+        {"step": 1, "time/step": 500.0, "time/generate": 400.0, "response/tokens": 9.0},  # warm-up: left out
+        {"step": 2, "time/step": 60.0, "time/generate": 40.0, "response/tokens": 200_000.0},
+        {"step": 3, "time/step": 90.0, "time/generate": 70.0, "response/tokens": 300_000.0}])
+    partial = write_rows(tmp_path / "partial.jsonl", [
+        {"step": 1, "time/step": 50.0, "time/generate": 30.0, "response/tokens": 250_000.0},
+        {"step": 2, "time/step": 45.0, "time/generate": 25.0, "response/tokens": 250_000.0,
+         "rollout/engine_max_running": 512.0, "rollout/engine_preempted": 3.0, "rollout/staleness_mean": 0.5},
+        {"step": 3, "time/step": 55.0, "time/generate": 30.0, "response/tokens": 250_000.0,
+         "rollout/engine_max_running": 400.0, "rollout/engine_preempted": 0.0, "rollout/staleness_mean": 0.75}])
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "summarize_run.py"), "--per-token", f"sync={sync}",
+                          f"partial={partial}"], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[2] == "| sync | 2-3 | 500,000 | 220.0 | 300.0 | 40.0, 70.0 | – | – | – |"  # 110 s, 150 s / 0.5 M
+    # 55 s and 100 s over 0.5 M tokens: 110 and 200 s / M, 0.50x and 0.67x the synchronous run's
+    assert out[3] == "| partial | 2-3 | 500,000 | 110.0 | 200.0 (0.50x, 0.67x) | 25.0, 30.0 | 512, 400 | 3, 0 | 0.50, 0.75 |"
