@@ -187,6 +187,8 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
         kw["cudagraph_capture_sizes"] = step_capture_sizes(cfg, world_size)
     if not r.vllm_compile and not r.enforce_eager:  # CUDA graphs of the decode step, no Inductor
         kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    if cfg.model.adapter_sync:  # every request carries the adapter: vLLM's graphs without one would never run
+        kw["compilation_config"] = {**kw.get("compilation_config", {}), "cudagraph_specialize_lora": False}
     user = copy.deepcopy(r.engine_kwargs)  # a copy: vLLM may change the tables it is given
     if isinstance(user.get("compilation_config"), dict) and "compilation_config" in kw:
         user["compilation_config"] = {**kw["compilation_config"], **user["compilation_config"]}  # entries added

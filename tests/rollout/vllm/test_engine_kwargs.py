@@ -397,8 +397,8 @@ def test_step_sizes_reach_vllm_only_when_asked_and_not_over_explicit_sizes():
 
 def test_the_adapter_sync_builds_vllms_lora_layers_for_the_rank(tmp_path):
     """model.lora_sync = "adapter": enable_lora with the smallest max_lora_rank vLLM takes that holds the
-    rank, one adapter; merged sync or no LoRA: no LoRA layers (they cost generation time); users'
-    engine_kwargs cannot set them."""
+    rank, one adapter, CUDA graphs with LoRA only; merged sync or no LoRA: no LoRA layers (they cost
+    generation time); users' engine_kwargs cannot set them."""
     from spmd_rl.model.loading import preset_config
 
     preset_config("tiny").save_pretrained(tmp_path)
@@ -408,8 +408,13 @@ def test_the_adapter_sync_builds_vllms_lora_layers_for_the_rank(tmp_path):
         cfg.model.lora_rank = rank
         kw = engine_kwargs(cfg, str(tmp_path), 0)
         assert (kw["enable_lora"], kw["max_lora_rank"], kw["max_loras"]) == (True, vllm_rank, 1), rank
+    # every request carries the adapter: only vLLM's graphs with LoRA are captured, in either compile mode
+    assert kw["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_specialize_lora": False}
+    cfg.rollout.vllm_compile = True
+    assert engine_kwargs(cfg, str(tmp_path), 0)["compilation_config"] == {"cudagraph_specialize_lora": False}
     cfg.model.lora_sync = "merged"
     assert "enable_lora" not in engine_kwargs(cfg, str(tmp_path), 0)
+    assert "compilation_config" not in engine_kwargs(cfg, str(tmp_path), 0)
     assert refusal({"lora_target_modules": ["q_proj"]}).startswith(
         "rollout.engine_kwargs.lora_target_modules cannot be set: set from model.lora_target_modules")
     for name in ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras"):
