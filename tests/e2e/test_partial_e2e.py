@@ -24,7 +24,9 @@ def test_the_tiny_job_learns_with_partial_rollouts_as_without(tmp_path):
     first = sum(on[s]["reward/mean"] for s in steps[:10]) / 10
     last = sum(on[s]["reward/mean"] for s in steps[-10:]) / 10
     assert last > first + 0.2, (first, last)
-    assert on[80]["val/acc"] > 0.3 and abs(on[80]["val/acc"] - off[80]["val/acc"]) < 0.15, (
+    # both learn, and partial rollouts no worse than without (by more than one validation's spread): 80
+    # steps of the tiny job are chaotic in the CPU's arithmetic, so either run can come out well ahead
+    assert min(on[80]["val/acc"], off[80]["val/acc"]) > 0.3 and on[80]["val/acc"] > off[80]["val/acc"] - 0.15, (
         on[80]["val/acc"], off[80]["val/acc"])
 
 
