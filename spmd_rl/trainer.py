@@ -283,9 +283,6 @@ class Trainer:
                 completions, turn_metrics = self.multi_turn.generate(self.engine, records, sampling,
                                                                      self.cfg.data.max_response_length)
                 merge_trajectory_metrics(timer.metrics, turn_metrics)  # over dynamic sampling's rounds too
-            if train and hasattr(self.engine, "scheduling_metrics"):  # vLLM's requests at once ("auto")
-                for key, value in self.engine.scheduling_metrics().items():  # preemptions: over dynamic sampling's rounds
-                    timer.metrics[key] = value + (timer.metrics.get(key, 0.0) if key.endswith("_preempted") else 0.0)
         with timer("sleep"):
             self.engine.sleep()
         if self.device.type == "cuda":  # what sleep handed back (and, every step, whether anything leaks)
@@ -366,6 +363,8 @@ class Trainer:
         t_step = time.perf_counter()
         self.samples.begin_step(self.step + 1)
         batch, sample_metrics = self.sample_batch(timer)
+        if hasattr(self.engine, "scheduling_metrics"):  # vLLM's requests at once ("auto"), over the step's calls
+            timer.metrics.update(self.engine.scheduling_metrics())
         self.samples.flush()  # collective
         reward_errors = self.reward_fn.sync_failures()  # collective: a failed scorer stops every rank
         with timer("balance"):  # rows move between ranks to even out their tokens (trainer.balance_ranks)

@@ -621,10 +621,9 @@ class VLLMEngine:
 
     def _set_running_cap(self, all_prompts: list[list[int]], sps: list) -> None:
         """Before a call of the TP group's requests: how many vLLM runs at once ("auto": running_cap.py).
-        A request of n samples counts n times."""
+        Every request of a call has the same n, so the means over requests are those over samples."""
         if self.running_cap is not None:
-            lengths = [len(p) for p, sp in zip(all_prompts, sps) for _ in range(sp.n)]
-            self.running_cap.before(lengths, [sp.max_tokens for sp in sps for _ in range(sp.n)])
+            self.running_cap.before([len(p) for p in all_prompts], [sp.max_tokens for sp in sps])
 
     def scheduling_metrics(self) -> dict[str, float]:
         """rollout/engine_max_running and rollout/engine_preempted of the step's calls (running_cap.py);
