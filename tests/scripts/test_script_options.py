@@ -47,8 +47,7 @@ def test_no_script_option_is_a_prefix_of_a_torchrun_option(path):
     assert not {o: t for o, t in clashes.items() if t}, f"{os.path.relpath(path, ROOT)}: rename these options"
 
 
-COMMANDS = sorted(p for p in glob.glob(os.path.join(ROOT, "scripts", "*.py")) + glob.glob(os.path.join(ROOT, "scripts", "*", "*.py"))
-                  if script_options(p))
+COMMANDS = [p for p in SCRIPTS if p.startswith(os.path.join(ROOT, "scripts", "")) and script_options(p)]
 
 
 @pytest.mark.parametrize("path", COMMANDS, ids=[os.path.relpath(p, ROOT) for p in COMMANDS])
