@@ -605,7 +605,7 @@ class Trainer:
             with self._profiled(self.step + 1):
                 metrics = self.train_step()
             last = self.step == t.total_steps
-            if self.val_data is not None and (last or (t.val_every and self.step % t.val_every == 0)):
+            if self.val_data is not None and t.val_every >= 0 and (last or (t.val_every and self.step % t.val_every == 0)):
                 metrics.update(self.validate())
             metrics.update(self.startup.take_metrics())
             self.metrics.log(self.step, metrics)

@@ -29,7 +29,7 @@ WORK=(model.init=\"random\" model.arch=\"$ARCH\" model.tokenizer=\"char\" model.
       data.synthetic_task=\"arithmetic\" data.apply_chat_template=false data.max_prompt_length=128
       data.max_response_length=512 "data.train_files=[]" "data.val_files=[]"
       actor.use_kl_loss=false actor.ppo_mini_batch_size=64 rollout.max_num_batched_tokens=4096
-      trainer.total_steps=$STEPS trainer.val_before_train=false trainer.val_every=0 trainer.save_every=0
+      trainer.total_steps=$STEPS trainer.val_before_train=false trainer.val_every=-1 trainer.save_every=0
       trainer.resume=\"none\")
 case "$VARIANT" in
   before) VAR=(model.remove_padding=false model.chunked_logprobs=false model.gradient_checkpointing=false

@@ -18,7 +18,7 @@ COMMON=(model.init=\"random\" model.arch=\"qwen2-7b\" model.tokenizer=\"char\" m
         data.synthetic_task=\"arithmetic\" data.synthetic_size=8192 data.apply_chat_template=false
         "data.train_files=[]" "data.val_files=[]"
         data.max_prompt_length=128 data.max_response_length=512
-        trainer.total_steps=$STEPS trainer.val_every=0 trainer.save_every=0 trainer.resume=\"none\")
+        trainer.total_steps=$STEPS trainer.val_every=-1 trainer.save_every=0 trainer.resume=\"none\")
 declare -A RUN=(
   [grpo-tp2]='rollout.tensor_parallel_size=2 algorithm.adv_estimator="grpo"'
   [ppo-tp2]='rollout.tensor_parallel_size=2 algorithm.adv_estimator="gae"'

@@ -29,7 +29,7 @@ if [ -z "${RUN_DIR:-}" ]; then
 fi
 COMMON=(model.init=\"random\" model.arch=\"qwen2-7b\" model.path=\"\" model.tokenizer=\"char\"
         data.synthetic_task=\"arithmetic\" data.apply_chat_template=false
-        "data.train_files=[]" "data.val_files=[]" trainer.val_every=0
+        "data.train_files=[]" "data.val_files=[]" trainer.val_every=-1
         trainer.run_dir=\"$RUN_DIR\")
 TRAIN=(trainer.total_steps=$STEPS trainer.save_every=0 trainer.resume=\"none\")           # 0: a save at the end only
 RESUME=(trainer.total_steps=$((STEPS + MORE)) trainer.save_every=-1 trainer.resume=\"auto\")  # -1: no save

@@ -63,8 +63,9 @@ class TrainerConfig:
     qwen1.5b-long uses 2 for 16k-token responses); keep the group inside a node (NVLink). Where
     the longest sequence fits one GPU, plain data parallelism is faster. 1 = off."""
     val_every: int = 0
-    """Validate every this many steps and after the last one (0 = only after the last, if
-    data.val_files is set)."""
+    """Validate every this many steps and after the last one (0 = only after the last; -1 = never,
+    not even after the last: for benchmarks, whose random weights never stop and so validate at
+    full length). Needs validation prompts: data.val_files, or data.synthetic_task's own."""
     val_before_train: bool = False
     """Validate once before the first step."""
     save_every: int = 0
@@ -200,7 +201,7 @@ class TrainerConfig:
 
     def ranges(self, cfg: Config) -> list[Rule]:
         return [
-            ("val_every", self.val_every >= 0, ">= 0"), ("save_every", self.save_every >= -1, ">= -1 (0 = only at the end, -1 = never)"),
+            ("val_every", self.val_every >= -1, ">= -1 (0 = only after the last step, -1 = never)"), ("save_every", self.save_every >= -1, ">= -1 (0 = only at the end, -1 = never)"),
             ("log_every", self.log_every >= 1, ">= 1"), ("log_samples", self.log_samples >= 0, ">= 0 (0 = none)"),
             ("log_samples_every", self.log_samples_every >= 0, ">= 0 (0 = only at validations)"), ("peak_tflops", self.peak_tflops >= 0, ">= 0"),
             ("experiment_name", bool(self.experiment_name.strip()), "a non-empty name"),
