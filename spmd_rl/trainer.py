@@ -267,6 +267,12 @@ class Trainer:
         lengths = length_profile.draw(self.length_profile, count, seed=sampling.seed * 65_537 + self.env.rank)
         return [min(n, self.cfg.data.max_response_length) for n in lengths]
 
+    def _more_prompts(self, k: int) -> tuple[list, list[int] | None]:
+        """Partial rollouts' k-th refill of a step (rollout.partial_pool_batches): the next batch of
+        training prompts and their token limits (drawn with the refill's own seed)."""
+        records = [self.train_data[i] for i in self.sampler.next_batch()]
+        return records, self.response_limits(len(records), self._sampling(True, k))
+
     def generate(self, records, train: bool, timer: PhaseTimer, round_: int = 0) -> Batch:
         self.sync_weights(timer)
         with timer("generate"):
@@ -275,7 +281,7 @@ class Trainer:
             limits = self.response_limits(len(records), sampling) if train else None
             if train and self.partial is not None:  # the step's complete groups, carried-over ones first
                 records, completions, partial_metrics = self.partial.step(
-                    self.engine, records, self.step, lambda k: self._sampling(train, k), limits)
+                    self.engine, records, self.step, lambda k: self._sampling(train, k), limits, self._more_prompts)
                 timer.metrics.update(partial_metrics)  # already reduced over ranks
             elif self.multi_turn is None:
                 completions = self.engine.generate([rec.prompt_ids for rec in records], sampling, max_new_tokens=limits)

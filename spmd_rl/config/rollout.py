@@ -145,6 +145,13 @@ class RolloutConfig:
     batch at one more all-reduce per check; with an engine that resumes its requests at every check
     (the HF engine's rounds) also one more prefill of every running response (docs/training.md,
     "Long-tailed response lengths")."""
+    partial_pool_batches: int = 3
+    """Partial rollouts: the most batches of prompts (a step's prompts per rank) a rank keeps in
+    flight. A step starts with two or more; while its run has fewer unfinished responses than one
+    batch has (the engine running short, say while the step waits for a group at max_staleness),
+    another batch of new prompts joins the run, up to this many. The engine keeps decoding tokens for
+    later steps instead of idling; those groups train later, so older. 2 = no refill
+    (docs/training.md, "Long-tailed response lengths")."""
     max_staleness: int = 2
     """Partial rollouts: most policy versions (optimizer steps) between a group's first token and
     the update that trains it."""
@@ -280,6 +287,7 @@ class RolloutConfig:
             ("partial_chunk_tokens", self.partial_chunk_tokens >= 0,
              ">= 0 (0 = 64, or a quarter of data.max_response_length where fewer)"),
             ("max_staleness", self.max_staleness >= 1, ">= 1"),
+            ("partial_pool_batches", self.partial_pool_batches >= 2, ">= 2 (2 = no refill)"),
         ]
 
     def check_logprobs(self, readers: list[str]) -> None:

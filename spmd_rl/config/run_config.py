@@ -108,10 +108,10 @@ class Config:
     def engine_sequences_per_call(self, world_size: int) -> int:
         """The most sequences one engine replica (rollout.tensor_parallel_size ranks) gets in a generate
         call of this run: training (data.train_batch_size / world_size prompts per rank, x rollout.n;
-        twice that with partial rollouts, whose pool holds about two batches) or validation (a rank's
-        share of data.val_batch_size, x rollout.val_n)."""
+        with partial rollouts x rollout.partial_pool_batches, the most batches their run holds) or
+        validation (a rank's share of data.val_batch_size, x rollout.val_n)."""
         d, r = self.data, self.rollout
-        batches = 2 if r.partial_rollouts else 1
+        batches = r.partial_pool_batches if r.partial_rollouts else 1
         most = batches * d.train_batch_size // world_size * r.tensor_parallel_size * r.n
         if d.val_files:
             most = max(most, -(-d.val_batch_size // world_size) * r.tensor_parallel_size * r.val_n)

@@ -109,6 +109,11 @@ class EngineRun(Protocol):
         """Up to `steps` more tokens per running request: the requests that finished in them, as
         (index among the caller's prompts, its completion)."""
 
+    def add(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: list[int] | None = None,
+            asks_logprobs: list[bool] | None = None) -> None:
+        """More requests into the running run, as `start` takes them; their indices follow the earlier
+        ones (partial rollouts' refill)."""
+
     def stop(self) -> list[tuple[int, Completion]]:
         """End the run: every unfinished request, with its tokens and log-probs so far (finish_reason "")."""
 

@@ -27,9 +27,14 @@ drawn but not yet started does not age). Groups train oldest first, so long resp
 starved.
 
 The pool holds about two steps' prompts: the first step draws two batches of prompts, later steps one
-(more where drops left a rank short), the same number on every rank. A checkpoint does not hold the
-carried groups: a save drops them (rollout/dropped_at_save), in a run that goes on as in one resumed
-from it, so both continue alike.
+(more where drops left a rank short), the same number on every rank. Within a step it takes more
+(over-sampling, `rollout.partial_pool_batches`): when the run has fewer unfinished responses than one
+batch has (the engine running short, say while the step waits for a group at the staleness bound), a
+batch of new prompts joins the running run, on every rank at the same check, while the pool holds at
+most that many batches. The engine keeps decoding tokens that later steps train instead of idling.
+
+A checkpoint does not hold the carried groups: a save drops them (rollout/dropped_at_save), in a run
+that goes on as in one resumed from it, so both continue alike.
 """
 
 from __future__ import annotations
@@ -88,10 +93,10 @@ class PartialRollouts:
     """One rank's groups in flight and the step's cut (the module docstring)."""
 
     def __init__(self, n: int, per_rank: int, max_response_length: int, chunk_tokens: int, max_staleness: int,
-                 stale_policy: str, device: torch.device):
+                 stale_policy: str, device: torch.device, pool_batches: int = 2):
         self.n, self.per_rank, self.max_len = n, per_rank, max_response_length
         self.chunk, self.max_staleness, self.stale_policy = chunk_tokens, max_staleness, stale_policy
-        self.device = device
+        self.device, self.pool_batches = device, pool_batches
         self.carried: list[Group] = []
         self.dropped_at_save = 0
 
@@ -108,12 +113,14 @@ class PartialRollouts:
         self.carried = []
 
     def step(self, engine, records: list, version: int, sampling: Callable[[int], SamplingParams],
-             limits: list[int] | None = None) -> tuple[list, list[list[Completion]], dict[str, float]]:
+             limits: list[int] | None = None, more: Callable[[int], tuple[list, list[int] | None]] | None = None
+             ) -> tuple[list, list[list[Completion]], dict[str, float]]:
         """Generate until every rank has `per_rank` complete groups (collective), and return this
         step's records, their completions (behaviour log-probs per token) and the metrics, reduced over
         ranks. `version`: the policy version of the engine's weights now; `sampling(k)`: the sampling
-        settings of the step's run (k = 0; Rounds: its k-th generate call, for the seed); `limits`: each
-        new record's token limit (default data.max_response_length)."""
+        settings of the step's run (k = 0; its k-th refill: k; Rounds: its k-th generate call, for the
+        seed); `limits`: each new record's token limit (default data.max_response_length); `more(k)`:
+        the step's k-th refill (k = 1, 2, ...), a batch of new records and their limits (None: no refill)."""
         pool, dropped = [], 0
         for g in sorted(self.carried, key=lambda g: g.born(version)):  # oldest first
             if version - g.born(version) > self.max_staleness:  # "drop"; "wait" only where more groups
@@ -123,11 +130,25 @@ class PartialRollouts:
                 pool.append(g)
         pool += [Group(rec, [Response() for _ in range(self.n)], limit)
                  for rec, limit in zip(records, limits or [self.max_len] * len(records))]
-        run, running, checks = None, [], 0
-        while not self._agreed(pool, version):
+        resumed = sum(len(self.resume_prompt(g, r))  # what the engine prefills again to go on with them
+                      for g in pool for r in g.responses if r.tokens and not r.finish_reason)
+        run, running, checks, refills = None, [], 0, 0
+        while True:
+            stop, refill = self._check(pool, version, more is not None)
+            if stop:
+                break
             if run is None:  # one run a step: every unfinished response, carried groups first
                 running = [(g, r) for g in pool for r in g.responses if not r.finish_reason]
                 run = self._start(engine, running, sampling)
+            elif refill:  # the engine runs short: a batch of new prompts joins the run
+                refills += 1
+                new_records, new_limits = more(refills)
+                groups = [Group(rec, [Response() for _ in range(self.n)], limit)
+                          for rec, limit in zip(new_records, new_limits or [self.max_len] * len(new_records))]
+                pool += groups
+                joining = [(g, r) for g in groups for r in g.responses]
+                running += joining
+                self._join(run, joining, sampling(refills))
             for i, c in run.advance(self.chunk):
                 self._extend(*running[i], c, version)
             checks += 1
@@ -137,20 +158,26 @@ class PartialRollouts:
         done = [g for g in pool if g.complete][:self.per_rank]  # oldest first: pool order
         chosen = set(map(id, done))
         self.carried = [g for g in pool if id(g) not in chosen]
-        metrics = self._metrics(done, version, dropped, checks)
+        metrics = self._metrics(done, version, dropped, checks, refills, resumed if run is not None else 0)
         return [g.record for g in done], [[r.completion() for r in g.responses] for g in done], metrics
 
     def _must_finish(self, g: Group, version: int) -> bool:
         return self.stale_policy == "wait" and version - g.born(version) >= self.max_staleness
 
-    def _agreed(self, pool: list[Group], version: int) -> bool:
-        """Whether every rank has its batch (collective: one all-reduce of a count). A step whose
-        pool already holds its batch complete generates nothing (its new prompts start next step)."""
+    def _check(self, pool: list[Group], version: int, can_refill: bool) -> tuple[bool, bool]:
+        """(stop, refill), the same on every rank (collective: one all-reduce of three flags). Stop once
+        every rank has its batch; a step whose pool already holds its batch complete generates nothing
+        (its new prompts start next step). Refill where a rank runs fewer unfinished responses than a
+        batch has and every rank's pool has room for one more batch (rollout.partial_pool_batches)."""
         ready = sum(g.complete for g in pool) >= self.per_rank and all(
             g.complete for g in pool if self._must_finish(g, version))
         running = any(not g.complete for g in pool)
-        flag = torch.tensor([0.0 if (ready or not running) else 1.0], dtype=torch.float64, device=self.device)
-        return all_reduce_sum(flag, op=torch.distributed.ReduceOp.MAX).item() == 0.0
+        unfinished = sum(not r.finish_reason for g in pool for r in g.responses)
+        room = can_refill and len(pool) + self.per_rank <= self.pool_batches * self.per_rank
+        flags = torch.tensor([0.0 if (ready or not running) else 1.0, float(unfinished < self.n * self.per_rank),
+                              0.0 if room else 1.0], dtype=torch.float64, device=self.device)
+        going, short, full = all_reduce_sum(flags, op=torch.distributed.ReduceOp.MAX).tolist()
+        return going == 0.0, going == 1.0 and short == 1.0 and full == 0.0
 
     def resume_prompt(self, g: Group, r: Response) -> list[int]:
         """What the engine continues: the prompt and the response's tokens so far."""
@@ -167,6 +194,13 @@ class PartialRollouts:
             return engine.start(prompts, one, max_new_tokens=limits, asks_logprobs=[True] * len(prompts))
         return Rounds(engine, prompts, limits, sampling)
 
+    def _join(self, run, joining: list[tuple[Group, Response]], sampling: SamplingParams) -> None:
+        """New groups' responses into the running run (every rank at the same check: a tensor-parallel
+        group gathers), after its earlier requests: their indices follow on."""
+        one = dataclasses.replace(sampling, n=1, max_new_tokens=self.max_len, logprobs_every=1)
+        run.add([self.resume_prompt(g, r) for g, r in joining], one,
+                max_new_tokens=[g.max_len for g, _ in joining], asks_logprobs=[True] * len(joining))
+
     @staticmethod
     def _extend(g: Group, r: Response, c: Completion, version: int) -> None:
         """A response's tokens from this step's run: sampled by the weights of `version`; finished
@@ -178,15 +212,18 @@ class PartialRollouts:
             r.routes = c.routes  # the whole row's, from its last run
             r.finish_reason = c.finish_reason
 
-    def _metrics(self, done: list[Group], version: int, dropped: int, rounds: int) -> dict[str, float]:
+    def _metrics(self, done: list[Group], version: int, dropped: int, rounds: int, refills: int,
+                 resumed: int) -> dict[str, float]:
         """rollout/staleness_mean and _max over the trained tokens (versions behind the weights that
         train them), rollout/staleness_share_k (k = 0..max_staleness: a histogram), stale_dropped,
         dropped_at_save, carried_groups (after the cut, summed over ranks), partial_rounds (the checks of
-        the cut: stretches of partial_chunk_tokens engine steps)."""
+        the cut: stretches of partial_chunk_tokens engine steps), partial_refills (batches of new prompts
+        that joined the run, per rank), resumed_tokens (the prompts and tokens so far of the carried
+        responses the run went on with, which the engine prefilled again; summed over ranks)."""
         ages = torch.tensor([version - v for g in done for r in g.responses for v in r.versions], dtype=torch.float64)
         hist = [float((ages == k).sum()) for k in range(self.max_staleness + 1)]
         sums = torch.tensor([float(ages.sum()), float(len(ages)), dropped, self.dropped_at_save, len(self.carried),
-                             *hist], dtype=torch.float64, device=self.device)
+                             resumed, *hist], dtype=torch.float64, device=self.device)
         sums = all_reduce_sum(sums)
         top = all_reduce_sum(torch.tensor([float(ages.max()) if len(ages) else 0.0], dtype=torch.float64,
                                           device=self.device), op=torch.distributed.ReduceOp.MAX)
@@ -194,8 +231,9 @@ class PartialRollouts:
         tokens = max(sums[1].item(), 1.0)
         out = {"rollout/staleness_mean": sums[0].item() / tokens, "rollout/staleness_max": top.item(),
                "rollout/stale_dropped": sums[2].item(), "rollout/dropped_at_save": sums[3].item(),
-               "rollout/carried_groups": sums[4].item(), "rollout/partial_rounds": float(rounds)}
-        out.update({f"rollout/staleness_share_{k}": sums[5 + k].item() / tokens for k in range(len(hist))})
+               "rollout/carried_groups": sums[4].item(), "rollout/partial_rounds": float(rounds),
+               "rollout/partial_refills": float(refills), "rollout/resumed_tokens": sums[5].item()}
+        out.update({f"rollout/staleness_share_{k}": sums[6 + k].item() / tokens for k in range(len(hist))})
         return out
 
 
@@ -227,6 +265,14 @@ class Rounds:
                 finished.append((i, o.copy()))
         return finished
 
+    def add(self, prompts: list[list[int]], sampling: SamplingParams, max_new_tokens: list[int] | None = None,
+            asks_logprobs: list[bool] | None = None) -> None:
+        """More requests, resumed with the others from the next call on (their indices follow on;
+        every call's sampling comes from the run's own `sampling`)."""
+        self.prompts += prompts
+        self.limits += max_new_tokens or [sampling.max_new_tokens] * len(prompts)
+        self.out += [Completion([], [], "") for _ in prompts]
+
     def stop(self) -> list[tuple[int, Completion]]:
         return [(i, o.copy()) for i, o in enumerate(self.out) if not o.finish_reason]
 
@@ -239,4 +285,4 @@ def from_config(cfg, world_size: int, device: torch.device) -> PartialRollouts |
     longest = cfg.data.max_response_length
     return PartialRollouts(r.n, cfg.data.train_batch_size // world_size, longest,
                            r.partial_chunk_tokens or min(CHECK_EVERY, max(1, longest // 4)), r.max_staleness,
-                           r.stale_policy, device)
+                           r.stale_policy, device, r.partial_pool_batches)

@@ -55,11 +55,13 @@ def test_wait_trains_the_lengths_the_policy_writes_and_drop_trains_shorter_ones(
               'rollout.length_profile="lognormal:mean=12,sigma=0.9,cap=64"']
     partial = ["rollout.partial_rollouts=true", "rollout.partial_chunk_tokens=4", 'algorithm.rollout_is="token"']
     runs = {"sync": [], "wait": partial, "drop": [*partial, 'rollout.stale_policy="drop"']}
-    lengths, dropped = {}, {}
+    lengths, dropped, refills = {}, {}, {}
     for name, extra in runs.items():
         run(torchrun_cmd(2, f"trainer.run_dir={tmp_path / name}", *common, *extra))
         m = read_metrics(tmp_path / name)
         lengths[name] = sum(m[s]["response/length_mean"] for s in range(5, 21)) / 16
         dropped[name] = sum(m[s].get("rollout/stale_dropped", 0) for s in range(1, 21))
+        refills[name] = sum(m[s].get("rollout/partial_refills", 0) for s in range(1, 21))
     assert abs(lengths["wait"] - lengths["sync"]) < 0.15 * lengths["sync"] and dropped["wait"] == 0, (lengths, dropped)
+    assert refills["wait"] > 0, refills  # the pool took new prompts while the step waited (partial_pool_batches)
     assert lengths["drop"] < 0.8 * lengths["sync"] and dropped["drop"] > 0, (lengths, dropped)

@@ -224,8 +224,10 @@ def test_the_predicted_kv_cache_is_within_5_percent_below_vllms_count(tmp_path):
     (BIG, ("data.train_batch_size=128",), 512, "vLLM's CUDA graphs' most"),  # 1024 asked
     (BIG, ("data.train_batch_size=16",), 256, "a call's most"),  # validation: 256 prompts x 1
     (BIG, ("data.train_batch_size=16", "data.val_files=[]"), 128, "a call's most"),  # 16 x 8
-    (BIG, ("rollout.partial_rollouts=true", "data.train_batch_size=16", "data.val_files=[]"), 256,
-     "a call's most"),  # the partial rollouts' pool: two batches
+    (BIG, ("rollout.partial_rollouts=true", "data.train_batch_size=16", "data.val_files=[]"), 384,
+     "a call's most"),  # the partial rollouts' pool: three batches (rollout.partial_pool_batches)
+    (BIG, ("rollout.partial_rollouts=true", "rollout.partial_pool_batches=2", "data.train_batch_size=16",
+           "data.val_files=[]"), 256, "a call's most"),
 ])
 def test_engine_sequences_are_a_calls_most_within_cuda_graphs_and_the_line_says_what_the_kv_cache_holds(
         tmp_path, total, overrides, expected, bound):

@@ -46,9 +46,9 @@ def records(*groups):
     return [PromptRecord(g, [g], "t", "0") for g in groups]
 
 
-def run_step(pr, engine, recs, version):
+def run_step(pr, engine, recs, version, more=None):
     engine.version = version
-    return pr.step(engine, recs, version, lambda k: SamplingParams(seed=k))
+    return pr.step(engine, recs, version, lambda k: SamplingParams(seed=k), more=more)
 
 
 class TwoSamples(PartialRollouts):
@@ -62,9 +62,9 @@ class TwoSamples(PartialRollouts):
 LENGTHS = {0: [2, 2], 1: [8, 8], 2: [2, 4], 3: [4, 4], 4: [2, 2], 5: [2, 2], 6: [2, 2], 7: [2, 2]}
 
 
-def new(policy="drop"):
+def new(policy="drop", pool_batches=2):
     return TwoSamples(n=2, per_rank=2, max_response_length=8, chunk_tokens=2, max_staleness=1, stale_policy=policy,
-                      device=torch.device("cpu"))
+                      device=torch.device("cpu"), pool_batches=pool_batches)
 
 
 def test_versions_logprobs_and_correction_weights_are_exact():
@@ -168,7 +168,7 @@ class StreamingEngine(ScriptedEngine):
 
     def __init__(self, lengths):
         super().__init__(lengths)
-        self.starts = 0
+        self.starts, self.added = 0, []
 
     def start(self, prompts, sampling, max_new_tokens=None, asks_logprobs=None):
         assert sampling.n == 1 and all(asks_logprobs)
@@ -200,6 +200,13 @@ class _ScriptedRun:
                 finished.append((i, o.copy()))
         return finished
 
+    def add(self, prompts, sampling, max_new_tokens=None, asks_logprobs=None):
+        assert sampling.n == 1 and all(asks_logprobs)
+        self.engine.added.append(sampling.seed)
+        self.prompts += prompts
+        self.limits += max_new_tokens
+        self.out += [Completion([], [], "") for _ in prompts]
+
     def stop(self):
         return [(i, o.copy()) for i, o in enumerate(self.out) if not o.finish_reason]
 
@@ -225,3 +232,61 @@ def test_a_streamed_run_cuts_as_rounds_do_with_one_run_a_step(policy):
         generating += a[2]["rollout/partial_rounds"] > 0
     assert stream_eng.starts == generating and stream_eng.calls == 0
     assert rounds_eng.calls > generating  # rounds resume the unfinished requests at every check
+
+
+# After the first check (2 tokens each) group 0 is complete and groups 1, 2, 3 each have one response
+# left: 3 unfinished responses, fewer than a batch's 4, and no batch of complete groups yet.
+SHORT = {0: [2, 2], 1: [8, 2], 2: [4, 2], 3: [4, 2], 4: [2, 2], 5: [2, 2], 6: [2, 2], 7: [2, 2]}
+
+
+def _drawer(drawn):
+    """`more` of a step: the k-th refill's batch, groups 4 + 2(k-1) and 5 + 2(k-1) (limits: the longest)."""
+    def more(k):
+        drawn.append(k)
+        return records(4 + 2 * (k - 1), 5 + 2 * (k - 1)), None
+    return more
+
+
+@pytest.mark.parametrize("engine_cls", [ScriptedEngine, StreamingEngine])
+def test_a_run_short_of_a_batch_of_responses_takes_new_prompts_while_the_pool_has_room(engine_cls):
+    """With room for three batches, the step's run takes one batch of new prompts (its own seed) when
+    its unfinished responses fall below a batch's; the new groups, done at the next check, wait behind
+    the older complete ones and carry over. With room for two, nothing joins and the rest is the same."""
+    outcomes = []
+    for pool_batches in (3, 2):
+        pr, eng, drawn = new("drop", pool_batches), engine_cls(SHORT), []
+        recs, comps, m = run_step(pr, eng, records(0, 1, 2, 3), version=0, more=_drawer(drawn))
+        joined = pool_batches == 3
+        assert drawn == ([1] if joined else []) and m["rollout/partial_refills"] == float(joined)
+        assert [r.index for r in recs] == [0, 2] and m["rollout/partial_rounds"] == 2
+        assert [g.record.index for g in pr.carried] == ([1, 3, 4, 5] if joined else [1, 3])
+        if joined:  # groups 4 and 5 sampled both of their tokens in the run's second stretch
+            assert [[r.tokens for r in g.responses] for g in pr.carried[2:]] == [[[7, STOP]] * 2] * 2
+            assert all(r.versions == [0, 0] for g in pr.carried[2:] for r in g.responses)
+            assert getattr(eng, "added", [1]) == [1]  # a streamed run: the refill joined it, with seed 1
+        outcomes.append((recs, [[c.token_ids for c in cs] for cs in comps]))
+    assert outcomes[0] == outcomes[1]  # the step's batch is the same either way
+
+
+def test_a_full_pool_takes_no_more_and_the_carried_responses_resumed_are_counted():
+    pr, eng, drawn = new("wait", 3), ScriptedEngine(SHORT), []
+    run_step(pr, eng, records(0, 1, 2, 3), version=0, more=_drawer(drawn))  # carries 1, 3, 4, 5 (3, 4, 5 complete)
+    recs, _, m = run_step(pr, eng, records(6, 7), version=1, more=_drawer(drawn))
+    # group 1 is at the bound ("wait"): its first response runs on from 4 tokens (the engine prefills the
+    # prompt [1, 0] and them again); after the first stretch it alone is unfinished, but the pool holds
+    # 1, 3, 4, 5, 6, 7, three batches: nothing joins
+    assert drawn == [1] and m["rollout/partial_refills"] == 0 and m["rollout/partial_rounds"] == 2
+    assert m["rollout/resumed_tokens"] == 2 + 4 and [r.index for r in recs] == [1, 3]
+
+
+def _refill_lockstep(rank, world):
+    # rank 0's run is short after the first check, rank 1's is not: both ranks take a batch at that check
+    lengths = SHORT if rank == 0 else {**SHORT, 10: [8, 8], 11: [8, 8], 12: [8, 8], 13: [8, 8]}
+    pr, eng, drawn = new("drop", 3), ScriptedEngine(lengths), []
+    recs, _, m = run_step(pr, eng, records(0, 1, 2, 3) if rank == 0 else records(10, 11, 12, 13), 0,
+                          more=_drawer(drawn))
+    assert drawn == [1] and m["rollout/partial_refills"] == 1 and eng.calls == m["rollout/partial_rounds"]
+
+
+def test_two_ranks_take_new_prompts_at_the_same_check():
+    run_distributed(_refill_lockstep, 2)

@@ -604,6 +604,19 @@ class VLLMEngine:
         """The requests of `generate` (one completion each: sampling.n must be 1), added to the engine
         without running them: the caller advances the run and stops it (spmd_rl/rollout/vllm/streamed.py;
         partial rollouts). Collective within the TP group like generate."""
+        token_inputs, sps, asks, mine = self._streamed_requests(prompts, sampling, max_new_tokens, asks_logprobs)
+        self._runs += 1
+        self._set_running_cap([p["prompt_token_ids"] for p in token_inputs], sps)
+        return StreamedRun(self.llm.llm_engine, token_inputs, sps, asks, mine, f"run{self._runs}-", self._lora_request,
+                           self.num_experts, self.pause_gc,
+                           on_stop=None if self.running_cap is None else self.running_cap.finished,
+                           group=self._streamed_requests)
+
+    def _streamed_requests(self, prompts: list[list[int]], sampling: SamplingParams,
+                           max_new_tokens: list[int] | None, asks_logprobs: list[bool] | None) -> tuple:
+        """The TP group's requests of a streamed run (its start or an add; collective within the group):
+        vLLM token inputs, SamplingParams asking for DELTA outputs, whether each asks for log-probs, and
+        this rank's among them."""
         if sampling.n != 1:
             raise ValueError(f"a streamed run takes one completion per prompt, got n = {sampling.n}")
         from vllm.inputs import tokens_input
@@ -612,12 +625,7 @@ class VLLMEngine:
         all_prompts, sps, asks, start = self._group_requests(prompts, sampling, max_new_tokens, asks_logprobs)
         for sp in sps:
             sp.output_kind = RequestOutputKind.DELTA  # each output: the tokens new since the last
-        self._runs += 1
-        self._set_running_cap(all_prompts, sps)
-        return StreamedRun(self.llm.llm_engine, [tokens_input(p) for p in all_prompts], sps, asks,
-                           range(start, start + len(prompts)), f"run{self._runs}-", self._lora_request,
-                           self.num_experts, self.pause_gc,
-                           on_stop=None if self.running_cap is None else self.running_cap.finished)
+        return [tokens_input(p) for p in all_prompts], sps, asks, range(start, start + len(prompts))
 
     def _set_running_cap(self, all_prompts: list[list[int]], sps: list) -> None:
         """Before a call of the TP group's requests: how many vLLM runs at once ("auto": running_cap.py).

@@ -368,7 +368,8 @@ def test_the_names_come_from_the_installed_vllm():
     ({"rollout.n": 8, "data.train_batch_size": 64, "rollout.max_num_seqs": 512, "rollout.tensor_parallel_size": 2}, 8,
      128),  # a replica generates for its 2 ranks
     ({"rollout.n": 8, "data.train_batch_size": 64}, 1, 256),  # rollout.max_num_seqs caps it
-    ({"rollout.partial_rollouts": True}, 1, 64),  # the partial rollouts' pool: two batches of 8 prompts x 4
+    ({"rollout.partial_rollouts": True}, 1, 96),  # the partial rollouts' pool: three batches of 8 prompts x 4
+    ({"rollout.partial_rollouts": True, "rollout.partial_pool_batches": 2}, 1, 64),
     ({"data.val_files": ["v.parquet"], "data.val_batch_size": 100, "rollout.val_n": 3}, 4, 75),  # ceil(100/4) x 3
 ])
 def test_step_capture_sizes_cover_every_batch_a_call_can_have(changes, world, cap):

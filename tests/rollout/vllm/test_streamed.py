@@ -80,3 +80,90 @@ def test_a_request_vllm_finished_another_way_is_refused():
     run = StreamedRun(AbortingEngine(1), [[1]], [SimpleNamespace(max_tokens=3)], [True], range(0, 1), "r-")
     with pytest.raises(RuntimeError, match="reason 'abort'"):
         run.advance(1)
+
+
+def test_requests_added_to_a_running_run_follow_on_a_ranks_indices():
+    """`add` (partial rollouts' refill) puts the group's new requests into the running run: this rank's
+    get the indices after its earlier ones, the others' stay out of its results, a stop aborts them too."""
+    eng = DeltaEngine(1)
+    groups = []
+
+    def group(prompts, sampling, max_new_tokens, asks_logprobs):  # two ranks' requests, this rank's second
+        groups.append((prompts, sampling))
+        params = [SimpleNamespace(max_tokens=k) for k in [4] * len(prompts) + max_new_tokens]
+        return [[0]] * len(prompts) + prompts, params, [True] * len(params), range(len(prompts), 2 * len(prompts))
+
+    run = StreamedRun(eng, [[1], [1]], [SimpleNamespace(max_tokens=k) for k in (2, 9)], [True, True], range(1, 2),
+                      "r-", group=group)
+    assert run.advance(1) == []
+    run.add([[5], [6]], "sampling", [1, 5], [True, True])  # requests 2, 3 the other rank's; 4, 5 this rank's
+    assert groups == [([[5], [6]], "sampling")] and sorted(eng.running) == [f"r-{j}" for j in range(6)]
+    (i, c), = run.advance(1)  # request 4 finished at its one token (and request 0, the other rank's, at 2)
+    assert i == 1 and c.token_ids == [500] and c.finish_reason == "length"
+    assert run.advance(2) == []  # request 5 at 3 of its 5
+    left = run.stop()
+    assert [(i, c.token_ids) for i, c in left] == [(0, [200, 201, 202, 203]), (2, [600, 601, 602])]
+    assert sorted(eng.aborted) == ["r-1", "r-2", "r-3", "r-5"]
+
+
+def test_a_run_started_without_a_group_refuses_an_add():
+    run = StreamedRun(DeltaEngine(1), [[1]], [SimpleNamespace(max_tokens=3)], [True], range(0, 1), "r-")
+    with pytest.raises(RuntimeError, match="without a way to add"):
+        run.add([[2]], "sampling")
+
+
+class _Kind:
+    DELTA = "delta"
+
+
+class _RecordingEngine(DeltaEngine):
+    def __init__(self):
+        super().__init__(1)
+        self.params = []
+
+    def add_request(self, rid, prompt, params, lora_request=None):
+        assert prompt == {"prompt_token_ids": prompt["prompt_token_ids"]}
+        self.params.append(params)
+        super().add_request(rid, prompt, params)
+
+
+class _StreamLLM:
+    """vllm.LLM with a DeltaEngine as its LLMEngine (what VLLMEngine.start drives)."""
+
+    def __init__(self, **kwargs):
+        self.llm_engine = _RecordingEngine()
+
+    def sleep(self, level):
+        pass
+
+
+class _VSP(SimpleNamespace):
+    pass
+
+
+def test_the_engine_starts_a_run_and_adds_to_it_with_delta_outputs_and_fresh_seeds(monkeypatch, tmp_path):
+    """VLLMEngine.start, then the run's add (partial rollouts' refill): every request asks for DELTA
+    outputs, the added ones with seeds of their own call's seed (not the first requests' again)."""
+    import sys
+    import types
+
+    from spmd_rl.rollout.base import SamplingParams
+    from tests.helpers.stand_in_vllm import stand_in_engine
+
+    for name, attrs in {"vllm.inputs": {"tokens_input": lambda ids: {"prompt_token_ids": ids}},
+                        "vllm.sampling_params": {"RequestOutputKind": _Kind}}.items():
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
+    with stand_in_engine(monkeypatch, tmp_path, _StreamLLM, _VSP, ["rollout.max_num_seqs=64"],
+                         config={"hidden_size": 64}) as engine:
+        monkeypatch.setattr(engine, "_check_ready", lambda: None)
+        one = SamplingParams(n=1, temperature=1.0, max_new_tokens=8, logprobs_every=1, seed=3)
+        run = engine.start([[1, 2], [3]], one, max_new_tokens=[2, 8], asks_logprobs=[True, True])
+        run.add([[4]], SamplingParams(n=1, temperature=1.0, max_new_tokens=8, logprobs_every=1, seed=4), [1], [True])
+        assert [(i, c.token_ids) for i, c in run.advance(2)] == [(2, [300]), (0, [100, 101])]
+        (i, c), = run.stop()
+        assert i == 1 and c.token_ids == [200, 201]
+    eng = engine.llm.llm_engine
+    assert eng.aborted == ["run1-1"]
+    params = eng.params
+    assert all(p.output_kind == "delta" for p in params) and [p.max_tokens for p in params] == [2, 8, 1]
+    assert params[2].seed not in (params[0].seed, params[1].seed) and params[0].seed != params[1].seed
