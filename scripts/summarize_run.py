@@ -21,7 +21,8 @@ every rank waits for) and update seconds, efficiency t(1)/t(k).
 (long-tailed lengths; partial rollouts against synchronous): over the steps after the first, the
 response tokens trained, generate and step seconds per million of them, and each against the first
 run's (the baseline); each step's generate seconds, and where logged the engine's requests at once
-(rollout/engine_max_running), its preemptions and the staleness.
+(rollout/engine_max_running), its preemptions, the staleness, the batches of new prompts that joined the
+run (rollout/partial_refills) and the carried tokens prefilled again (rollout/resumed_tokens, thousands).
 
     python scripts/summarize_run.py --per-token sync=a/metrics.jsonl partial=b/metrics.jsonl
 """
@@ -198,11 +199,15 @@ def scaling_table(runs: list[tuple[int, str]]) -> str:
 def per_token_table(runs: list[tuple[str, str]]) -> str:
     """The cost per trained token (module docstring, --per-token): one row per run, ratios against the first."""
     lines = ["| run | steps | trained tokens | generate s / M tokens | step s / M tokens | generate s, each step | "
-             "vLLM at once | preempted | staleness mean |", "|---|---|---|---|---|---|---|---|---|"]
+             "vLLM at once | preempted | staleness mean | refills | resumed k tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = None
     for i, (name, path) in enumerate(runs):
         rows = read_steps(path)
         steady = rows[1:] if len(rows) > 1 else rows
+        for r in steady:
+            if "rollout/resumed_tokens" in r:
+                r["rollout/resumed_tokens_k"] = r["rollout/resumed_tokens"] / 1000
         tokens = sum(r.get("response/tokens", 0.0) for r in steady)
         if not tokens:
             raise SystemExit(f"{path}: no response/tokens in its steps")
@@ -217,7 +222,8 @@ def per_token_table(runs: list[tuple[str, str]]) -> str:
 
         lines.append(f"| {name} | {steady[0]['step']}-{steady[-1]['step']} | {tokens:,.0f} | {gen:.1f} | {step:.1f}"
                      f"{ratio} | {seq('time/generate', '{:.1f}')} | {seq('rollout/engine_max_running')} | "
-                     f"{seq('rollout/engine_preempted')} | {seq('rollout/staleness_mean', '{:.2f}')} |")
+                     f"{seq('rollout/engine_preempted')} | {seq('rollout/staleness_mean', '{:.2f}')} | "
+                     f"{seq('rollout/partial_refills')} | {seq('rollout/resumed_tokens_k')} |")
     lines.append("(x: against the first run, generate and step)")
     return "\n".join(lines)
 
