@@ -2,7 +2,8 @@
 
 The project's own partial rollouts (spmd_rl/rollout/partial.py: the cut, the carried groups, the
 staleness bound, over-sampling) run over a modelled vLLM engine: each decode step costs
-`--step-ms + --seq-ms x running sequences`, a request's prefill `--prefill-us` per token (a carried
+`--step-ms + --seq-ms x running sequences` (+ `--logprob-us` for each that asks for its tokens' log-probs,
+as every partial rollout does: the CPU's work on them), a request's prefill `--prefill-us` per token (a carried
 response prefills its prompt and its tokens so far again), at most `--max-running` at once, the rest
 queued. Every response runs to the length the profile drew for its prompt (as `rollout.length_profile`
 makes random weights do). Synchronous steps run each step's prompts to their end on the same engine.
@@ -40,25 +41,27 @@ class Engine:
         self.args, self.seconds = args, 0.0
 
     def start(self, prompts, sampling, max_new_tokens=None, asks_logprobs=None) -> "Run":
-        return Run(self, prompts, max_new_tokens)
+        return Run(self, prompts, max_new_tokens, asks_logprobs)
 
 
 class Run:
     """The EngineRun protocol (spmd_rl/rollout/base.py) on the modelled engine."""
 
-    def __init__(self, engine: Engine, prompts: list[list[int]], limits: list[int]):
+    def __init__(self, engine: Engine, prompts: list[list[int]], limits: list[int], asks: list[bool] | None):
         self.engine = engine
         self.prompts, self.limits, self.tokens = [], [], []
+        self.asks: list[bool] = []
         self.finished: list[bool] = []
         self.waiting: collections.deque[int] = collections.deque()
         self.running: list[int] = []
-        self.add(prompts, None, limits)
+        self.add(prompts, None, limits, asks)
 
     def add(self, prompts, sampling, max_new_tokens=None, asks_logprobs=None) -> None:
-        for prompt, limit in zip(prompts, max_new_tokens):
+        for prompt, limit, ask in zip(prompts, max_new_tokens, asks_logprobs or [False] * len(prompts)):
             self.waiting.append(len(self.prompts))
             self.prompts.append(prompt)
             self.limits.append(limit)
+            self.asks.append(ask)
             self.tokens.append(0)
             self.finished.append(False)
 
@@ -71,7 +74,8 @@ class Run:
                 self.engine.seconds += a.prefill_us * 1e-6 * len(self.prompts[i])
             if not self.running:
                 break
-            self.engine.seconds += (a.step_ms + a.seq_ms * len(self.running)) * 1e-3
+            asking = sum(self.asks[i] for i in self.running)
+            self.engine.seconds += (a.step_ms + a.seq_ms * len(self.running)) * 1e-3 + a.logprob_us * 1e-6 * asking
             still = []
             for i in self.running:
                 self.tokens[i] += 1
@@ -170,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, default=5.6, help="an engine step's fixed milliseconds")
     ap.add_argument("--seq-ms", type=float, default=0.044, help="an engine step's milliseconds per running sequence")
     ap.add_argument("--prefill-us", type=float, default=25.0, help="microseconds per prefilled token")
+    ap.add_argument("--logprob-us", type=float, default=0.0,
+                    help="an engine step's microseconds per running sequence that asks for log-probs")
     ap.add_argument("--max-running", type=int, default=512, help="sequences the engine runs at once")
     print("\n".join(rows(ap.parse_args(argv))))
     return 0

@@ -32,3 +32,13 @@ def test_with_a_tail_partial_rollouts_cost_less_and_over_sampling_less_again():
     two, three = (float(rows[f"partial, pool {p}, bound 2"][1].rstrip("x")) for p in (2, 3))
     assert three < two < 0.8, rows
     assert all(float(rows[f"partial, pool {p}, bound 2"][4].rstrip(" |")) <= 2 for p in (2, 3)), rows
+
+
+def test_the_log_probs_every_partial_rollout_asks_for_cost_it_alone():
+    """--logprob-us charges the sequences that ask for log-probs: every partial rollout's, none of the
+    synchronous steps' (which ask none here): their cost stays, partial rollouts' grows."""
+    args = ["--steps", "6", "--profile", "uniform:100", "--max-response-length", "100", "--step-ms", "0",
+            "--prefill-us", "0", "--pools", "2"]
+    plain, charged = table(*args), table(*args, "--logprob-us", "44")
+    assert plain["synchronous"][0] == charged["synchronous"][0] == "44.0"
+    assert charged["partial, pool 2, bound 2"][:2] == ["88.0", "2.00x"]  # 0.044 ms a token, as much again
