@@ -9,7 +9,7 @@ import time
 
 from spmd_rl.exit_codes import EXIT_PREEMPTED
 from tests.helpers import ROOT
-from tests.helpers.cpu_runs import run_cmd, tiny_cmd
+from tests.helpers.cpu_runs import read_metrics, run_cmd, tiny_cmd
 
 
 def test_save_every_minus_one_writes_no_checkpoint_at_the_end(tmp_path):
@@ -19,6 +19,8 @@ def test_save_every_minus_one_writes_no_checkpoint_at_the_end(tmp_path):
     assert "step 2/2" in p.stdout + p.stderr
     ckpts = run_dir / "checkpoints"
     assert not (ckpts.is_dir() and os.listdir(ckpts)), os.listdir(ckpts)
+    m = read_metrics(run_dir)  # trainer.val_every = 0 (tiny_cmd's): a validation after the last step only
+    assert "val/acc" in m[2] and "val/acc" not in m[1], m
 
 
 def test_save_every_minus_one_still_checkpoints_on_a_stop_signal(tmp_path):
