@@ -1,4 +1,5 @@
-"""Shared fixtures: one short trained run on 2 ranks that several test files read (never write)."""
+"""Shared fixtures: runs on 2 ranks that several test files read (never write): one short trained run,
+and the tiny job's whole default run (tests/e2e: it learns; partial rollouts against it)."""
 
 import os
 import subprocess
@@ -19,6 +20,16 @@ def tiny_run(tmp_path_factory):
     p = run_cmd(tiny_cmd(run_dir, f"trainer.export_hf_dir={export_dir}"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return run_dir, data_dir, export_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_default_run(tmp_path_factory):
+    """The tiny job's default run on 2 ranks (configs/tiny-cpu.toml: 80 steps, its checkpoints and
+    TensorBoard). Returns (run_dir, its stdout + stderr). Tests must not modify it."""
+    from tests.helpers.cpu_runs import run, torchrun_cmd
+
+    run_dir = tmp_path_factory.mktemp("tiny_default_run") / "run"
+    return run_dir, run(torchrun_cmd(2, f"trainer.run_dir={run_dir}"))
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,8 @@ from tests.helpers import ROOT
 from tests.helpers.cpu_runs import TINY, kill_matching, read_metrics, reward_ends, run, torchrun_cmd
 
 
-def test_tiny_grpo_learns_on_two_ranks(tmp_path):
-    run_dir = tmp_path / "run"
-    out = run(torchrun_cmd(2, f"trainer.run_dir={run_dir}"))
+def test_tiny_grpo_learns_on_two_ranks(tiny_default_run):
+    run_dir, out = tiny_default_run
     m = read_metrics(run_dir)
     steps = sorted(s for s in m if "reward/mean" in m[s])
     assert steps == list(range(1, 81)), steps

@@ -11,11 +11,10 @@ from tests.helpers.cpu_runs import read_metrics, run, torchrun_cmd
 PARTIAL = ["rollout.partial_rollouts=true", "rollout.partial_chunk_tokens=1", 'algorithm.rollout_is="token"']
 
 
-def test_the_tiny_job_learns_with_partial_rollouts_as_without(tmp_path):
-    common = ["trainer.save_every=0", "trainer.tensorboard=false"]
-    run(torchrun_cmd(2, f"trainer.run_dir={tmp_path / 'off'}", *common))
-    run(torchrun_cmd(2, f"trainer.run_dir={tmp_path / 'on'}", *common, *PARTIAL))
-    off, on = read_metrics(tmp_path / "off"), read_metrics(tmp_path / "on")
+def test_the_tiny_job_learns_with_partial_rollouts_as_without(tmp_path, tiny_default_run):
+    run(torchrun_cmd(2, f"trainer.run_dir={tmp_path / 'on'}", "trainer.save_every=0", "trainer.tensorboard=false",
+                     *PARTIAL))
+    off, on = read_metrics(tiny_default_run[0]), read_metrics(tmp_path / "on")  # off: the default run
     steps = sorted(s for s in on if "reward/mean" in on[s])
     assert steps == list(range(1, 81))
     assert max(on[s]["rollout/staleness_max"] for s in steps) == 1  # max_staleness: 1
