@@ -205,9 +205,6 @@ def per_token_table(runs: list[tuple[str, str]]) -> str:
     for i, (name, path) in enumerate(runs):
         rows = read_steps(path)
         steady = rows[1:] if len(rows) > 1 else rows
-        for r in steady:
-            if "rollout/resumed_tokens" in r:
-                r["rollout/resumed_tokens_k"] = r["rollout/resumed_tokens"] / 1000
         tokens = sum(r.get("response/tokens", 0.0) for r in steady)
         if not tokens:
             raise SystemExit(f"{path}: no response/tokens in its steps")
@@ -216,14 +213,14 @@ def per_token_table(runs: list[tuple[str, str]]) -> str:
         base = base or (gen, step)
         ratio = f" ({gen / base[0]:.2f}x, {step / base[1]:.2f}x)" if i else ""
 
-        def seq(key, spec="{:.0f}"):
-            vals = [spec.format(r[key]) for r in steady if key in r]
+        def seq(key, spec="{:.0f}", scale=1.0):
+            vals = [spec.format(r[key] * scale) for r in steady if key in r]
             return ", ".join(vals) or "–"
 
         lines.append(f"| {name} | {steady[0]['step']}-{steady[-1]['step']} | {tokens:,.0f} | {gen:.1f} | {step:.1f}"
                      f"{ratio} | {seq('time/generate', '{:.1f}')} | {seq('rollout/engine_max_running')} | "
                      f"{seq('rollout/engine_preempted')} | {seq('rollout/staleness_mean', '{:.2f}')} | "
-                     f"{seq('rollout/partial_refills')} | {seq('rollout/resumed_tokens_k')} |")
+                     f"{seq('rollout/partial_refills')} | {seq('rollout/resumed_tokens', scale=1e-3)} |")
     lines.append("(x: against the first run, generate and step)")
     return "\n".join(lines)
 

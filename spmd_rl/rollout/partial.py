@@ -128,8 +128,7 @@ class PartialRollouts:
                 dropped += 1
             else:
                 pool.append(g)
-        pool += [Group(rec, [Response() for _ in range(self.n)], limit)
-                 for rec, limit in zip(records, limits or [self.max_len] * len(records))]
+        pool += self._new_groups(records, limits)
         resumed = sum(len(self.resume_prompt(g, r))  # what the engine prefills again to go on with them
                       for g in pool for r in g.responses if r.tokens and not r.finish_reason)
         run, running, checks, refills = None, [], 0, 0
@@ -142,9 +141,7 @@ class PartialRollouts:
                 run = self._start(engine, running, sampling)
             elif refill:  # the engine runs short: a batch of new prompts joins the run
                 refills += 1
-                new_records, new_limits = more(refills)
-                groups = [Group(rec, [Response() for _ in range(self.n)], limit)
-                          for rec, limit in zip(new_records, new_limits or [self.max_len] * len(new_records))]
+                groups = self._new_groups(*more(refills))
                 pool += groups
                 joining = [(g, r) for g in groups for r in g.responses]
                 running += joining
@@ -160,6 +157,11 @@ class PartialRollouts:
         self.carried = [g for g in pool if id(g) not in chosen]
         metrics = self._metrics(done, version, dropped, checks, refills, resumed if run is not None else 0)
         return [g.record for g in done], [[r.completion() for r in g.responses] for g in done], metrics
+
+    def _new_groups(self, records: list, limits: list[int] | None) -> list[Group]:
+        """Groups of new prompts, not started: each with its token limit (default data.max_response_length)."""
+        return [Group(rec, [Response() for _ in range(self.n)], limit)
+                for rec, limit in zip(records, limits or [self.max_len] * len(records))]
 
     def _must_finish(self, g: Group, version: int) -> bool:
         return self.stale_policy == "wait" and version - g.born(version) >= self.max_staleness
@@ -187,19 +189,26 @@ class PartialRollouts:
         """The step's engine run of `running` (each to its group's token limit): the engine's own
         streamed run where it has one (`start`: vLLM), else `Rounds` of generate calls. Every rank
         starts one, also with nothing to run (a tensor-parallel group gathers)."""
-        prompts = [self.resume_prompt(g, r) for g, r in running]
-        limits = [g.max_len - len(r.tokens) for g, r in running]
+        prompts, limits = self._requests(running)
         if hasattr(engine, "start"):
-            one = dataclasses.replace(sampling(0), n=1, max_new_tokens=self.max_len, logprobs_every=1)
-            return engine.start(prompts, one, max_new_tokens=limits, asks_logprobs=[True] * len(prompts))
+            return engine.start(prompts, self._one(sampling(0)), max_new_tokens=limits,
+                                asks_logprobs=[True] * len(prompts))
         return Rounds(engine, prompts, limits, sampling)
 
     def _join(self, run, joining: list[tuple[Group, Response]], sampling: SamplingParams) -> None:
         """New groups' responses into the running run (every rank at the same check: a tensor-parallel
         group gathers), after its earlier requests: their indices follow on."""
-        one = dataclasses.replace(sampling, n=1, max_new_tokens=self.max_len, logprobs_every=1)
-        run.add([self.resume_prompt(g, r) for g, r in joining], one,
-                max_new_tokens=[g.max_len for g, _ in joining], asks_logprobs=[True] * len(joining))
+        prompts, limits = self._requests(joining)
+        run.add(prompts, self._one(sampling), max_new_tokens=limits, asks_logprobs=[True] * len(prompts))
+
+    def _requests(self, responses: list[tuple[Group, Response]]) -> tuple[list[list[int]], list[int]]:
+        """The engine requests that go on with `responses`: each one's prompt so far and the tokens it has left."""
+        return ([self.resume_prompt(g, r) for g, r in responses],
+                [g.max_len - len(r.tokens) for g, r in responses])
+
+    def _one(self, sampling: SamplingParams) -> SamplingParams:
+        """A streamed run's sampling: one completion a request, every token's log-prob."""
+        return dataclasses.replace(sampling, n=1, max_new_tokens=self.max_len, logprobs_every=1)
 
     @staticmethod
     def _extend(g: Group, r: Response, c: Completion, version: int) -> None:
