@@ -23,6 +23,11 @@ response tokens trained, generate and step seconds per million of them, and each
 run's (the baseline); each step's generate seconds, and where logged the engine's requests at once
 (rollout/engine_max_running), its preemptions, the staleness, the batches of new prompts that joined the
 run (rollout/partial_refills) and the carried tokens prefilled again (rollout/resumed_tokens, thousands).
+A partial run's window also generates tokens it does not train and trains some it did not generate: the
+tokens its groups carried into the window's first step (sampled before it) and out of its last (sampled in
+it, trained after). Where rollout/carried_tokens is logged, "generated" counts the window's own: trained,
+less those carried in, plus those carried out (a dropped group's tokens are not counted), and the generate
+seconds per million of them.
 
     python scripts/summarize_run.py --per-token sync=a/metrics.jsonl partial=b/metrics.jsonl
 """
@@ -198,9 +203,10 @@ def scaling_table(runs: list[tuple[int, str]]) -> str:
 
 def per_token_table(runs: list[tuple[str, str]]) -> str:
     """The cost per trained token (module docstring, --per-token): one row per run, ratios against the first."""
-    lines = ["| run | steps | trained tokens | generate s / M tokens | step s / M tokens | generate s, each step | "
+    lines = ["| run | steps | trained tokens | generate s / M tokens | step s / M tokens | generated tokens "
+             "(carried in / out, k) | generate s / M generated | generate s, each step | "
              "vLLM at once | preempted | staleness mean | refills | resumed k tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = None
     for i, (name, path) in enumerate(runs):
         rows = read_steps(path)
@@ -208,18 +214,25 @@ def per_token_table(runs: list[tuple[str, str]]) -> str:
         tokens = sum(r.get("response/tokens", 0.0) for r in steady)
         if not tokens:
             raise SystemExit(f"{path}: no response/tokens in its steps")
-        gen = sum(r.get("time/generate", 0.0) for r in steady) / tokens * 1e6
-        step = sum(r["time/step"] for r in steady) / tokens * 1e6
+        gen_s = sum(r.get("time/generate", 0.0) for r in steady)
+        gen, step = gen_s / tokens * 1e6, sum(r["time/step"] for r in steady) / tokens * 1e6
         base = base or (gen, step)
         ratio = f" ({gen / base[0]:.2f}x, {step / base[1]:.2f}x)" if i else ""
+        generated, own = f"{tokens:,.0f}", f"{gen:.1f}"
+        if "rollout/carried_tokens" in steady[-1]:
+            before = rows[0].get("rollout/carried_tokens", 0.0) if len(rows) > 1 else 0.0
+            after = steady[-1]["rollout/carried_tokens"]
+            window = tokens - before + after
+            generated = f"{window:,.0f} ({before / 1e3:.0f} / {after / 1e3:.0f})"
+            own = f"{gen_s / window * 1e6:.1f}" + (f" ({gen_s / window * 1e6 / base[0]:.2f}x)" if i else "")
 
         def seq(key, spec="{:.0f}", scale=1.0):
             vals = [spec.format(r[key] * scale) for r in steady if key in r]
             return ", ".join(vals) or "–"
 
         lines.append(f"| {name} | {steady[0]['step']}-{steady[-1]['step']} | {tokens:,.0f} | {gen:.1f} | {step:.1f}"
-                     f"{ratio} | {seq('time/generate', '{:.1f}')} | {seq('rollout/engine_max_running')} | "
-                     f"{seq('rollout/engine_preempted')} | {seq('rollout/staleness_mean', '{:.2f}')} | "
+                     f"{ratio} | {generated} | {own} | {seq('time/generate', '{:.1f}')} | "
+                     f"{seq('rollout/engine_max_running')} | {seq('rollout/engine_preempted')} | {seq('rollout/staleness_mean', '{:.2f}')} | "
                      f"{seq('rollout/partial_refills')} | {seq('rollout/resumed_tokens', scale=1e-3)} |")
     lines.append("(x: against the first run, generate and step)")
     return "\n".join(lines)

@@ -225,14 +225,16 @@ class PartialRollouts:
                  resumed: int) -> dict[str, float]:
         """rollout/staleness_mean and _max over the trained tokens (versions behind the weights that
         train them), rollout/staleness_share_k (k = 0..max_staleness: a histogram), stale_dropped,
-        dropped_at_save, carried_groups (after the cut, summed over ranks), partial_rounds (the checks of
+        dropped_at_save, carried_groups and carried_tokens (the groups after the cut and the response tokens
+        they have sampled so far, summed over ranks), partial_rounds (the checks of
         the cut: stretches of partial_chunk_tokens engine steps), partial_refills (batches of new prompts
         that joined the run, per rank), resumed_tokens (the prompts and tokens so far of the carried
         responses the run went on with, which the engine prefilled again; summed over ranks)."""
         ages = torch.tensor([version - v for g in done for r in g.responses for v in r.versions], dtype=torch.float64)
         hist = [float((ages == k).sum()) for k in range(self.max_staleness + 1)]
+        carried_tokens = sum(len(r.tokens) for g in self.carried for r in g.responses)
         sums = torch.tensor([float(ages.sum()), float(len(ages)), dropped, self.dropped_at_save, len(self.carried),
-                             resumed, *hist], dtype=torch.float64, device=self.device)
+                             resumed, carried_tokens, *hist], dtype=torch.float64, device=self.device)
         sums = all_reduce_sum(sums)
         top = all_reduce_sum(torch.tensor([float(ages.max()) if len(ages) else 0.0], dtype=torch.float64,
                                           device=self.device), op=torch.distributed.ReduceOp.MAX)
@@ -241,8 +243,9 @@ class PartialRollouts:
         out = {"rollout/staleness_mean": sums[0].item() / tokens, "rollout/staleness_max": top.item(),
                "rollout/stale_dropped": sums[2].item(), "rollout/dropped_at_save": sums[3].item(),
                "rollout/carried_groups": sums[4].item(), "rollout/partial_rounds": float(rounds),
-               "rollout/partial_refills": float(refills), "rollout/resumed_tokens": sums[5].item()}
-        out.update({f"rollout/staleness_share_{k}": sums[6 + k].item() / tokens for k in range(len(hist))})
+               "rollout/partial_refills": float(refills), "rollout/resumed_tokens": sums[5].item(),
+               "rollout/carried_tokens": sums[6].item()}
+        out.update({f"rollout/staleness_share_{k}": sums[7 + k].item() / tokens for k in range(len(hist))})
         return out
 
 

@@ -75,6 +75,7 @@ def test_versions_logprobs_and_correction_weights_are_exact():
     assert [[len(c.token_ids) for c in cs] for cs in comps] == [[2, 2], [2, 4]]
     assert [g.record.index for g in pr.carried] == [1, 3] and pr.carried[0].responses[0].versions == [0] * 4
     assert m["rollout/staleness_max"] == 0 and m["rollout/carried_groups"] == 2
+    assert m["rollout/carried_tokens"] == 4 + 4 + 4 + 4  # group 1 four tokens a sample so far, group 3 complete
 
     recs, comps, m = run_step(pr, eng, records(4, 5), version=1)
     # one round: group 1 reaches 6 tokens; 3 (carried complete, oldest) and 4 train, 1 and 5 carry
