@@ -20,7 +20,8 @@ every rank waits for) and update seconds, efficiency t(1)/t(k).
 --per-token prints the cost per trained token instead, for runs that train different tokens a step
 (long-tailed lengths; partial rollouts against synchronous): over the steps after the first, the
 response tokens trained, generate and step seconds per million of them, and each against the first
-run's (the baseline); each step's generate seconds, and where logged the engine's requests at once
+run's (the baseline); each step's generate seconds, and where logged the share of them after 90% of the
+samples had finished (rollout/generate_tail_share), the engine's requests at once
 (rollout/engine_max_running), its preemptions, the staleness, the batches of new prompts that joined the
 run (rollout/partial_refills) and the carried tokens prefilled again (rollout/resumed_tokens, thousands).
 A partial run's window also generates tokens it does not train and trains some it did not generate: the
@@ -204,9 +205,9 @@ def scaling_table(runs: list[tuple[int, str]]) -> str:
 def per_token_table(runs: list[tuple[str, str]]) -> str:
     """The cost per trained token (module docstring, --per-token): one row per run, ratios against the first."""
     lines = ["| run | steps | trained tokens | generate s / M tokens | step s / M tokens | generated tokens "
-             "(carried in / out, k) | generate s / M generated | generate s, each step | "
+             "(carried in / out, k) | generate s / M generated | generate s, each step | tail share, each step | "
              "vLLM at once | preempted | staleness mean | refills | resumed k tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = None
     for i, (name, path) in enumerate(runs):
         rows = read_steps(path)
@@ -232,6 +233,7 @@ def per_token_table(runs: list[tuple[str, str]]) -> str:
 
         lines.append(f"| {name} | {steady[0]['step']}-{steady[-1]['step']} | {tokens:,.0f} | {gen:.1f} | {step:.1f}"
                      f"{ratio} | {generated} | {own} | {seq('time/generate', '{:.1f}')} | "
+                     f"{seq('rollout/generate_tail_share', '{:.0%}')} | "
                      f"{seq('rollout/engine_max_running')} | {seq('rollout/engine_preempted')} | {seq('rollout/staleness_mean', '{:.2f}')} | "
                      f"{seq('rollout/partial_refills')} | {seq('rollout/resumed_tokens', scale=1e-3)} |")
     lines.append("(x: against the first run, generate and step)")

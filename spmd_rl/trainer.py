@@ -368,8 +368,11 @@ class Trainer:
         timer = PhaseTimer(self.device, self.memory_plan)
         t_step = time.perf_counter()
         self.samples.begin_step(self.step + 1)
+        scheduling = hasattr(self.engine, "scheduling_metrics")  # vLLM's requests at once ("auto") and tail
+        if scheduling:
+            self.engine.scheduling_metrics()  # what calls before the step left (validation's): not the step's
         batch, sample_metrics = self.sample_batch(timer)
-        if hasattr(self.engine, "scheduling_metrics"):  # vLLM's requests at once ("auto"), over the step's calls
+        if scheduling:  # over the step's calls
             timer.metrics.update(self.engine.scheduling_metrics())
         self.samples.flush()  # collective
         reward_errors = self.reward_fn.sync_failures()  # collective: a failed scorer stops every rank

@@ -19,7 +19,9 @@
 #   machine: side_by_side.sh.
 #   A long tail of response lengths (random weights never stop): data.max_response_length=8192
 #   'rollout.length_profile="lognormal:mean=1532,sigma=0.9,cap=8192"' (with rollout.partial_rollouts=true: both ways;
-#   then scripts/summarize_run.py --per-token sync=OUT/step-.../run/metrics.jsonl partial=... compares them).
+#   then scripts/summarize_run.py --per-token sync=OUT/step-.../run/metrics.jsonl partial=... compares them). With a
+#   length profile the run's per-token table follows its table: generate seconds, and the share of them after 90%
+#   of the samples had finished, each step.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=$1; ARCH=$2; VARIANT=$3; STEPS=${4:-4}; shift $(( $# < 4 ? $# : 4 ))
@@ -49,3 +51,5 @@ rc=$?
 rm -rf "$dir/run/init_model"  # the random weights, drawn again from the seed (a 7B shape's: 30 GB in OUT)
 echo "$ARCH $VARIANT${TAG:+ $TAG}: exit $rc ($(grep -c '"time/step"' "$dir/run/metrics.jsonl" 2>/dev/null || echo 0) steps; log $dir/log.txt)"
 [ -s "$dir/run/metrics.jsonl" ] && python scripts/summarize_run.py "$NAME=$dir/run/metrics.jsonl"
+case " $* " in *rollout.length_profile=*)
+  [ -s "$dir/run/metrics.jsonl" ] && python scripts/summarize_run.py --per-token "$NAME=$dir/run/metrics.jsonl" ;; esac

@@ -12,12 +12,12 @@ requests still running at 50/70/90% of the wall and tokens/s.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from spmd_rl.rollout.finish_times import running_at, tail_share  # noqa: E402  (the tail's figures: one place)
 from spmd_rl.rollout.length_profile import Profile, draw  # noqa: E402,F401  (the profiles: one place)
 from spmd_rl.rollout.length_profile import parse as parse_profile  # noqa: E402
 
@@ -27,20 +27,6 @@ DEFAULT = "lognormal:mean=1532,sigma=0.9,cap=8192"
 def parse(spec: str) -> Profile:
     """A profile from its command-line form (spmd_rl/rollout/length_profile.py)."""
     return parse_profile(spec, "--length-profile")
-
-
-def running_at(start: float, finishes: list[float], share: float) -> int:
-    """Requests still running at `share` of the wall (start to the last finish)."""
-    t = start + share * (max(finishes) - start)
-    return sum(f > t for f in finishes)
-
-
-def tail_share(start: float, finishes: list[float], done: float = 0.9) -> float:
-    """The share of the wall after `done` of the requests had finished (the ceil(done x count)-th finish)."""
-    ordered = sorted(finishes)
-    wall = ordered[-1] - start
-    k = max(1, math.ceil(done * len(ordered)))
-    return (ordered[-1] - ordered[k - 1]) / wall if wall > 0 else 0.0
 
 
 def tail_report(start: float, finishes: list[float], lengths: list[int]) -> dict:

@@ -184,7 +184,8 @@ def check_run(name: str, run_dir: Path, totals: tuple[int, ...], logs: list[str]
     resume from the first process's last checkpoint, every save of `saves` made (its stall logged;
     the last `keep_last` of them on disk, the last one `latest`), and free memory after sleep steady
     over each process's steps after its first (nothing leaks step to step or across the resume; not
-    while other processes share the GPUs: `shared`, or shares_gpus()).
+    while other processes share the GPUs: `shared`, or shares_gpus()); with vLLM's generate calls (no partial
+    rollouts), each step's tail (rollout/generate_tail_share) in [0, 1].
     Returns step -> metrics (step 0, validation, left out)."""
     tail = logs[-1][-4000:]
     steps = {s: m for s, m in read_metrics(run_dir).items() if s > 0}
@@ -221,6 +222,9 @@ def check_run(name: str, run_dir: Path, totals: tuple[int, ...], logs: list[str]
         for k, v in m.items():
             if k.startswith("memory/") and k.endswith(("_peak_gb", "_device_gb")):
                 assert 0 <= v <= m["memory/device_total_gb"] + 0.01, (name, s, k, v)
+    if "vLLM engine ready" in logs[0] and "rollout/staleness_mean" not in steps[1]:  # vLLM's generate calls
+        tails = [steps[s].get("rollout/generate_tail_share") for s in sorted(steps)]
+        assert all(t is not None and 0 <= t <= 1 for t in tails), (name, "rollout/generate_tail_share", tails)
     return steps
 
 

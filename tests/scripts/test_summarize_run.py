@@ -160,8 +160,10 @@ def test_per_token_costs_against_the_first_run(tmp_path):
     """Runs that train different tokens a step compare per trained token, steps after the first only."""
     sync = write_rows(tmp_path / "sync.jsonl", [
         {"step": 1, "time/step": 500.0, "time/generate": 400.0, "response/tokens": 9.0},  # warm-up: left out
-        {"step": 2, "time/step": 60.0, "time/generate": 40.0, "response/tokens": 200_000.0},
-        {"step": 3, "time/step": 90.0, "time/generate": 70.0, "response/tokens": 300_000.0}])
+        {"step": 2, "time/step": 60.0, "time/generate": 40.0, "response/tokens": 200_000.0,
+         "rollout/generate_tail_share": 0.25},
+        {"step": 3, "time/step": 90.0, "time/generate": 70.0, "response/tokens": 300_000.0,
+         "rollout/generate_tail_share": 0.404}])
     partial = write_rows(tmp_path / "partial.jsonl", [
         {"step": 1, "time/step": 50.0, "time/generate": 30.0, "response/tokens": 250_000.0,
          "rollout/carried_tokens": 100_000.0},  # sampled before the window, trained in it
@@ -173,8 +175,8 @@ def test_per_token_costs_against_the_first_run(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "summarize_run.py"), "--per-token", f"sync={sync}",
                           f"partial={partial}"], capture_output=True, text=True, check=True).stdout.splitlines()
     # 110 s, 150 s / 0.5 M; nothing carried: what it generated is what it trained
-    assert out[2] == "| sync | 2-3 | 500,000 | 220.0 | 300.0 | 500,000 | 220.0 | 40.0, 70.0 | – | – | – | – | – |"
+    assert out[2] == "| sync | 2-3 | 500,000 | 220.0 | 300.0 | 500,000 | 220.0 | 40.0, 70.0 | 25%, 40% | – | – | – | – | – |"
     # 55 s and 100 s over 0.5 M tokens: 110 and 200 s / M, 0.50x and 0.67x the synchronous run's; the window
     # generated 0.5 M - 0.1 M carried in + 0.15 M carried out = 0.55 M: 55 s / 0.55 M = 100 s / M, 0.45x
     assert out[3] == ("| partial | 2-3 | 500,000 | 110.0 | 200.0 (0.50x, 0.67x) | 550,000 (100 / 150) | 100.0 (0.45x) | "
-                      "25.0, 30.0 | 512, 400 | 3, 0 | 0.50, 0.75 | 1 | 81 |")
+                      "25.0, 30.0 | – | 512, 400 | 3, 0 | 0.50, 0.75 | 1 | 81 |")

@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from spmd_rl.model.loading import DTYPES
 from spmd_rl.rollout.base import Completion, SamplingParams
+from spmd_rl.rollout.finish_times import GenerateTail
 from spmd_rl.rollout.vllm import lora_kernels
 from spmd_rl.rollout.vllm import sleep as vllm_sleep
 from spmd_rl.rollout.vllm.model_inspection import in_process_inspection
@@ -398,6 +399,7 @@ class VLLMEngine:
         # rollout.max_num_seqs = "auto": each call's cap from what the KV cache holds (running_cap.py)
         self.running_cap = (RunningCap.of(self.llm, r.max_num_seqs) if "rollout.max_num_seqs" in cfg.auto_chosen
                             else None)
+        self.tail = GenerateTail()  # when each generate call's requests finish (rollout/generate_tail_share)
         self._awake = set(TAGS)
         self._weights_valid = False  # dummy weights until the first load_weights
         self._prefix_cache_stale = False
@@ -588,8 +590,9 @@ class VLLMEngine:
         if all_prompts:
             self._set_running_cap(all_prompts, sps)
             with paused_gc(self.pause_gc):
-                outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps, use_tqdm=False,
-                                         **adapter_kwargs(self._lora_request))
+                outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sps,
+                                         use_tqdm=self.tail.progress_bar(), **adapter_kwargs(self._lora_request))
+                self.tail.done()
                 if self.running_cap is not None:
                     self.running_cap.finished([len(c.token_ids) for o in outs for c in o.outputs])
                 for o, ask in zip(outs, asks):
@@ -634,9 +637,10 @@ class VLLMEngine:
             self.running_cap.before([len(p) for p in all_prompts], [sp.max_tokens for sp in sps])
 
     def scheduling_metrics(self) -> dict[str, float]:
-        """rollout/engine_max_running and rollout/engine_preempted of the step's calls (running_cap.py);
-        none where rollout.max_num_seqs was set by hand."""
-        return {} if self.running_cap is None else self.running_cap.metrics()
+        """Of the generate calls since the last read: rollout/engine_max_running and rollout/engine_preempted
+        (running_cap.py; none where rollout.max_num_seqs was set by hand) and rollout/generate_tail_share
+        (spmd_rl/rollout/finish_times.py)."""
+        return {**({} if self.running_cap is None else self.running_cap.metrics()), **self.tail.metrics()}
 
     def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
         """Teacher-forced log p(seq[t] | seq[:t]), t >= 1, for this rank's sequences (collective
