@@ -1,5 +1,6 @@
 """Shared fixtures: runs on 2 ranks that several test files read (never write): one short trained run,
-and the tiny job's whole default run (tests/e2e: it learns; partial rollouts against it)."""
+the tiny job's whole default run (tests/e2e: it learns; partial rollouts against it), and the same job
+on the mixture-of-experts model (tests/e2e: it learns, exports and resumes; routing replay against it)."""
 
 import os
 import subprocess
@@ -30,6 +31,21 @@ def tiny_default_run(tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("tiny_default_run") / "run"
     return run_dir, run(torchrun_cmd(2, f"trainer.run_dir={run_dir}"))
+
+
+@pytest.fixture(scope="session")
+def moe_default_run(tmp_path_factory):
+    """The tiny job's default run on the qwen3-moe-tiny model (8 experts, top-2; routing replay at its
+    default, actor.router_replay = "engine"), 2 ranks, 80 steps, its checkpoints and a Hugging Face
+    export at the end, no TensorBoard. Returns (run_dir, export_dir). Tests must not modify it (a
+    resume goes on in a copy)."""
+    from tests.helpers.cpu_runs import run, torchrun_cmd
+
+    base = tmp_path_factory.mktemp("moe_default_run")
+    run_dir, export_dir = base / "run", base / "export"
+    run(torchrun_cmd(2, f"trainer.run_dir={run_dir}", 'model.arch="qwen3-moe-tiny"', "trainer.tensorboard=false",
+                     f"trainer.export_hf_dir={export_dir}"))
+    return run_dir, export_dir
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,9 @@
 """A mixture-of-experts model (ARCH_PRESETS "qwen3-moe-tiny": 8 experts, top-2, in every layer) through
 the whole CPU run: it learns the default job as the dense tiny model does, the export at the end is
-the trained actor for transformers, and the checkpoint of 2 ranks resumes on 1."""
+the trained actor for transformers, and the checkpoint of 2 ranks resumes on 1. The 80-step run is
+conftest's moe_default_run, which tests/e2e/test_routing_replay_e2e.py reads too."""
+
+import shutil
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -9,10 +12,8 @@ from tests.helpers.cpu_runs import read_metrics, reward_ends, run, torchrun_cmd
 from tests.test_export import actor_from_dcp, logprobs
 
 
-def test_moe_learns_exports_and_resumes_on_another_world_size(tmp_path):
-    run_dir, export_dir = tmp_path / "run", tmp_path / "export"
-    common = [f"trainer.run_dir={run_dir}", 'model.arch="qwen3-moe-tiny"', "trainer.tensorboard=false"]
-    run(torchrun_cmd(2, *common, f"trainer.export_hf_dir={export_dir}"))
+def test_moe_learns_exports_and_resumes_on_another_world_size(tmp_path, moe_default_run):
+    run_dir, export_dir = moe_default_run
     m = read_metrics(run_dir)
     steps = sorted(s for s in m if "reward/mean" in m[s])
     assert steps == list(range(1, 81)), steps
@@ -35,21 +36,22 @@ def test_moe_learns_exports_and_resumes_on_another_world_size(tmp_path):
     torch.testing.assert_close(lp_export, lp_ref, rtol=0, atol=1e-5)
     assert (lp_export - logprobs(initial, ids)).abs().max() > 1e-3  # the trained model, not the initial one
 
-    out = run(torchrun_cmd(1, *common, "trainer.total_steps=82"))
+    resumed = tmp_path / "run"  # the shared run's copy, to go on in
+    shutil.copytree(run_dir, resumed)
+    out = run(torchrun_cmd(1, f"trainer.run_dir={resumed}", 'model.arch="qwen3-moe-tiny"', "trainer.tensorboard=false",
+                           "trainer.total_steps=82"))
     assert "resuming a checkpoint of 2 ranks on 1" in out
-    m = read_metrics(run_dir)
+    m = read_metrics(resumed)
     assert m[82]["reward/mean"] >= 0 and max(m[s]["rollout/logprob_diff_max"] for s in (81, 82)) < 1e-4
 
 
-def test_the_router_aux_loss_is_logged_and_changes_the_update(tmp_path):
+def test_the_router_aux_loss_is_logged_and_changes_the_update(tmp_path, moe_default_run):
     """actor.router_aux_loss_coef > 0: actor/router_aux_loss is logged every step, and the run's update differs
-    from one without it."""
-    runs = {}
-    for coef in (0.0, 0.1):
-        run_dir = tmp_path / f"aux{coef}"
-        run(torchrun_cmd(2, f"trainer.run_dir={run_dir}", 'model.arch="qwen3-moe-tiny"', "trainer.total_steps=3",
-                         "trainer.tensorboard=false", "trainer.val_every=0", f"actor.router_aux_loss_coef={coef}"))
-        runs[coef] = read_metrics(run_dir)
+    from one without it (the shared run, at the default 0: its first 3 steps are those of a 3-step run)."""
+    run_dir = tmp_path / "aux0.1"
+    run(torchrun_cmd(2, f"trainer.run_dir={run_dir}", 'model.arch="qwen3-moe-tiny"', "trainer.total_steps=3",
+                     "trainer.tensorboard=false", "trainer.val_every=0", "actor.router_aux_loss_coef=0.1"))
+    runs = {0.0: read_metrics(moe_default_run[0]), 0.1: read_metrics(run_dir)}
     aux = [runs[0.1][s]["actor/router_aux_loss"] for s in (1, 2, 3)]
     assert all(1.5 < a < 4 for a in aux), aux  # transformers' loss is top-k (2) where experts are used evenly
     assert "actor/router_aux_loss" not in runs[0.0][1]

@@ -1,5 +1,6 @@
 """Routing replay in whole CPU runs: the default job on the qwen3-moe-tiny model (8 experts, top-2),
-2 ranks, HF engine, with actor.router_replay = "engine" and "off"."""
+2 ranks, HF engine, with actor.router_replay = "engine" (its default: conftest's moe_default_run, which
+tests/e2e/test_moe_e2e.py reads too) and "off"."""
 
 from tests.helpers.cpu_runs import read_metrics, run, torchrun_cmd
 
@@ -11,15 +12,12 @@ def learning(m):
             steps)
 
 
-def test_moe_learns_with_replay_as_without_and_replays_every_token(tmp_path):
+def test_moe_learns_with_replay_as_without_and_replays_every_token(tmp_path, moe_default_run):
     """Both runs learn the task; with replay every token whose routing reaches a log-prob took the
     engine's routes (routing/replayed_share = 1, single-turn: the HF engine routes prompt and
     response), and the engine's log-probs stay the actor's (fp32 on CPU)."""
-    out = {}
-    for mode in ("engine", "off"):
-        run_dir = tmp_path / mode
-        run(torchrun_cmd(2, f"trainer.run_dir={run_dir}", "model.arch=qwen3-moe-tiny", f'actor.router_replay="{mode}"'))
-        out[mode] = read_metrics(run_dir)
+    run(torchrun_cmd(2, f"trainer.run_dir={tmp_path / 'off'}", "model.arch=qwen3-moe-tiny", 'actor.router_replay="off"'))
+    out = {"engine": read_metrics(moe_default_run[0]), "off": read_metrics(tmp_path / "off")}
     (first, last, steps), (first_off, last_off, _) = learning(out["engine"]), learning(out["off"])
     assert last > first + 0.2 and last_off > first_off + 0.2, (first, last, first_off, last_off)
     assert last > last_off - 0.15, (last, last_off)  # replay learns as the trainer's own routing does
