@@ -83,21 +83,29 @@ NOISE = ("is deprecated", "returned a view tensor", "no GPU: not compared", "mem
 we called, FSDP2's warning at a view among the actor's outputs, a GPU memory line without a GPU."""
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "gae"])
-def test_a_cpu_run_with_a_save_prints_no_noise(tmp_path, estimator):
-    """GRPO, and PPO with a critic (whose value head's output FSDP2 once warned about, as a view)."""
+def test_a_cpu_run_with_a_save_prints_no_noise(tiny_default_run):
+    """GRPO: the tiny job's default run (saves at steps 40 and 80, validations at both)."""
+    run_dir, out = tiny_default_run
+    assert "step 80/80" in out and os.path.isdir(run_dir / "checkpoints" / "step_40"), out[-3000:]
+    assert not [n for n in NOISE if n in out], out[-5000:]
+
+
+def test_a_cpu_run_of_ppo_with_a_critic_and_a_save_prints_no_noise(tmp_path):
+    """PPO with a critic (whose value head's output FSDP2 once warned about, as a view)."""
     run_dir = tmp_path / "run"
     out = run(torchrun_cmd(2, f"trainer.run_dir={run_dir}", "trainer.total_steps=3", "trainer.save_every=2",
-                           "trainer.val_every=0", f"algorithm.adv_estimator={estimator}"))
+                           "trainer.val_every=0", "algorithm.adv_estimator=gae"))
     assert "step 3/3" in out and os.path.isdir(run_dir / "checkpoints" / "step_2"), out[-3000:]
     assert not [n for n in NOISE if n in out], out[-5000:]
 
 
-def test_kill_and_resume_continues_identically(tmp_path):
+def test_kill_and_resume_continues_identically(tmp_path, tiny_default_run):
+    """A run of 8 steps killed with a save in flight, resumed past a broken checkpoint: its steps after
+    the resume are those of the uninterrupted default run (whose total_steps, saves and validations
+    change none of its first 8 steps)."""
     common = ["trainer.total_steps=8", "trainer.save_every=2", "trainer.val_every=0", 'data.val_files=[]',
               "trainer.tensorboard=false"]
-    straight = tmp_path / "straight"
-    run(torchrun_cmd(2, f"trainer.run_dir={straight}", *common))
+    straight = tiny_default_run[0]
 
     resumed = tmp_path / "resumed"
     cmd = torchrun_cmd(2, f"trainer.run_dir={resumed}", *common)
@@ -132,18 +140,16 @@ def test_kill_and_resume_continues_identically(tmp_path):
 
 
 
-def test_balance_ranks_keeps_the_update_and_evens_the_ranks_tokens(tmp_path):
+def test_balance_ranks_keeps_the_update_and_evens_the_ranks_tokens(tmp_path, tiny_run):
     """2 ranks with trainer.balance_ranks on and off: the first step trains on the same rollouts and
-    gives the same update either way; on, the metrics show the busiest rank's tokens before and after."""
+    gives the same update either way; on, the metrics show the busiest rank's tokens before and after.
+    On (the default) is conftest's tiny_run: 2 steps of the same 256 prompts (the validation after
+    the last step and the export change no step)."""
     # each run writes the same synthetic data (deterministic in the seed) under its own directory
-    common = ["trainer.total_steps=2", "trainer.val_every=0", 'data.val_files=[]', "trainer.tensorboard=false",
-              "data.synthetic_size=256"]
-    runs = {}
-    for on in ("true", "false"):
-        run_dir = tmp_path / f"balance_{on}"
-        run(torchrun_cmd(2, f"trainer.run_dir={run_dir}", f"trainer.balance_ranks={on}", *common))
-        runs[on] = read_metrics(run_dir)
-    on, off = runs["true"], runs["false"]
+    run_dir = tmp_path / "balance_false"
+    run(torchrun_cmd(2, f"trainer.run_dir={run_dir}", "trainer.balance_ranks=false", "trainer.total_steps=2",
+                     "trainer.val_every=0", 'data.val_files=[]', "trainer.tensorboard=false", "data.synthetic_size=256"))
+    on, off = read_metrics(tiny_run[0]), read_metrics(run_dir)
     assert sorted(s for s in on if "reward/mean" in on[s]) == [1, 2]
     for key in ("reward/mean", "prompt/length_mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert on[1][key] == pytest.approx(off[1][key], rel=1e-5, abs=1e-7), key
