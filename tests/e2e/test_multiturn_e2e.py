@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.helpers.cpu_runs import read_metrics, run, torchrun_cmd
+from tests.helpers.cpu_runs import read_metrics, run, stopped_after, torchrun_cmd
 
 # ask with "?", get the digit, repeat it: each turn ends at a digit or "?" (the char tokenizer's ids)
 HIDDEN = ["data.synthetic_task=hidden", "data.max_response_length=16",
@@ -20,10 +20,12 @@ def hidden_overrides(tmp_path, *more):
 
 
 def test_multi_turn_run_resumes_in_the_middle_exactly(tmp_path):
+    """4 steps straight; its directory as if it had stopped after step 2 (stopped_after: its own
+    checkpoint of step 2) goes on to step 4 as the run did."""
     common = hidden_overrides(tmp_path, "trainer.save_every=2", "trainer.log_samples_every=2")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(torchrun_cmd(2, f"trainer.run_dir={straight}", "trainer.total_steps=4", *common))
-    run(torchrun_cmd(2, f"trainer.run_dir={resumed}", "trainer.total_steps=2", *common))
+    stopped_after(straight, resumed, 2)
     out = run(torchrun_cmd(2, f"trainer.run_dir={resumed}", "trainer.total_steps=4", *common))
     assert "at step 2" in out and "resumed from" in out, out[-2000:]
     a, b = read_metrics(straight), read_metrics(resumed)

@@ -4,7 +4,7 @@ run does (a save drops the carried groups in both)."""
 
 import pytest
 
-from tests.helpers.cpu_runs import read_metrics, run, torchrun_cmd
+from tests.helpers.cpu_runs import read_metrics, run, stopped_after, torchrun_cmd
 
 # rounds of one token: the tiny job's two-token responses are cut after the first round, and the pool
 # of two batches carries a batch of groups (one version old) into every other step
@@ -30,11 +30,13 @@ def test_the_tiny_job_learns_with_partial_rollouts_as_without(tmp_path, tiny_def
 
 
 def test_a_resume_with_carried_groups_goes_on_as_an_uninterrupted_run(tmp_path):
+    """The uninterrupted run's directory as if it had stopped after step 2 (stopped_after: its own
+    checkpoint of step 2, saved while groups were carried) goes on to step 4 as the run did."""
     common = ["trainer.save_every=2", "trainer.val_every=0", "data.val_files=[]", "trainer.tensorboard=false",
               *PARTIAL]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(torchrun_cmd(2, f"trainer.run_dir={straight}", "trainer.total_steps=4", *common))
-    run(torchrun_cmd(2, f"trainer.run_dir={resumed}", "trainer.total_steps=2", *common))
+    stopped_after(straight, resumed, 2)
     out = run(torchrun_cmd(2, f"trainer.run_dir={resumed}", "trainer.total_steps=4", *common))
     assert "at step 2" in out and "resumed from" in out
     a, b = read_metrics(straight), read_metrics(resumed)

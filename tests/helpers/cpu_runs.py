@@ -3,6 +3,7 @@ them from the repository's root with this checkout's package, and reading the ru
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +40,27 @@ def read_metrics(run_dir):
             rec = json.loads(line)
             out.setdefault(rec["step"], {}).update(rec)
     return out
+
+
+def stopped_after(run_dir, copy, step):
+    """A copy at `copy` of the finished run `run_dir` as if it had stopped after `step` (a checkpoint
+    step): its later checkpoints and the metrics and samples of later steps left out, `latest` naming
+    step_<step>. A run that resumes there goes on from `run_dir`'s own checkpoint, without running its
+    first `step` steps again."""
+    shutil.copytree(run_dir, copy)
+    ckpts = os.path.join(copy, "checkpoints")
+    for name in os.listdir(ckpts):
+        if name.startswith("step_") and int(name.split("_")[1].split(".")[0]) > step:
+            shutil.rmtree(os.path.join(ckpts, name))
+    with open(os.path.join(ckpts, "latest"), "w") as f:
+        f.write(f"step_{step}")
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = os.path.join(copy, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= step]
+            with open(path, "w") as f:
+                f.writelines(kept)
 
 
 def reward_ends(m, steps, n=10):
