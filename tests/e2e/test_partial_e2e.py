@@ -50,9 +50,10 @@ def test_a_resume_with_carried_groups_goes_on_as_an_uninterrupted_run(tmp_path):
 def test_wait_trains_the_lengths_the_policy_writes_and_drop_trains_shorter_ones(tmp_path):
     """With a long tail of lengths (rollout.length_profile) the groups that go stale are the long ones:
     "wait" (the default) trains responses as long as a run without partial rollouts does, "drop" drops
-    groups and trains shorter ones (docs/training.md, "Long-tailed response lengths")."""
+    groups and trains shorter ones (docs/training.md, "Long-tailed response lengths"). A prompt's
+    responses share the length it drew, so 4 a prompt (not 16) give the same lengths, drops and refills."""
     common = ["trainer.total_steps=20", "trainer.val_every=0", "data.val_files=[]", "trainer.tensorboard=false",
-              "trainer.save_every=-1", "data.max_response_length=64",
+              "trainer.save_every=-1", "data.max_response_length=64", "rollout.n=4", "actor.micro_batch_size_per_gpu=8",
               'rollout.length_profile="lognormal:mean=12,sigma=0.9,cap=64"']
     partial = ["rollout.partial_rollouts=true", "rollout.partial_chunk_tokens=4", 'algorithm.rollout_is="token"']
     runs = {"sync": [], "wait": partial, "drop": [*partial, 'rollout.stale_policy="drop"']}
