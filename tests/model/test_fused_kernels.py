@@ -370,26 +370,25 @@ def test_a_step_with_compile_reports_its_compile_metrics(tmp_path):
     run_distributed(_step_with_compiled_head_body, 1, str(tmp_path))
 
 
-def _graphs_of_one_step_body(rank, world, base, use_reference):
-    m = _one_compiled_step(rank, base, ['model.fused_kernels="compile"', 'model.fused_logprob_head="compile"',
-                                        "actor.force_old_logprob_pass=true",
-                                        f"actor.use_kl_loss={str(use_reference).lower()}"])
-    assert ("time/ref_logprob" in m) == use_reference, sorted(m)
-    with open(f"{base}/graphs", "w") as f:
-        f.write(str(fused_kernels.compiled_graphs()))
+def _graphs_of_one_step_body(rank, world, base):
+    graphs = {}
+    for use_reference in (False, True):
+        torch._dynamo.reset()  # dynamo as in a new process: no graph to reuse
+        before = fused_kernels.compiled_graphs()
+        m = _one_compiled_step(rank, f"{base}/{use_reference}", [
+            'model.fused_kernels="compile"', 'model.fused_logprob_head="compile"', "actor.force_old_logprob_pass=true",
+            f"actor.use_kl_loss={str(use_reference).lower()}"])
+        assert ("time/ref_logprob" in m) == use_reference, sorted(m)
+        graphs[use_reference] = fused_kernels.compiled_graphs() - before
+    assert graphs[False] > 0 and graphs[True] == graphs[False], graphs
 
 
 def test_the_reference_model_compiles_no_graph_of_its_own(tmp_path):
     """The reference model's no-grad pass reuses the graphs the actor's no-grad log-prob pass
     compiled (spmd_rl/build.py: the reference keeps requires_grad, which torch.compile guards on):
     a step with a reference model compiles as many graphs as the same step without one. Each
-    process starts with no graphs."""
-    graphs = {}
-    for use_reference in (False, True):
-        base = tmp_path / str(use_reference)
-        run_distributed(_graphs_of_one_step_body, 1, str(base), use_reference)
-        graphs[use_reference] = int((base / "graphs").read_text())
-    assert graphs[False] > 0 and graphs[True] == graphs[False], graphs
+    step starts with no graphs (torch._dynamo.reset: one process for both)."""
+    run_distributed(_graphs_of_one_step_body, 1, str(tmp_path))
 
 
 def test_head_passes_with_and_without_entropy_share_one_statistics_graph(monkeypatch):
