@@ -6,6 +6,7 @@ minutes on CPU, so the compiled kernels themselves are checked by tests/gpu/test
 from __future__ import annotations
 
 import copy
+import json
 import logging
 
 import pytest
@@ -359,36 +360,47 @@ def _one_compiled_step(rank, base, overrides):
     return m
 
 
-def _step_with_compiled_head_body(rank, world, base):
-    m = _one_compiled_step(rank, base, ['model.fused_logprob_head="compile"'])
-    assert m["perf/compiled_graphs"] >= 1 and m["perf/compile_s"] > 0, m
-    assert m["perf/compile_cache_hits"] == m["perf/compile_cache_misses"] == 0  # aot_eager: no Inductor
-
-
-def test_a_step_with_compile_reports_its_compile_metrics(tmp_path):
-    """A trainer step with model.fused_logprob_head = "compile" carries the compile metrics."""
-    run_distributed(_step_with_compiled_head_body, 1, str(tmp_path))
-
-
-def _graphs_of_one_step_body(rank, world, base):
-    graphs = {}
+def _compiled_steps_body(rank, world, base):
+    """In this process: a step of a trainer without a reference model, then one of a new trainer with
+    one (the KL loss), both compiling decoder layers and log-prob head. Writes the first step's metrics
+    and the graphs each step compiled."""
+    graphs, metrics = {}, None
     for use_reference in (False, True):
-        torch._dynamo.reset()  # dynamo as in a new process: no graph to reuse
         before = fused_kernels.compiled_graphs()
         m = _one_compiled_step(rank, f"{base}/{use_reference}", [
             'model.fused_kernels="compile"', 'model.fused_logprob_head="compile"', "actor.force_old_logprob_pass=true",
             f"actor.use_kl_loss={str(use_reference).lower()}"])
         assert ("time/ref_logprob" in m) == use_reference, sorted(m)
-        graphs[use_reference] = fused_kernels.compiled_graphs() - before
-    assert graphs[False] > 0 and graphs[True] == graphs[False], graphs
+        graphs[str(use_reference)] = fused_kernels.compiled_graphs() - before
+        metrics = metrics or m
+    with open(f"{base}/results.json", "w") as f:
+        json.dump({"graphs": graphs, "metrics": metrics}, f)
 
 
-def test_the_reference_model_compiles_no_graph_of_its_own(tmp_path):
+@pytest.fixture(scope="module")
+def compiled_steps(tmp_path_factory):
+    """_compiled_steps_body's results, one process for the tests that read them (it starts with no graphs)."""
+    base = tmp_path_factory.mktemp("compiled_steps")
+    run_distributed(_compiled_steps_body, 1, str(base))
+    return json.loads((base / "results.json").read_text())
+
+
+def test_a_step_with_compile_reports_its_compile_metrics(compiled_steps):
+    """A trainer step with torch.compile (model.fused_kernels and model.fused_logprob_head = "compile")
+    carries the compile metrics."""
+    m = compiled_steps["metrics"]
+    assert m["perf/compiled_graphs"] >= 1 and m["perf/compile_s"] > 0, m
+    assert m["perf/compile_cache_hits"] == m["perf/compile_cache_misses"] == 0  # aot_eager: no Inductor
+
+
+def test_the_reference_model_compiles_no_graph_of_its_own(compiled_steps):
     """The reference model's no-grad pass reuses the graphs the actor's no-grad log-prob pass
     compiled (spmd_rl/build.py: the reference keeps requires_grad, which torch.compile guards on):
-    a step with a reference model compiles as many graphs as the same step without one. Each
-    step starts with no graphs (torch._dynamo.reset: one process for both)."""
-    run_distributed(_graphs_of_one_step_body, 1, str(tmp_path))
+    after a step without a reference model, a step of a new trainer with one compiles no graph, its
+    actor's passes and its reference's all reusing the first step's (with the reference's
+    requires_grad off, its layers compiled graphs of their own)."""
+    graphs = compiled_steps["graphs"]
+    assert graphs["False"] > 0 and graphs["True"] == 0, graphs
 
 
 def test_head_passes_with_and_without_entropy_share_one_statistics_graph(monkeypatch):
