@@ -1,4 +1,5 @@
-"""Shared fixtures: runs on 2 ranks that several test files read (never write): one short trained run,
+"""Shared fixtures: runs that several test files read (never write): one short trained run on 2 ranks,
+one on 1 rank without checkpoints or validations (tests/e2e: trainer.save_every and val_every = -1),
 the tiny job's whole default run (tests/e2e: it learns; partial rollouts against it), and the same job
 on the mixture-of-experts model (tests/e2e: it learns, exports and resumes; routing replay against it)."""
 
@@ -21,6 +22,18 @@ def tiny_run(tmp_path_factory):
     p = run_cmd(tiny_cmd(run_dir, f"trainer.export_hf_dir={export_dir}"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return run_dir, data_dir, export_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_run_without_saves_or_validations(tmp_path_factory):
+    """A finished 2-step run on 1 rank with trainer.save_every = -1 and trainer.val_every = -1 (no
+    checkpoint, no validation, not even after the last step). Returns (run_dir, its stdout + stderr).
+    Tests must not modify it."""
+    run_dir = tmp_path_factory.mktemp("tiny_run_without_saves_or_validations") / "run"
+    p = run_cmd(tiny_cmd(run_dir, "trainer.save_every=-1", "trainer.val_every=-1", "trainer.tensorboard=false",
+                         nproc=1))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return run_dir, p.stdout + p.stderr
 
 
 @pytest.fixture(scope="session")

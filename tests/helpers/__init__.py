@@ -5,8 +5,8 @@
 - `dist_utils`: `run_distributed`, a test body in N gloo processes;
 - `multiturn_tools`: tools and environments the multi-turn tests name in their configs.
 
-Fixtures (`tiny_run`, `tiny_default_run`, `moe_default_run`, `env`, `small_filesystem`) are in
-tests/conftest.py.
+Fixtures (`tiny_run`, `tiny_run_without_saves_or_validations`, `tiny_default_run`, `moe_default_run`, `env`,
+`small_filesystem`) are in tests/conftest.py.
 """
 
 import os
