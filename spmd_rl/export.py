@@ -7,7 +7,8 @@ config.json, generation_config.json and the tokenizer, so transformers and vLLM 
 load any model. The actor's weights are read from the DCP files in groups of at most
 `--shard-size-gb` on the CPU of one process (no process group, no GPU), each group written as one
 shard before the next is read: memory stays near one shard whatever the model size. Tied
-embeddings (`tie_word_embeddings`) keep only the embedding, as `save_pretrained` does.
+embeddings (`tie_word_embeddings`) keep only the embedding, and a mixture's experts are written one
+tensor each (spmd_rl.model.expert_layout), as `save_pretrained` does.
 
 The run's config.toml (in the run directory the checkpoint's manifest.json names, else next to
 `checkpoints/`) says which model directory the run started from
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from spmd_rl.checkpoint.checkpointer import CheckpointError, run_dir_of
 from spmd_rl.errors import UserError
 from spmd_rl.model import lora
+from spmd_rl.model.expert_layout import per_expert
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +143,11 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "auto", model_dir:
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     weight_map, total = {}, 0
     for names, fname in zip(shards, files):
-        weights = {n: t.to(torch_dtype).contiguous() for n, t in read_tensors(checkpoint, tensors, names).items()}
+        weights = {n: t.to(torch_dtype).contiguous() for name, full in read_tensors(checkpoint, tensors, names).items()
+                   for n, t in per_expert(name, full)}
         save_file(weights, os.path.join(tmp, fname), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in weights.values())
-        weight_map.update(dict.fromkeys(names, fname))
+        weight_map.update(dict.fromkeys(weights, fname))
         log.info("wrote %s (%d tensors)", fname, len(names))
         del weights
     if len(files) > 1:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from spmd_rl.export import ExportError, export_checkpoint
-from spmd_rl.model.loading import ARCH_PRESETS
+from spmd_rl.model.loading import ARCH_PRESETS, preset_config
 
 
 def logprobs(model, ids):
@@ -81,3 +81,28 @@ def test_export_untied_model(tmp_path):
         assert torch.equal(loaded[name], t), name
     with pytest.raises(ExportError, match="not a complete DCP checkpoint"):
         export_checkpoint(str(tmp_path / "model"), str(tmp_path / "hf2"), model_dir=str(tmp_path / "model"))
+
+
+def test_export_of_a_mixture_writes_each_expert_as_save_pretrained_does(tmp_path):
+    """GLM-4.7-Flash's family: the exported files hold the per-expert names and values save_pretrained
+    writes for the same weights (what vLLM's glm4_moe_lite loader reads), and load back into transformers."""
+    from spmd_rl.model.tokenizer import build_char_tokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(preset_config("glm4-moe-lite-tiny"), dtype=torch.float32)
+    model.save_pretrained(tmp_path / "model")
+    build_char_tokenizer().save_pretrained(tmp_path / "model")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"actor": {"model": model.state_dict()}}, checkpoint_id=str(ckpt), no_dist=True)
+    out = export_checkpoint(str(ckpt), str(tmp_path / "hf"), model_dir=str(tmp_path / "model"))
+    model.save_pretrained(tmp_path / "reference")
+    exported, reference = load_file(f"{out}/model.safetensors"), load_file(tmp_path / "reference" / "model.safetensors")
+    assert sorted(exported) == sorted(reference) and "model.layers.1.mlp.experts.7.up_proj.weight" in exported
+    for name, t in reference.items():
+        assert torch.equal(exported[name], t), name
+    loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    for name, t in model.state_dict().items():
+        assert torch.equal(loaded[name], t), name

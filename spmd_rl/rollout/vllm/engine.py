@@ -62,6 +62,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from spmd_rl.model.expert_layout import iter_per_expert, vllm_loads_per_expert
 from spmd_rl.model.loading import DTYPES
 from spmd_rl.rollout.base import Completion, SamplingParams
 from spmd_rl.rollout.finish_times import GenerateTail
@@ -351,6 +352,7 @@ class VLLMEngine:
         self.engine_seed = r.seed + self.replica
         self.stop_ids = eos_token_ids(model_dir)
         self.num_experts = expert_count(model_dir)  # the bound of the routes vLLM returns (outputs.routes)
+        self.per_expert_weights = vllm_loads_per_expert(text_config(model_dir))  # expert_layout's module doc
         if not self.stop_ids:
             log.warning("%s names no eos_token_id: responses end only at stop_token_ids or the length limit",
                         model_dir)
@@ -460,12 +462,15 @@ class VLLMEngine:
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         """Copy full tensors named as in the HF model (any iterable; consumed once, lazily) into
-        the engine. Needs wake_up(["weights"]) first. The prefix cache is reset once the KV cache is
+        the engine; a mixture's fused experts go as each expert's tensors where vLLM's loader reads
+        those (spmd_rl.model.expert_layout). Needs wake_up(["weights"]) first. The prefix cache is reset once the KV cache is
         awake (blocks computed with old weights must not be reused). `strict`: the stream must
         cover every engine parameter (pass False to load a part)."""
         if "weights" not in self._awake:
             raise RuntimeError("load_weights needs the weights awake: call wake_up(['weights']) first")
         model = inner_model(self.llm)
+        if self.per_expert_weights:  # a mixture whose vLLM loader reads each expert's own tensors
+            weights = iter_per_expert(weights)
         if self.lora is not None:  # the base layers of the LoRA-wrapped modules
             from spmd_rl.model.lora import base_layer_name
 

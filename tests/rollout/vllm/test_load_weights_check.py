@@ -76,3 +76,29 @@ def test_dense_names_are_checked_exactly():
     model.head = nn.Linear(2, 3)
     assert unset_parameters(model, {"embed.weight", "head.weight", "head.bias"}) == []
     assert unset_parameters(model, {"embed.weight", "head.weight"}) == ["head.bias"]
+
+
+def test_the_engine_hands_a_per_expert_loader_each_experts_tensor(monkeypatch):
+    """VLLMEngine.load_weights on a family whose vLLM loader reads each expert (per_expert_weights:
+    GLM-4.7-Flash's) passes the fused tensors as the checkpoint's per-expert names; on one that takes
+    them fused (Qwen3-MoE's), as they are."""
+    from spmd_rl.rollout.vllm import engine as vllm_engine
+
+    received = []
+
+    class Loader(nn.Module):  # no parameters of its own: the strict check has nothing to find unset
+        def load_weights(self, weights):
+            received.extend(name for name, _ in weights)
+            return set()
+
+    monkeypatch.setattr(vllm_engine, "inner_model", lambda llm: Loader())
+    engine = object.__new__(vllm_engine.VLLMEngine)
+    engine._awake, engine.lora, engine.llm = {"weights"}, None, None
+    stream = [("model.layers.1.mlp.experts.down_proj", torch.zeros(3, 4, 2)), ("model.norm.weight", torch.zeros(4))]
+    engine.per_expert_weights = True
+    engine.load_weights(iter(stream))
+    assert received == [f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(3)] + ["model.norm.weight"]
+    received.clear()
+    engine.per_expert_weights = False
+    engine.load_weights(iter(stream))
+    assert received == ["model.layers.1.mlp.experts.down_proj", "model.norm.weight"]
