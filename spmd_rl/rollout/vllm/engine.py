@@ -232,6 +232,32 @@ def unset_parameters(model: torch.nn.Module, loaded: set[str]) -> list[str]:
     return sorted(n for n, _ in model.named_parameters() if not reported(n))
 
 
+def derived_weight_layers() -> tuple[type, ...]:
+    """vLLM's layer classes whose parameters are computed from other, loaded ones after a load
+    (refresh_derived_weights); () without vLLM."""
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    except ImportError:
+        return ()
+    return (MLAAttention,)
+
+
+def refresh_derived_weights(model: torch.nn.Module, dtype: torch.dtype) -> set[str]:
+    """Recompute, in place, the engine parameters vLLM derives from loaded ones, and return their names.
+
+    vLLM 0.26's multi-head latent attention (GLM-4.7-Flash, DeepSeek) decodes with W_UK_T and W_UV,
+    its kv_b_proj weight split and transposed once after loading (`MLAAttention.process_weights_after_loading`,
+    vLLM's own post-load step for the layer, which copies into the existing parameters so that captured
+    CUDA graphs stay valid). A sync that skipped it would decode with the matrices of the weights before it."""
+    layers = derived_weight_layers()
+    derived: set[str] = set()
+    for name, module in model.named_modules():
+        if layers and isinstance(module, layers):
+            module.process_weights_after_loading(dtype)
+            derived.update(f"{name}.{p}" for p, _ in module.named_parameters(recurse=False))
+    return derived
+
+
 def shutdown_llm(llm) -> None:
     """Free a (non-sleep-mode) engine's GPU memory in-process, keeping torch's default process
     group alive. vLLM's own shutdown ends with `destroy_process_group()`, which would also take
@@ -463,7 +489,8 @@ class VLLMEngine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         """Copy full tensors named as in the HF model (any iterable; consumed once, lazily) into
         the engine; a mixture's fused experts go as each expert's tensors where vLLM's loader reads
-        those (spmd_rl.model.expert_layout). Needs wake_up(["weights"]) first. The prefix cache is reset once the KV cache is
+        those (spmd_rl.model.expert_layout), and the parameters vLLM derives from loaded ones are
+        computed again (refresh_derived_weights). Needs wake_up(["weights"]) first. The prefix cache is reset once the KV cache is
         awake (blocks computed with old weights must not be reused). `strict`: the stream must
         cover every engine parameter (pass False to load a part)."""
         if "weights" not in self._awake:
@@ -477,8 +504,9 @@ class VLLMEngine:
             wrapped = self._lora_wrapped_modules()
             weights = ((base_layer_name(name, wrapped), t) for name, t in weights)
         loaded = model.load_weights(weights)
+        derived = refresh_derived_weights(model, DTYPES[self.cfg.rollout.dtype])
         if strict and isinstance(loaded, set):
-            missing = unset_parameters(model, loaded)
+            missing = unset_parameters(model, loaded | derived)
             if missing:
                 raise RuntimeError(f"load_weights left {len(missing)} engine parameters unset, e.g. {missing[:5]}")
         self._weights_valid = True

@@ -7,6 +7,7 @@ layer `mlp.experts` whose weights live in its `routed_experts` child) and the na
 names, `w13_weight`, so they come back one level short). The GPU proof: tests/gpu/test_moe_gpu.py.
 """
 
+import pytest
 import torch
 from torch import nn
 
@@ -78,6 +79,19 @@ def test_dense_names_are_checked_exactly():
     assert unset_parameters(model, {"embed.weight", "head.weight"}) == ["head.bias"]
 
 
+def stand_in_engine(per_expert_weights=False):
+    """A VLLMEngine without vLLM: load_weights' own logic on a model that inner_model gives."""
+    from types import SimpleNamespace
+
+    from spmd_rl.rollout.vllm import engine as vllm_engine
+
+    engine = object.__new__(vllm_engine.VLLMEngine)
+    engine._awake, engine.lora, engine.llm = {"weights"}, None, None
+    engine.cfg = SimpleNamespace(rollout=SimpleNamespace(dtype="bfloat16"))
+    engine.per_expert_weights = per_expert_weights
+    return engine
+
+
 def test_the_engine_hands_a_per_expert_loader_each_experts_tensor(monkeypatch):
     """VLLMEngine.load_weights on a family whose vLLM loader reads each expert (per_expert_weights:
     GLM-4.7-Flash's) passes the fused tensors as the checkpoint's per-expert names; on one that takes
@@ -92,8 +106,7 @@ def test_the_engine_hands_a_per_expert_loader_each_experts_tensor(monkeypatch):
             return set()
 
     monkeypatch.setattr(vllm_engine, "inner_model", lambda llm: Loader())
-    engine = object.__new__(vllm_engine.VLLMEngine)
-    engine._awake, engine.lora, engine.llm = {"weights"}, None, None
+    engine = stand_in_engine()
     stream = [("model.layers.1.mlp.experts.down_proj", torch.zeros(3, 4, 2)), ("model.norm.weight", torch.zeros(4))]
     engine.per_expert_weights = True
     engine.load_weights(iter(stream))
@@ -102,3 +115,48 @@ def test_the_engine_hands_a_per_expert_loader_each_experts_tensor(monkeypatch):
     engine.per_expert_weights = False
     engine.load_weights(iter(stream))
     assert received == ["model.layers.1.mlp.experts.down_proj", "model.norm.weight"]
+
+
+class LatentAttention(nn.Module):
+    """vLLM 0.26's MLAAttention's parameters: kv_b_proj loaded, W_UK_T and W_UV derived from it after
+    loading (its process_weights_after_loading)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv_b_proj = nn.Linear(2, 6, bias=False)
+        self.W_UK_T = nn.Parameter(torch.zeros(2, 3))
+        self.W_UV = nn.Parameter(torch.zeros(3, 2))
+        self.dtypes = []
+
+    def process_weights_after_loading(self, act_dtype):
+        self.dtypes.append(act_dtype)
+        w = self.kv_b_proj.weight.detach()
+        self.W_UK_T.data.copy_(w[:3].T)
+        self.W_UV.data.copy_(w[3:])
+
+
+def test_the_engine_computes_the_weights_vllm_derives_after_every_load(monkeypatch):
+    """After a load, a latent attention's W_UK_T and W_UV are computed again from the new kv_b_proj
+    (and so count as set); without that step they would hold the weights before the load."""
+    from spmd_rl.rollout.vllm import engine as vllm_engine
+
+    model = nn.Module()
+    model.attn = LatentAttention()
+
+    def load_weights(weights):
+        names = set()
+        for name, t in weights:
+            model.get_parameter(name).data.copy_(t)
+            names.add(name)
+        return names
+
+    model.load_weights = load_weights
+    monkeypatch.setattr(vllm_engine, "inner_model", lambda llm: model)
+    monkeypatch.setattr(vllm_engine, "derived_weight_layers", lambda: (LatentAttention,))
+    new = torch.arange(12.0).reshape(6, 2)
+    stand_in_engine().load_weights(iter([("attn.kv_b_proj.weight", new)]))
+    assert torch.equal(model.attn.W_UK_T, new[:3].T) and torch.equal(model.attn.W_UV, new[3:])
+    assert model.attn.dtypes == [torch.bfloat16]
+    monkeypatch.setattr(vllm_engine, "derived_weight_layers", lambda: ())  # a layer vLLM does not derive
+    with pytest.raises(RuntimeError, match="left 2 engine parameters unset"):
+        stand_in_engine().load_weights(iter([("attn.kv_b_proj.weight", new)]))
