@@ -30,6 +30,7 @@ def validate(cfg: Config, world_size: int = 1, gpus_per_node: int | None = None)
     models.check_chat_template(cfg)
     models.check_packed_attention(cfg)
     models.check_lora_targets(cfg)
+    models.check_lora_in_latent_attention(cfg)
     models.check_router_aux_loss(cfg)
     synthetic_data.place_synthetic(cfg)  # before data.check: the run's own files become data.*_files
     cfg.data.check()

@@ -161,6 +161,41 @@ def check_lora_targets(cfg: Config) -> None:
                           f"decoder of {which}{why}: it has {', '.join(have)} (or [] for all of them)")
 
 
+LATENT_ATTENTION_FOLDED = "kv_b_proj"
+"""The linear layer vLLM's multi-head latent attention (GLM-4.7-Flash, DeepSeek: a config with
+kv_lora_rank) folds into matrices computed after loading (spmd_rl/rollout/vllm/engine.py,
+refresh_derived_weights): its decode never runs the layer, so an adapter on it would not act there."""
+
+
+def check_lora_in_latent_attention(cfg: Config) -> None:
+    """An adapter synced to vLLM as an adapter (model.lora_sync = "adapter") adapts no layer vLLM's latent
+    attention folds (LATENT_ATTENTION_FOLDED): the engine would sample without that part of the adapter,
+    unnoticed but for the mismatch. The merged sync serves it (the engine folds W + BA)."""
+    m = cfg.model
+    if not (m.adapter_sync and cfg.rollout.engine == "vllm"):
+        return
+    from spmd_rl.model.loading import random_model_config
+
+    config = random_model_config(m.arch, m.path)
+    if not getattr(config.get_text_config(), "kv_lora_rank", None):
+        return
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from spmd_rl.model.lora import adapted_modules, peft_targets
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    adapted = adapted_modules(m.lora_target_modules, model)
+    kept = [t for t in adapted if t.rsplit(".", 1)[-1] != LATENT_ATTENTION_FOLDED]
+    if len(kept) < len(adapted):
+        every = " ([]: every attention layer)" if peft_targets(m.lora_target_modules) == "all-linear" else ""
+        raise ConfigError(f"model.lora_target_modules adapts {LATENT_ATTENTION_FOLDED}{every}, which vLLM's latent "
+                          "attention folds into matrices computed after loading: its LoRA layers do not adapt them, "
+                          "so the engine would sample without that part of the adapter. Adapt the others "
+                          f"(model.lora_target_modules = {kept}), or set model.lora_sync = \"merged\" (docs/moe.md)")
+
+
 def check_router_aux_loss(cfg: Config) -> None:
     """actor.router_aux_loss_coef > 0 needs a mixture of experts with softmax routers: a dense model has no
     router to balance, and a sigmoid router with a correction bias (routing.scores_by_sigmoid: the model is

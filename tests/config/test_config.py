@@ -254,6 +254,13 @@ LORA = ["model.lora_rank=8"]
      "model.lora_target_modules names 'gate_proj', 'mlp.down_proj': on a mixture of experts PEFT maps an MLP name to "
      "the fused experts, which LoRA does not adapt here; name the attention's layers (or [] for all of them: "
      "docs/moe.md)"),
+    ([*LORA, 'model.arch="glm4-moe-lite-tiny"', "rollout.engine=vllm"], "model.lora_target_modules adapts kv_b_proj "
+     "([]: every attention layer), which vLLM's latent attention folds into matrices computed after loading: its LoRA "
+     "layers do not adapt them, so the engine would sample without that part of the adapter. Adapt the others "
+     "(model.lora_target_modules = ['kv_a_proj_with_mqa', 'o_proj', 'q_a_proj', 'q_b_proj']), or set "
+     'model.lora_sync = "merged" (docs/moe.md)'),
+    ([*LORA, 'model.arch="glm4-moe-lite-tiny"', "rollout.engine=vllm", 'model.lora_target_modules=["q_b_proj", '
+      '"self_attn.kv_b_proj"]'], "model.lora_target_modules adapts kv_b_proj, which vLLM's latent attention folds"),
     ([*LORA, 'model.lora_target_modules=["lm_head"]'], "model.lora_target_modules names lm_head: the embeddings and "
      "the LM head are not adapted"),
     (["model.lora_rank=600"], "model.lora_rank = 600 is above the largest rank vLLM's LoRA layers take (512) for "
@@ -273,6 +280,12 @@ def test_lora_refusals(tmp_path, overrides, needle):
 def test_lora_targets_accepted(tmp_path):
     for targets in ('[]', '["all-linear"]', '["q_proj", "self_attn.v_proj", "down_proj"]'):
         preflight.validate(valid_cfg(tmp_path, [*LORA, f"model.lora_target_modules={targets}"]), world_size=1)
+    from spmd_rl.preflight.models import check_lora_in_latent_attention  # (validate would import vLLM after it)
+
+    glm = [*LORA, 'model.arch="glm4-moe-lite-tiny"']
+    for served in (["rollout.engine=vllm", 'model.lora_target_modules=["q_a_proj", "q_b_proj", "o_proj"]'],
+                   ["rollout.engine=vllm", 'model.lora_sync="merged"'], ["rollout.engine=hf"]):
+        check_lora_in_latent_attention(valid_cfg(tmp_path, [*glm, *served]))
 
 
 @pytest.mark.parametrize("overrides, level", [
