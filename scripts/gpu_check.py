@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_check_machine  # noqa: E402
-from gpu_check_machine import code_fingerprint, machine_name, visible_gpu_gib, visible_gpus  # noqa: E402
+from gpu_check_machine import code_fingerprint, importable, machine_name, visible_gpu_gib, visible_gpus  # noqa: E402
 from gpu_check_plan import PLAN, TAIL_S, Check, Row, default_budget, expected_schedule, for_cards, schedule, split_calls  # noqa: E402
 from gpu_check_results import earlier_results, failed, step_table, table  # noqa: E402
 from gpu_check_runner import logs_tarball, prebuild, pytest_runner  # noqa: E402
@@ -105,6 +105,11 @@ def main() -> int:
     if args.cont and not only:  # the checks the earlier calls have not run
         ran = {r.check for r in earlier_rows if r.result != "NOT RUN"}
         checks = [c for c in checks if c.name not in ran]
+    missing = {p: [c.name for c in checks if p in c.needs] for c in checks for p in c.needs if not importable(p)}
+    if missing and not args.plan:
+        ap.error("; ".join(f"{', '.join(names)} needs {p}, which this Python cannot import" for p, names in missing.items())
+                 + ": pip install -e '.[gpu]' (offline: its wheel in .whl/, which scripts/gpu_check.sh installs), "
+                 "or leave the check out (--only)")
     later: list[Check] = []
     budget = args.budget_s or default_budget(checks, n_gpus)
     if args.max_call_s:

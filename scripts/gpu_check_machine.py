@@ -68,6 +68,13 @@ CODE_PATHS = ("spmd_rl", "tests/gpu", "configs", "scripts", "pyproject.toml")
 """What decides what the checks run: a table continued from another machine must be of the same."""
 
 
+def importable(package: str) -> bool:
+    """Whether this Python can import `package` (found, not imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
 def code_fingerprint(root: Path = ROOT) -> str:
     """A hash of CODE_PATHS' files (their paths and bytes; caches and compiled files left out)."""
     h = hashlib.sha256()

@@ -71,6 +71,9 @@ class Check:
     archs: tuple[str, ...] = ()
     """Random-weight model directories it reads (tests/gpu/runs.py builds them in the background
     at the start, on the CPU)."""
+    needs: tuple[str, ...] = ()
+    """Python packages its tests import beyond the project's own (gpu_check refuses to start, naming
+    the install, where one is missing: the check would fail after its other tests ran)."""
     gpus_by_memory: tuple[tuple[float, int], ...] = ()
     """(GiB per card, GPUs) pairs, in order: where every card has at least that much memory, the check
     needs that many GPUs instead of `gpus` (`for_cards`; test_presets_gpu.Preset has the same pairs,
@@ -96,7 +99,8 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
     # free memory), and the presets have their GPU to themselves (their free-memory drift check runs)
     Check("kernels", ("tests/gpu/test_checkpoint_gpu.py", "tests/gpu/test_offload_gpu.py",
                       "tests/gpu/test_sharded_init_gpu.py", "tests/gpu/test_packing_gpu.py",
-                      "tests/gpu/test_fused_gpu.py", "tests/gpu/test_update_sync_gpu.py"), secs=150),
+                      "tests/gpu/test_fused_gpu.py", "tests/gpu/test_update_sync_gpu.py"), secs=150,
+          needs=("liger_kernel",)),
     # Qwen3, Llama 3 and Gemma 3 shapes through vLLM, 3 steps each; a run of 4 steps with a 1.5B reward
     # model (secs: 1xH100, 2026-11-26: 215 s and 101 s)
     Check("families", ("tests/gpu/test_model_families_gpu.py",), secs=230,

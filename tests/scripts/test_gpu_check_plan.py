@@ -455,3 +455,17 @@ def test_expected_saves_follow_the_trainer():
     assert expected_saves((3, 5), (0, -1)) == [3]
     assert expected_saves((4, 9), (2, 0)) == [2, 4, 9]
     assert expected_saves((3,), (-1,)) == []
+
+
+def test_a_check_whose_package_is_missing_stops_gpu_check_before_any_check(monkeypatch, tmp_path, capsys):
+    """A check's package (Check.needs: liger-kernel for `kernels`) this Python cannot import: one error
+    naming the check, the package and the install, before any check runs; without that check it runs."""
+    ran = []
+    monkeypatch.setattr(gpu_check, "pytest_runner", lambda out: ran.append(out))
+    monkeypatch.setattr(gpu_check, "importable", lambda package: package != "liger_kernel")
+    with pytest.raises(SystemExit) as e:
+        _call(monkeypatch, tmp_path, "1x H200", "kernels,export", [])
+    assert e.value.code == 2 and ran == []
+    assert "kernels needs liger_kernel, which this Python cannot import: pip install -e '.[gpu]'" in capsys.readouterr().err
+    code, _ = _call(monkeypatch, tmp_path, "1x H200", "export", [])
+    assert code == 0
