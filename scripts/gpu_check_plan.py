@@ -113,9 +113,10 @@ PLAN: list[Check] = [  # order = priority (the docstring's rules)
           archs=("qwen3-30b-a3b-4layers",)),
     Check("moe-lora", (f"{MOE_TEST}::test_lora_on_moe_syncs_the_base_and_the_adapter_into_vllm",), secs=120,
           archs=("qwen3-moe-tiny",)),
-    # GLM-4.7-Flash's family (latent attention, sigmoid router) at its layer shape (secs: 1xH200, 2026-11-29:
-    # 95-106 s)
-    Check("moe-glm", (f"{MOE_TEST}::test_glm_family_trains_through_vllm_with_replay",), secs=130,
+    # GLM-4.7-Flash's family (latent attention, sigmoid router) at its layer shape, and LoRA on its attention
+    # (secs: 1xH200, 2026-11-29: the training run 95-106 s; the LoRA worker an estimate)
+    Check("moe-glm", (f"{MOE_TEST}::test_glm_family_trains_through_vllm_with_replay",
+                      f"{MOE_TEST}::test_glm_latent_attention_lora_reaches_vllm_as_preflight_says"), secs=230,
           archs=("glm-4.7-flash-4layers",)),
     # the 30B-A3B LoRA preset as shipped on four GPUs (secs: an estimate; its 61 GB model drawn on its GPUs)
     Check("preset-30b-a3b-lora", (f"{PRESET_TEST}[qwen3-30b-a3b-lora]",), gpus=4, secs=540, alone=True),

@@ -27,6 +27,11 @@ a sigmoid router with a score correction bias, a shared expert) at its real laye
 with routing replay: the sync (the routers' biases too) gives the engine the actor's weights, and every
 token is replayed.
 
+test_glm_latent_attention_lora_reaches_vllm_as_preflight_says (tests/gpu/mla_lora_worker.py; its docstring says
+what each figure is): on GLM's layers, an adapter on the four projections preflight lets through reaches the
+engine by the adapter sync; one on kv_b_proj does not (the case preflight.models.check_lora_in_latent_attention
+refuses: it would show the adapter's whole effect), and merged it does (the folded matrices computed again).
+
 Needs vLLM built with its MoE kernels (`_moe_C`); without them the engine fails to build and these
 tests FAIL (only a machine without CUDA or vLLM skips). The CPU side (packed = padded, the HF engine,
 the FSDP sync, replay's formula) is tests/model/test_model_families.py and tests/model/test_routing.py.
@@ -37,11 +42,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from runs import check_run, keep_logs, random_model_dir, read_metrics, skip_reason, summary, train
+from runs import REPO, check_run, keep_logs, random_model_dir, read_metrics, skip_reason, summary, train
 from test_model_families_gpu import FINITE, RUN
 
 pytestmark = pytest.mark.gpu
@@ -107,3 +115,29 @@ def test_glm_family_trains_through_vllm_with_replay(tmp_path):
     assert json.loads((Path(model_dir) / "config.json").read_text())["architectures"] == ["Glm4MoeLiteForCausalLM"]
     steps = _run(tmp_path, "moe-glm", model_dir, ['actor.router_replay="engine"', *REPLAY_RUN])
     assert all(m["routing/replayed_share"] == 1.0 for m in steps.values()), steps
+
+
+def test_glm_latent_attention_lora_reaches_vllm_as_preflight_says(tmp_path):
+    reason = skip_reason(1)
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "result.json"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           str(Path(__file__).with_name("mla_lora_worker.py")), "--model", random_model_dir("glm-4.7-flash-4layers"),
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    if os.environ.get("SPMD_RL_GPU_LOG_DIR"):
+        Path(os.environ["SPMD_RL_GPU_LOG_DIR"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["SPMD_RL_GPU_LOG_DIR"]) / "mla_lora_worker.log").write_text(log)
+    assert proc.returncode == 0 and out.is_file(), log[-4000:]
+    m = json.loads(out.read_text())
+    print("LoRA on GLM's latent attention through vLLM:", json.dumps(m))
+    for tag in ("others", "kv_b"):
+        assert m[f"effect_{tag}"] > 0.25, m  # each adapter moves the policy far beyond bf16 noise (MAX_MISMATCH)
+    for path in ("prompt", "decode"):
+        assert m[f"others_{path}"] < MAX_MISMATCH, m  # the four projections' adapter reaches the engine
+        assert m[f"merged_{path}"] < MAX_MISMATCH, m  # merged, kv_b_proj's does too
+    assert m["kv_b_decode"] > 0.5 * m["effect_kv_b"], m  # as an adapter it is lost where the engine samples
