@@ -490,9 +490,9 @@ class VLLMEngine:
         """Copy full tensors named as in the HF model (any iterable; consumed once, lazily) into
         the engine; a mixture's fused experts go as each expert's tensors where vLLM's loader reads
         those (spmd_rl.model.expert_layout), and the parameters vLLM derives from loaded ones are
-        computed again (refresh_derived_weights). Needs wake_up(["weights"]) first. The prefix cache is reset once the KV cache is
-        awake (blocks computed with old weights must not be reused). `strict`: the stream must
-        cover every engine parameter (pass False to load a part)."""
+        computed again (refresh_derived_weights). Needs wake_up(["weights"]) first. The prefix
+        cache is reset once the KV cache is awake (blocks computed with old weights must not be
+        reused). `strict`: the stream must cover every engine parameter (pass False to load a part)."""
         if "weights" not in self._awake:
             raise RuntimeError("load_weights needs the weights awake: call wake_up(['weights']) first")
         model = inner_model(self.llm)
