@@ -82,6 +82,28 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
+def adapter_sync(engine, actor, base: bool, tensors=None) -> float:
+    """The adapter sync: weights awake, the base (when `base`) and the adapter (`tensors`, else the
+    actor's) sent, the KV cache awake; the seconds of the sends."""
+    engine.wake_up(["weights"])
+    t = 0.0
+    if base:
+        t += timed(lambda: engine.load_weights(iter_base_weights(actor, torch.bfloat16, 512)))[1]
+    t += timed(lambda: engine.load_adapter(gather_adapter(actor) if tensors is None else tensors))[1]
+    engine.wake_up(["kv_cache"])
+    return t
+
+
+def merged_sync(engine, actor) -> float:
+    """The merged sync: W + s B A sent for every weight, the engine's LoRA layers given a zero adapter;
+    the seconds of the weights' send."""
+    engine.wake_up(["weights"])
+    _, t = timed(lambda: engine.load_weights(iter_weights(actor, torch.bfloat16, 512)))
+    engine.load_adapter(zero_adapter(gather_adapter(actor)))
+    engine.wake_up(["kv_cache"])
+    return t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -103,15 +125,7 @@ def main() -> None:
     engine = VLLMEngine(cfg, args.model, 0, 1, 0, 1)
     r["sleep_level"] = engine.sleep_level
 
-    def sync(base: bool, tensors=None) -> float:
-        engine.wake_up(["weights"])
-        t = 0.0
-        if base:
-            t += timed(lambda: engine.load_weights(iter_base_weights(actor, torch.bfloat16, 512)))[1]
-        t += timed(lambda: engine.load_adapter(gather_adapter(actor) if tensors is None else tensors))[1]
-        engine.wake_up(["kv_cache"])
-        return t
-
+    sync = functools.partial(adapter_sync, engine, actor)
     r["sync_base_and_adapter_s"] = sync(base=True)
     act = actor_logprobs(actor, seqs)
     with adapter_disabled(actor):
@@ -127,21 +141,14 @@ def main() -> None:
     r["after_sleep"] = mean_abs(engine_logprobs(engine, seqs), actor_logprobs(actor, seqs))
     engine.sleep()
 
-    def merged_sync():
-        engine.wake_up(["weights"])
-        _, t = timed(lambda: engine.load_weights(iter_weights(actor, torch.bfloat16, 512)))
-        engine.load_adapter(zero_adapter(gather_adapter(actor)))
-        engine.wake_up(["kv_cache"])
-        return t
-
-    r["sync_merged_s"] = merged_sync()
+    r["sync_merged_s"] = merged_sync(engine, actor)
     r["merged"] = mean_abs(engine_logprobs(engine, seqs), actor_logprobs(actor, seqs))
     engine.sleep()
 
     # the trap: small updates, the engine re-synced each way
     def engine_now(merged: bool) -> torch.Tensor:
         if merged:
-            merged_sync()
+            merged_sync(engine, actor)
         else:
             sync(base=True)  # the base as it is (frozen: the same), the adapter as it is
         out = engine_logprobs(engine, seqs)

@@ -27,13 +27,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from lora_worker import actor_logprobs, engine_logprobs, mean_abs, sequences, zero_adapter  # noqa: E402
+from lora_worker import actor_logprobs, adapter_sync, engine_logprobs, mean_abs, merged_sync, sequences  # noqa: E402
 
 from spmd_rl.config.run_config import Config  # noqa: E402
 from spmd_rl.model.loading import build_sharded, load_causal_lm  # noqa: E402
 from spmd_rl.model.lora import LoraSettings, adapter_disabled  # noqa: E402
 from spmd_rl.rollout.base import SamplingParams  # noqa: E402
-from spmd_rl.rollout.weight_sync import gather_adapter, iter_base_weights, iter_weights  # noqa: E402
 from spmd_rl.runtime.distributed import fsdp_mesh, init_distributed  # noqa: E402
 
 RANK, ALPHA = 16, 32.0
@@ -93,16 +92,9 @@ def main() -> None:
     for seed, (tag, modules) in enumerate((("others", OTHERS), ("kv_b", FOLDED))):
         draw_b(actor, modules, seed)
         effect(tag)
-        engine.wake_up(["weights"])
-        if tag == "others":  # the base once, then the adapter alone
-            engine.load_weights(iter_base_weights(actor, torch.bfloat16, 512))
-        engine.load_adapter(gather_adapter(actor))
-        engine.wake_up(["kv_cache"])
+        adapter_sync(engine, actor, base=tag == "others")  # the base once, then the adapter alone
         measure(tag)
-    engine.wake_up(["weights"])  # the kv_b_proj adapter merged, the engine's LoRA layers given a zero adapter
-    engine.load_weights(iter_weights(actor, torch.bfloat16, 512))
-    engine.load_adapter(zero_adapter(gather_adapter(actor)))
-    engine.wake_up(["kv_cache"])
+    merged_sync(engine, actor)  # the kv_b_proj adapter merged
     measure("merged")
     engine.close()
     with open(args.out, "w") as f:

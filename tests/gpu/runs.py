@@ -82,6 +82,23 @@ def run_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}", **extra)
 
 
+def run_worker(worker: str, args: list[str], out: Path, timeout: float) -> dict:
+    """`torchrun --nproc-per-node=1 tests/gpu/<worker> ARGS --out OUT`, waited for; the JSON it wrote to
+    `out` (the worker must exit 0 and write it). Its log goes to SPMD_RL_GPU_LOG_DIR as <worker>.log."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           str(Path(__file__).with_name(worker)), *args, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=run_env(PYTHONUNBUFFERED="1"), capture_output=True, text=True,
+                          timeout=timeout)
+    log = proc.stdout + proc.stderr
+    if os.environ.get("SPMD_RL_GPU_LOG_DIR"):
+        Path(os.environ["SPMD_RL_GPU_LOG_DIR"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["SPMD_RL_GPU_LOG_DIR"]) / f"{Path(worker).stem}.log").write_text(log)
+    errors = [i for i, line in enumerate(log.splitlines()) if line.startswith("Traceback")]
+    first = "\n".join(log.splitlines()[errors[0]:errors[0] + 60]) if errors else ""
+    assert proc.returncode == 0 and out.is_file(), first + "\n...\n" + log[-3000:]
+    return json.loads(out.read_text())
+
+
 def train(name: str, nproc: int, overrides: list[str], run_dir: Path, total: int, resume: str,
           timeout: float = 420) -> str:
     """One run to `total` steps, waited for; its log (the run must exit 0)."""

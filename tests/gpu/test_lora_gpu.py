@@ -13,17 +13,11 @@ shape with rank 32 on every linear layer and its B drawn non-zero.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from runs import REPO, random_model_dir, skip_reason
+from runs import random_model_dir, run_worker, skip_reason
 
 pytestmark = pytest.mark.gpu
-
-WORKER = Path(__file__).with_name("lora_worker.py")
 
 
 @pytest.fixture(scope="module")
@@ -33,19 +27,7 @@ def measured(tmp_path_factory):
         pytest.skip(reason)
     pytest.importorskip("peft")
     out = tmp_path_factory.mktemp("lora") / "result.json"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(WORKER),
-           "--model", random_model_dir("qwen2-0.5b"), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    log = proc.stdout + proc.stderr
-    if os.environ.get("SPMD_RL_GPU_LOG_DIR"):
-        Path(os.environ["SPMD_RL_GPU_LOG_DIR"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["SPMD_RL_GPU_LOG_DIR"]) / "lora_worker.log").write_text(log)
-    errors = [i for i, line in enumerate(log.splitlines()) if line.startswith("Traceback")]
-    first = "\n".join(log.splitlines()[errors[0]:errors[0] + 60]) if errors else ""
-    assert proc.returncode == 0 and out.is_file(), first + "\n...\n" + log[-3000:]
-    result = json.loads(out.read_text())
+    result = run_worker("lora_worker.py", ["--model", random_model_dir("qwen2-0.5b")], out, timeout=900)
     print("lora sync on the GPU:", json.dumps(result))
     return result
 

@@ -42,14 +42,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from runs import REPO, check_run, keep_logs, random_model_dir, read_metrics, skip_reason, summary, train
+from runs import check_run, keep_logs, random_model_dir, read_metrics, run_worker, skip_reason, summary, train
 from test_model_families_gpu import FINITE, RUN
 
 pytestmark = pytest.mark.gpu
@@ -121,19 +118,8 @@ def test_glm_latent_attention_lora_reaches_vllm_as_preflight_says(tmp_path):
     reason = skip_reason(1)
     if reason:
         pytest.skip(reason)
-    out = tmp_path / "result.json"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-           str(Path(__file__).with_name("mla_lora_worker.py")), "--model", random_model_dir("glm-4.7-flash-4layers"),
-           "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    if os.environ.get("SPMD_RL_GPU_LOG_DIR"):
-        Path(os.environ["SPMD_RL_GPU_LOG_DIR"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["SPMD_RL_GPU_LOG_DIR"]) / "mla_lora_worker.log").write_text(log)
-    assert proc.returncode == 0 and out.is_file(), log[-4000:]
-    m = json.loads(out.read_text())
+    m = run_worker("mla_lora_worker.py", ["--model", random_model_dir("glm-4.7-flash-4layers")], tmp_path / "result.json",
+                   timeout=600)
     print("LoRA on GLM's latent attention through vLLM:", json.dumps(m))
     for tag in ("others", "kv_b"):
         assert m[f"effect_{tag}"] > 0.25, m  # each adapter moves the policy far beyond bf16 noise (MAX_MISMATCH)
