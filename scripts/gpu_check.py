@@ -105,7 +105,11 @@ def main() -> int:
     if args.cont and not only:  # the checks the earlier calls have not run
         ran = {r.check for r in earlier_rows if r.result != "NOT RUN"}
         checks = [c for c in checks if c.name not in ran]
-    missing = {p: [c.name for c in checks if p in c.needs] for c in checks for p in c.needs if not importable(p)}
+    missing: dict[str, list[str]] = {}  # package -> the checks that need it
+    for c in checks:
+        for package in c.needs:
+            if not importable(package):
+                missing.setdefault(package, []).append(c.name)
     if missing and not args.plan:
         ap.error("; ".join(f"{', '.join(names)} needs {p}, which this Python cannot import" for p, names in missing.items())
                  + ": pip install -e '.[gpu]' (offline: its wheel in .whl/, which scripts/gpu_check.sh installs), "

@@ -106,9 +106,8 @@ def test_the_engine_hands_a_per_expert_loader_each_experts_tensor(monkeypatch):
             return set()
 
     monkeypatch.setattr(vllm_engine, "inner_model", lambda llm: Loader())
-    engine = stand_in_engine()
+    engine = stand_in_engine(per_expert_weights=True)
     stream = [("model.layers.1.mlp.experts.down_proj", torch.zeros(3, 4, 2)), ("model.norm.weight", torch.zeros(4))]
-    engine.per_expert_weights = True
     engine.load_weights(iter(stream))
     assert received == [f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(3)] + ["model.norm.weight"]
     received.clear()
