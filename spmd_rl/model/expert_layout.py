@@ -9,9 +9,9 @@ written for them, list each expert: `mlp.experts.{e}.gate_proj.weight` and `up_p
 values as views of the fused tensors (nothing is copied), one tensor at a time, so a weight stream
 stays a stream.
 
-Who reads which layout: the trainer and the HF engine the fused one; vLLM's loaders the per-expert one,
-except those that take the fused tensors whole (`LOADERS_OF_FUSED_EXPERTS`); export writes the
-per-expert one, as `save_pretrained` does.
+Who reads which layout: the trainer and the HF engine the fused one, and the vLLM engine too (each
+fused-MoE layer's own loader takes it: spmd_rl.rollout.vllm.engine.load_fused_experts); export writes
+the per-expert one, as `save_pretrained` does, for the loaders written for the checkpoints.
 """
 
 from __future__ import annotations
@@ -23,13 +23,6 @@ import torch
 
 FUSED_EXPERTS = re.compile(r"^(?P<experts>(?:.*\.)?experts)\.(?P<proj>gate_up_proj|down_proj)$")
 """A fused expert tensor's name (transformers 5's `...mlp.experts.gate_up_proj` / `down_proj`)."""
-
-LOADERS_OF_FUSED_EXPERTS = frozenset({"qwen3_moe"})
-"""Model types whose vLLM loader takes transformers' fused expert tensors whole (one copy a tensor
-instead of one a tensor and expert): vLLM 0.26's Qwen3-MoE hands `experts.gate_up_proj` to its
-fused-MoE layer. Every other family's loader reads the checkpoint's per-expert names (GLM-4.7-Flash's
-`glm4_moe_lite` refuses a fused name with a KeyError)."""
-
 
 def per_expert(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """`(name, tensor)` in the checkpoint's layout: a fused expert tensor as its experts' tensors
@@ -49,11 +42,3 @@ def iter_per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tup
     """A weight stream in the checkpoint's layout (per_expert on each tensor, lazily)."""
     for name, tensor in weights:
         yield from per_expert(name, tensor)
-
-
-def vllm_loads_per_expert(config: dict) -> bool:
-    """Whether vLLM's loader of a config.json's (text config's) model needs the per-expert layout: a
-    mixture of experts whose model type is not in LOADERS_OF_FUSED_EXPERTS."""
-    from spmd_rl.runtime.memory_plan import experts_of
-
-    return experts_of(config) > 0 and config.get("model_type") not in LOADERS_OF_FUSED_EXPERTS

@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from spmd_rl.model.expert_layout import iter_per_expert, per_expert, vllm_loads_per_expert
-from spmd_rl.model.loading import ARCH_PRESETS, preset_config
+from spmd_rl.model.expert_layout import iter_per_expert, per_expert
+from spmd_rl.model.loading import preset_config
 
 
 @pytest.mark.parametrize("arch", ["glm4-moe-lite-tiny", "qwen3-moe-tiny"])
@@ -38,8 +38,3 @@ def test_fused_experts_become_views_in_order():
     assert torch.equal(out[1][1], gate_up[0, 2:]) and torch.equal(out[2][1], gate_up[1, :2])
     assert all(t.untyped_storage().data_ptr() == gate_up.untyped_storage().data_ptr() for _, t in out)  # nothing copied
 
-
-@pytest.mark.parametrize("arch, per_expert_loader", [("glm4-moe-lite-tiny", True), ("glm-4.7-flash-4layers", True),
-                                                     ("qwen3-moe-tiny", False), ("qwen3-30b-a3b", False), ("tiny", False)])
-def test_which_vllm_loaders_get_the_per_expert_layout(arch, per_expert_loader):
-    assert vllm_loads_per_expert(dict(ARCH_PRESETS[arch])) is per_expert_loader

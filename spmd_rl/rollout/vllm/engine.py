@@ -62,7 +62,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from spmd_rl.model.expert_layout import iter_per_expert, vllm_loads_per_expert
+from spmd_rl.model.expert_layout import FUSED_EXPERTS
 from spmd_rl.model.loading import DTYPES
 from spmd_rl.rollout.base import Completion, SamplingParams
 from spmd_rl.rollout.finish_times import GenerateTail
@@ -232,6 +232,38 @@ def unset_parameters(model: torch.nn.Module, loaded: set[str]) -> list[str]:
     return sorted(n for n, _ in model.named_parameters() if not reported(n))
 
 
+def expert_layers() -> tuple[type, ...]:
+    """vLLM's fused-MoE layer classes (MoERunner: a model's `...mlp.experts`), whose own load_weights
+    takes the layer's fused expert tensors as transformers names them; () without vLLM."""
+    try:
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    except ImportError:
+        return ()
+    return (MoERunner,)
+
+
+def load_fused_experts(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                       loaded: set[str]) -> Iterable[tuple[str, torch.Tensor]]:
+    """The weight stream less the fused expert tensors (`...mlp.experts.gate_up_proj`, `down_proj`) of
+    the engine's fused-MoE layers, each loaded on the way by its layer's own loader (the names it
+    reports added to `loaded`, one module level short as vLLM's loaders report them: unset_parameters).
+
+    The layer's loader, not the model's: vLLM 0.26's hand-written model loaders (GLM-4.7-Flash's
+    `glm4_moe_lite`) read only each expert's checkpoint tensors, and build their expert names for a
+    LoRA-wrapped layer as soon as any layer of the model is wrapped (an adapter on the attention), so
+    they cannot load experts their LoRA layers left alone. The layer knows its own wrapping, and takes
+    the fused tensors whole (one copy a tensor, not one a tensor and expert)."""
+    kinds = expert_layers()
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, kinds)} if kinds else {}
+    for name, tensor in weights:
+        match = FUSED_EXPERTS.match(name)
+        layer = layers.get(match["experts"]) if match is not None and tensor.dim() == 3 else None
+        if layer is None:
+            yield name, tensor
+        else:
+            loaded.update(f"{match['experts']}.{p}" for p in layer.load_weights([(match["proj"], tensor)]))
+
+
 def derived_weight_layers() -> tuple[type, ...]:
     """vLLM's layer classes whose parameters are computed from other, loaded ones after a load
     (refresh_derived_weights); () without vLLM."""
@@ -378,7 +410,6 @@ class VLLMEngine:
         self.engine_seed = r.seed + self.replica
         self.stop_ids = eos_token_ids(model_dir)
         self.num_experts = expert_count(model_dir)  # the bound of the routes vLLM returns (outputs.routes)
-        self.per_expert_weights = vllm_loads_per_expert(text_config(model_dir))  # expert_layout's module doc
         if not self.stop_ids:
             log.warning("%s names no eos_token_id: responses end only at stop_token_ids or the length limit",
                         model_dir)
@@ -488,16 +519,16 @@ class VLLMEngine:
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         """Copy full tensors named as in the HF model (any iterable; consumed once, lazily) into
-        the engine; a mixture's fused experts go as each expert's tensors where vLLM's loader reads
-        those (spmd_rl.model.expert_layout), and the parameters vLLM derives from loaded ones are
-        computed again (refresh_derived_weights). Needs wake_up(["weights"]) first. The prefix
+        the engine; a mixture's fused experts go to their fused-MoE layer's own loader
+        (load_fused_experts), and the parameters vLLM derives from loaded ones are computed again
+        (refresh_derived_weights). Needs wake_up(["weights"]) first. The prefix
         cache is reset once the KV cache is awake (blocks computed with old weights must not be
         reused). `strict`: the stream must cover every engine parameter (pass False to load a part)."""
         if "weights" not in self._awake:
             raise RuntimeError("load_weights needs the weights awake: call wake_up(['weights']) first")
         model = inner_model(self.llm)
-        if self.per_expert_weights:  # a mixture whose vLLM loader reads each expert's own tensors
-            weights = iter_per_expert(weights)
+        experts: set[str] = set()
+        weights = load_fused_experts(model, weights, experts)
         if self.lora is not None:  # the base layers of the LoRA-wrapped modules
             from spmd_rl.model.lora import base_layer_name
 
@@ -506,7 +537,7 @@ class VLLMEngine:
         loaded = model.load_weights(weights)
         derived = refresh_derived_weights(model, DTYPES[self.cfg.rollout.dtype])
         if strict and isinstance(loaded, set):
-            missing = unset_parameters(model, loaded | derived)
+            missing = unset_parameters(model, loaded | experts | derived)
             if missing:
                 raise RuntimeError(f"load_weights left {len(missing)} engine parameters unset, e.g. {missing[:5]}")
         self._weights_valid = True

@@ -79,7 +79,7 @@ def test_dense_names_are_checked_exactly():
     assert unset_parameters(model, {"embed.weight", "head.weight"}) == ["head.bias"]
 
 
-def stand_in_engine(per_expert_weights=False):
+def stand_in_engine():
     """A VLLMEngine without vLLM: load_weights' own logic on a model that inner_model gives."""
     from types import SimpleNamespace
 
@@ -88,32 +88,66 @@ def stand_in_engine(per_expert_weights=False):
     engine = object.__new__(vllm_engine.VLLMEngine)
     engine._awake, engine.lora, engine.llm = {"weights"}, None, None
     engine.cfg = SimpleNamespace(rollout=SimpleNamespace(dtype="bfloat16"))
-    engine.per_expert_weights = per_expert_weights
     return engine
 
 
-def test_the_engine_hands_a_per_expert_loader_each_experts_tensor(monkeypatch):
-    """VLLMEngine.load_weights on a family whose vLLM loader reads each expert (per_expert_weights:
-    GLM-4.7-Flash's) passes the fused tensors as the checkpoint's per-expert names; on one that takes
-    them fused (Qwen3-MoE's), as they are."""
+class LoadingMoERunner(MoERunner):
+    """vLLM 0.26's MoERunner.load_weights: the layer's fused tensors under their last names, the loaded
+    parameters reported under its routed_experts child's own names (w13_weight)."""
+
+    def load_weights(self, weights):
+        for proj, tensor in weights:
+            param = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}[proj]
+            getattr(self.routed_experts, param).data.copy_(tensor)
+            yield param
+
+
+def glm_like_model():
+    """A mixture whose model-level loader, like vLLM 0.26's glm4_moe_lite with any LoRA layer in the
+    engine, finds no parameter for an expert tensor (a KeyError), whatever its layout."""
+    model = nn.Module()
+    model.model = moe_model(2)
+    for layer in model.model.layers:
+        layer.mlp.experts = LoadingMoERunner()
+    model.received = []
+
+    def load_weights(weights):
+        names = set()
+        for name, t in weights:
+            model.received.append(name)
+            if ".experts." in name:
+                raise KeyError(name)
+            model.get_parameter(name).data.copy_(t)
+            names.add(name)
+        return names
+
+    model.load_weights = load_weights
+    return model
+
+
+def test_fused_experts_reach_their_layers_own_loader_and_count_as_set(monkeypatch):
+    """VLLMEngine.load_weights gives each fused expert tensor to its fused-MoE layer's own loader, whole,
+    under LoRA (attention layers wrapped) too; the rest of the stream goes to the model's loader, and the
+    experts' parameters count as set. A fused name with no fused-MoE layer of that name goes to the model."""
     from spmd_rl.rollout.vllm import engine as vllm_engine
 
-    received = []
-
-    class Loader(nn.Module):  # no parameters of its own: the strict check has nothing to find unset
-        def load_weights(self, weights):
-            received.extend(name for name, _ in weights)
-            return set()
-
-    monkeypatch.setattr(vllm_engine, "inner_model", lambda llm: Loader())
-    engine = stand_in_engine(per_expert_weights=True)
-    stream = [("model.layers.1.mlp.experts.down_proj", torch.zeros(3, 4, 2)), ("model.norm.weight", torch.zeros(4))]
-    engine.load_weights(iter(stream))
-    assert received == [f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(3)] + ["model.norm.weight"]
-    received.clear()
-    engine.per_expert_weights = False
-    engine.load_weights(iter(stream))
-    assert received == ["model.layers.1.mlp.experts.down_proj", "model.norm.weight"]
+    model = glm_like_model()
+    monkeypatch.setattr(vllm_engine, "inner_model", lambda llm: model)
+    monkeypatch.setattr(vllm_engine, "expert_layers", lambda: (LoadingMoERunner,))
+    stream = [(f"model.layers.{i}.mlp.gate.weight", torch.full((4, 3), 1.0 + i)) for i in range(2)]
+    stream += [(f"model.layers.{i}.mlp.experts.{p}", torch.full(shape, 10.0 * i + k))
+               for i in range(2) for k, (p, shape) in enumerate([("gate_up_proj", (4, 6, 3)), ("down_proj", (4, 3, 3))])]
+    for lora in (None, object()):
+        engine = stand_in_engine()
+        engine.lora, engine._wrapped = lora, {"model.layers.0.self_attn.q_proj"}
+        model.received.clear()
+        engine.load_weights(iter(stream))
+        assert model.received == ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]
+        experts = model.model.layers[1].mlp.experts.routed_experts
+        assert torch.equal(experts.w13_weight, torch.full((4, 6, 3), 10.0))
+        assert torch.equal(experts.w2_weight, torch.full((4, 3, 3), 11.0))
+    with pytest.raises(KeyError, match="layers.2.mlp.experts.down_proj"):  # no such layer: the model's loader
+        stand_in_engine().load_weights(iter(stream + [("model.layers.2.mlp.experts.down_proj", torch.zeros(4, 3, 3))]))
 
 
 class LatentAttention(nn.Module):
