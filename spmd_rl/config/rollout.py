@@ -104,6 +104,14 @@ class RolloutConfig:
     time. 1 keeps the weights in host memory and copies them back at wake-up. 0 (default) picks: 1
     with LoRA's adapter sync (model.lora_sync = "adapter": the base is sent once and kept), else 2
     (Config.engine_sleep_level)."""
+    weights_stay_on_gpu: bool | Auto = False
+    """vLLM with LoRA's adapter sync (model.lora_sync = "adapter"): the engine's base weights stay on
+    the GPU while it sleeps, only its KV cache is freed, so no step copies them to host memory at
+    sleep and back at wake-up (time/sleep, time/wake) and no host memory holds them; the
+    update and the log-prob pass then run beside them (the start-up memory line counts them as
+    "vLLM weights"). "auto": on where the memory plan predicts training fits beside them, chosen after
+    the update's token budget and before the log-prob pass's (docs/training.md, "Speed settings chosen
+    at start"); off without the adapter sync, where new weights come every step."""
     weight_sync_bucket_mb: int = 512
     """Size of the buckets in which FSDP shards are gathered and handed to the engine."""
     offload_train_states: bool = False

@@ -118,11 +118,15 @@ class Config:
         return most
 
     def check_lora_sync(self) -> None:
-        """LoRA's adapter sync against the engine's sleep level."""
+        """LoRA's adapter sync against the engine's sleep level; the weights kept on the GPU need it."""
         need(not (self.model.adapter_sync and self.rollout.engine == "vllm" and self.rollout.sleep_level == 2),
              'model.lora_sync = "adapter" sends the base weights to vLLM once and keeps them, but rollout.sleep_level '
              '= 2 drops them at every sleep (the base would be sent every step): set rollout.sleep_level = 0 (picks 1) '
              'or 1, or model.lora_sync = "merged"')
+        need(self.rollout.weights_stay_on_gpu is not True or (self.model.adapter_sync and self.rollout.engine == "vllm"),
+             'rollout.weights_stay_on_gpu = true keeps the vLLM engine\'s base weights on the GPU while it sleeps, which '
+             'only LoRA\'s adapter sync can use (its base never changes): set it to false or "auto", or use '
+             'rollout.engine = "vllm" with model.lora_rank > 0 and model.lora_sync = "adapter"')
 
     def check_choices(self) -> None:
         """Every key of CHOICES holds one of its choices."""

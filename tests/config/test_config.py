@@ -269,6 +269,10 @@ LORA = ["model.lora_rank=8"]
     ([*LORA, "rollout.engine=vllm", "rollout.sleep_level=2"], 'model.lora_sync = "adapter" sends the base weights to '
      "vLLM once and keeps them, but rollout.sleep_level = 2 drops them at every sleep (the base would be sent every "
      'step): set rollout.sleep_level = 0 (picks 1) or 1, or model.lora_sync = "merged"'),
+    *[(overrides + ["rollout.weights_stay_on_gpu=true"], "rollout.weights_stay_on_gpu = true keeps the vLLM engine's "
+       "base weights on the GPU while it sleeps, which only LoRA's adapter sync can use (its base never changes): set it "
+       'to false or "auto", or use rollout.engine = "vllm" with model.lora_rank > 0 and model.lora_sync = "adapter"')
+      for overrides in ([*LORA], [*LORA, "rollout.engine=vllm", "model.lora_sync=merged"], ["rollout.engine=vllm"])],
 ])
 def test_lora_refusals(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as e:
