@@ -288,8 +288,10 @@ def lora_note(cfg: Config, actor: torch.nn.Module) -> str:
     trained = sum(p.numel() for p in actor.parameters() if p.requires_grad)
     reference = "; the reference is the actor with its adapter disabled" if cfg.use_reference else ""
     if m.adapter_sync:
-        sync = ("the engine gets the base once and keeps it (sleep level "
-                f"{cfg.engine_sleep_level()}), then the adapter alone each step, applied by its LoRA layers "
+        kept = ("on the GPU while it sleeps, rollout.weights_stay_on_gpu" if cfg.rollout.weights_stay_on_gpu is True
+                else f"in host memory while it sleeps, sleep level {cfg.engine_sleep_level()}")
+        sync = (f"the engine gets the base once and keeps it ({kept}), then the adapter alone each step, applied "
+                "by its LoRA layers "
                 '(model.lora_sync = "adapter": small updates survive its bf16 weights)')
     else:
         sync = ('the engine gets W + (alpha/r) B A merged each step, in its dtype (model.lora_sync = "merged": no '

@@ -12,7 +12,8 @@ The engine starts asleep and follows the trainer's cycle (spmd_rl/rollout/base.p
     wake_up(["weights"]) -> load_weights(stream) -> wake_up(["kv_cache"]) -> generate -> sleep()
 
 (with LoRA's adapter sync, model.lora_sync = "adapter": vLLM's LoRA layers are built, the engine
-sleeps at level 1 so the base it got once stays in host memory, and `load_adapter` replaces the
+sleeps at level 1 so the base it got once stays in host memory, or on the GPU with
+rollout.weights_stay_on_gpu (spmd_rl/rollout/vllm/sleep.py), and `load_adapter` replaces the
 adapter each step, from memory, before the KV cache wakes), with `torch.cuda.empty_cache()` right
 before waking and right after sleeping (PyTorch's cache must
 give memory back for vLLM's pool to take it, and the other way round), expandable segments off
@@ -463,9 +464,14 @@ class VLLMEngine:
         self._weights_valid = False  # dummy weights until the first load_weights
         self._prefix_cache_stale = False
         self._runs = 0  # streamed runs started (their request ids)
+        self.weights_stay = r.weights_stay_on_gpu is True  # "auto" was chosen at start (speed_settings)
+        if self.weights_stay:  # before the first sleep, which would otherwise copy them to host memory
+            vllm_sleep.keep_weights_on_gpu(self.llm)
         self.sleep()
-        log.info("vLLM engine ready in %.1fs: replica %d, tp %d, sleep level %d, stop ids %s",
-                 self.init_seconds, self.replica, tp, self.sleep_level, self.stop_ids)
+        kept = (f", its weights ({self.engine_parameter_bytes() / 2**30:.1f} GiB) kept on the GPU while it sleeps"
+                if self.weights_stay else "")
+        log.info("vLLM engine ready in %.1fs: replica %d, tp %d, sleep level %d%s, stop ids %s",
+                 self.init_seconds, self.replica, tp, self.sleep_level, kept, self.stop_ids)
 
     # ------------------------------------------------------------------ memory
     def _expandable_off(self) -> None:
@@ -482,7 +488,7 @@ class VLLMEngine:
 
     def sleep(self) -> None:
         """Give back vLLM's GPU memory (weights and KV cache; level 1 keeps a CPU copy of the
-        weights). No-op when already asleep."""
+        weights; with rollout.weights_stay_on_gpu the weights stay). No-op when already asleep."""
         if not self._awake:
             return
         vllm_sleep.sleep(self.llm, self.sleep_level)  # survives vLLM's check on a shared GPU
