@@ -119,7 +119,7 @@ def engine_of(cfg: Config, shape: mp.ModelShape) -> mp.Engine:
     if r.engine == "hf":
         return mp.Engine("hf", weight_bytes=weights)
     return mp.Engine("vllm", r.gpu_memory_utilization, not r.enforce_eager, weights / r.tensor_parallel_size,
-                     r.weight_sync_bucket_mb * 2**20)
+                     r.weight_sync_bucket_mb * 2**20, r.weights_stay_on_gpu is True)
 
 
 def plan_for(cfg: Config, world_size: int, device_total: float | None,
@@ -198,6 +198,9 @@ def update_fixes(cfg: Config, plan: mp.MemoryPlan, world_size: int, shapes) -> l
     if not a.offload_optimizer:
         off = plan_for(_changed(cfg, actor__offload_optimizer=True), world_size, total, shapes)
         fixes.append(f"actor.offload_optimizer = true ({_peak(off)})")
+    if cfg.rollout.weights_stay_on_gpu is True:
+        host = plan_for(_changed(cfg, rollout__weights_stay_on_gpu=False), world_size, total, shapes)
+        fixes.append(f"rollout.weights_stay_on_gpu = false ({_peak(host)})")
     return fixes
 
 
@@ -255,7 +258,8 @@ def check_memory(cfg: Config, world_size: int, device_total: float | None) -> mp
 
 def host_memory_parts(cfg: Config, world_size: int) -> dict[str, tuple[float, str]]:
     """What one rank keeps in (pinned) host memory for the whole run, by what holds it: (bytes, the
-    switch that frees it). vLLM's weights while it sleeps at level 1 (LoRA's adapter sync), the
+    switch that frees it). vLLM's weights while it sleeps at level 1 (LoRA's adapter sync, unless they stay
+    on the GPU: rollout.weights_stay_on_gpu), the
     training state offloaded while the engine generates (rollout.offload_train_states:
     spmd_rl/train/offload.py's buffers), AdamW's moments kept there (actor.offload_optimizer), and an
     asynchronous checkpoint's staging buffers (trainer.async_save: the trained models' parameters and
@@ -264,7 +268,7 @@ def host_memory_parts(cfg: Config, world_size: int) -> dict[str, tuple[float, st
     critic = model_shape(cfg, critic=True) if cfg.use_critic else None
     roles, shard = roles_of(cfg, shape, critic), cfg.trainer.fsdp_size or world_size
     parts = {}
-    if cfg.rollout.engine == "vllm" and cfg.engine_sleep_level() == 1:
+    if cfg.rollout.engine == "vllm" and cfg.engine_sleep_level() == 1 and cfg.rollout.weights_stay_on_gpu is not True:
         parts["vLLM weights asleep (sleep level 1)"] = (
             engine_of(cfg, shape).weight_bytes,
             'model.lora_sync = "merged" (sleep level 2)' if cfg.model.adapter_sync else "rollout.sleep_level = 2")

@@ -1,11 +1,11 @@
 """The settings that trade memory for speed, chosen at start where the config says "auto".
 
 The keys (SPEED_KEYS): model.gradient_checkpointing and model.gradient_checkpointing_layers,
-actor.max_token_len_per_gpu, actor.logprob_max_token_len_per_gpu, actor.offload_optimizer, and the
-engine's rollout.max_num_seqs. A value the user set is kept. Each training "auto" gets the value of
-the fastest candidate the memory plan (spmd_rl/preflight/memory.py's `plan_for`) predicts to fit.
-The candidates, fastest first, one setting before the next (a candidate earlier on the first setting
-comes first whatever the rest):
+actor.max_token_len_per_gpu, actor.logprob_max_token_len_per_gpu, actor.offload_optimizer,
+rollout.weights_stay_on_gpu, and the engine's rollout.max_num_seqs. A value the user set is kept.
+Each training "auto" gets the value of the fastest candidate the memory plan
+(spmd_rl/preflight/memory.py's `plan_for`) predicts to fit. The candidates, fastest first, one
+setting before the next (a candidate earlier on the first setting comes first whatever the rest):
 
 1. gradient checkpointing: off, then on with the fewest layers first (CHECKPOINT_SHARES): each
    checkpointed layer runs its forward twice;
@@ -13,7 +13,9 @@ comes first whatever the rest):
 3. the update's token budget: largest first (fewer micro-batches, each with its launches and idle
    time), from the tokens one GPU holds of a mini-batch (at most BUDGET_MAX) down to the longest
    sequence, halving;
-4. the log-prob pass's token budget: likewise, from the tokens one GPU holds of the whole step.
+4. the engine's weights kept on the GPU while it sleeps, then sent to host memory (with LoRA's adapter
+   sync only; off otherwise): kept, a step saves their copy to the host at sleep and back at wake-up;
+5. the log-prob pass's token budget: likewise, from the tokens one GPU holds of the whole step.
 
 A candidate fits when every training phase of its plan (the updates and the log-prob pass) stays
 within (1 - MARGIN) of the device and the whole plan fits (MemoryPlan.fits: generation takes the
@@ -58,14 +60,16 @@ LAYERS = "model.gradient_checkpointing_layers"
 OFFLOAD = "actor.offload_optimizer"
 UPDATE = "actor.max_token_len_per_gpu"
 LOGPROB = "actor.logprob_max_token_len_per_gpu"
+STAY = "rollout.weights_stay_on_gpu"
 SEQS = "rollout.max_num_seqs"
-SPEED_KEYS = (CHECKPOINTING, LAYERS, OFFLOAD, UPDATE, LOGPROB, SEQS)
+SPEED_KEYS = (CHECKPOINTING, LAYERS, OFFLOAD, UPDATE, STAY, LOGPROB, SEQS)
 """The keys that take "auto"."""
 
 NO_GPU_VALUES: dict[str, Any] = {
     CHECKPOINTING: ModelConfig.gradient_checkpointing, LAYERS: ModelConfig.gradient_checkpointing_layers,
     OFFLOAD: ActorConfig.offload_optimizer, UPDATE: ActorConfig.max_token_len_per_gpu,
-    LOGPROB: ActorConfig.logprob_max_token_len_per_gpu, SEQS: RolloutConfig.max_num_seqs}
+    LOGPROB: ActorConfig.logprob_max_token_len_per_gpu, STAY: RolloutConfig.weights_stay_on_gpu,
+    SEQS: RolloutConfig.max_num_seqs}
 """What "auto" takes where the plan cannot compare (no GPU, a shape it cannot read): each key's default."""
 
 MARGIN = 0.10
@@ -145,12 +149,21 @@ def update_options(cfg: Config, world_size: int) -> list[dict[str, Any]]:
     return budget_options(cfg, world_size, UPDATE, cfg.actor.mini_batch_rows(cfg.rollout.n, ranks))
 
 
+def stay_options(cfg: Config, world_size: int) -> list[dict[str, Any]]:
+    """Kept on the GPU, then not, where the engine can keep them (LoRA's adapter sync in vLLM)."""
+    stay = cfg.rollout.weights_stay_on_gpu
+    if stay != AUTO:
+        return [{STAY: stay}]
+    can = cfg.model.adapter_sync and cfg.rollout.engine == "vllm"
+    return [{STAY: True}, {STAY: False}] if can else [{STAY: False}]
+
+
 def logprob_options(cfg: Config, world_size: int) -> list[dict[str, Any]]:
     ranks = world_size // max(cfg.trainer.ulysses_size, 1)
     return budget_options(cfg, world_size, LOGPROB, cfg.data.train_batch_size * cfg.rollout.n // ranks)
 
 
-AXES = (checkpointing_options, offload_options, update_options, logprob_options)
+AXES = (checkpointing_options, offload_options, update_options, stay_options, logprob_options)
 """The settings in the order of the module docstring, the first the most significant."""
 
 
@@ -243,6 +256,8 @@ def describe(values: dict[str, Any], keys: list[str]) -> str:
         words.append("optimizer offloaded" if values[OFFLOAD] else "optimizer on the GPU")
     if UPDATE in keys:
         words.append(f"update {values[UPDATE]} tokens/GPU" if values[UPDATE] else "update by sequences")
+    if STAY in keys:
+        words.append("vLLM weights kept on the GPU asleep" if values[STAY] else "vLLM weights off the GPU asleep")
     if LOGPROB in keys:
         words.append(f"log-prob {values[LOGPROB]} tokens/GPU" if values[LOGPROB] else "log-prob twice the update's")
     if SEQS in keys:

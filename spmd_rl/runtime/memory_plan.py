@@ -9,8 +9,8 @@ A run holds, per GPU, in two phases that take turns (spmd_rl/trainer.py):
   still holds both the training state and the engine's weights);
 - update: the training state (parameters, gradients, AdamW's two moments) with the larger of the
   activations of one micro-batch and the optimizer step's own bytes (AdamW's foreach sqrt(v), one
-  more parameter-sized tensor; the moments too where they are offloaded), vLLM asleep (sleep level 2 keeps only its buffers outside the pool and its CUDA
-  graphs). The no-grad log-prob passes (old log-probs, reference, values) hold the same state
+  more parameter-sized tensor; the moments too where they are offloaded), vLLM asleep (it keeps only
+  its buffers outside the pool and its CUDA graphs, and its weights with rollout.weights_stay_on_gpu). The no-grad log-prob passes (old log-probs, reference, values) hold the same state
   without gradients, with their own, larger, token budget.
 
 Bytes per parameter, sharded over the FSDP shard group: a trained model in float32 masters holds
@@ -414,6 +414,7 @@ class Engine:
     cuda_graphs: bool = True  # not rollout.enforce_eager
     weight_bytes: float = 0.0  # this GPU's engine weights (its tensor-parallel shard), for the weight sync
     sync_bucket_bytes: float = 512 * 2**20
+    weights_stay: bool = False  # rollout.weights_stay_on_gpu: the weights stay on the GPU while it sleeps
 
 
 def kv_bytes_per_token(shape: ModelShape, tensor_parallel_size: int, dtype_bytes: int) -> float:
@@ -442,10 +443,16 @@ def engine_label(engine: Engine) -> str:
 
 
 def engine_asleep_bytes(engine: Engine) -> float:
-    """What the engine keeps while training runs."""
+    """What the engine keeps outside its sleep pool while training runs (the HF engine: its model)."""
     if engine.kind == "hf":
         return engine.weight_bytes
     return (ENGINE_ASLEEP_GIB + (CUDA_GRAPH_GIB if engine.cuda_graphs else 0.0)) * GiB
+
+
+def engine_weights_asleep(engine: Engine) -> dict[str, float]:
+    """The engine's weights where they stay on the GPU while it sleeps (rollout.weights_stay_on_gpu),
+    a part of every training phase; none otherwise."""
+    return {"vLLM weights": engine.weight_bytes} if engine.kind == "vllm" and engine.weights_stay else {}
 
 
 # --------------------------------------------------------------------------- the plan
@@ -498,7 +505,7 @@ def training_phases(roles: list[Role], shard: int, models: dict[str, tuple[Model
     shape and micro-batches (the reference runs the actor's)."""
     resident = {"params": sum(r.param_bytes(shard) for r in roles),
                 "optimizer": sum(r.resident_optimizer_bytes(shard) for r in roles)}
-    fixed = {engine_label(engine): engine_asleep_bytes(engine), "overhead": overhead}
+    fixed = {engine_label(engine): engine_asleep_bytes(engine), **engine_weights_asleep(engine), "overhead": overhead}
     phases = []
     for role in (r for r in roles if r.trained):
         shape, work = models[role.name]

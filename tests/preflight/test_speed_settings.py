@@ -25,7 +25,8 @@ GiB = 2**30
 H100 = 79.2 * GiB  # what torch.cuda.mem_get_info reports on an 80 GB H100
 BIG = 139.8 * GiB  # a 141 GB card
 AUTO = ["model.gradient_checkpointing=auto", "model.gradient_checkpointing_layers=auto",
-        "actor.max_token_len_per_gpu=auto", "actor.logprob_max_token_len_per_gpu=auto", "actor.offload_optimizer=auto"]
+        "actor.max_token_len_per_gpu=auto", "actor.logprob_max_token_len_per_gpu=auto", "actor.offload_optimizer=auto",
+        "rollout.weights_stay_on_gpu=auto"]
 RANDOM_05B = ['model.init="random"', 'model.path=""', 'model.arch="qwen2-0.5b"', 'model.tokenizer="char"']
 
 
@@ -48,20 +49,22 @@ def ladder(top, floor):
 
 def first_fit_by_hand(tmp_path, name, world, total, update_top, logprob_top, floor, *overrides):
     """Walk the documented order (checkpointing off, then on over the fewest layers; offload off,
-    then on; the update's budget, then the log-prob pass's, largest first) with configs written as
-    overrides, each planned by plan_for, and return the first whose training phases stay within 90%
-    of `total` and whose plan fits."""
+    then on; the update's budget, largest first; with LoRA's adapter sync the engine's weights kept on
+    the GPU, then not; the log-prob pass's budget, largest first) with configs written as overrides,
+    each planned by plan_for, and return the first whose training phases stay within 90% of `total`
+    and whose plan fits."""
     checkpointing = [("false", 1.0)] + [("true", s) for s in (0.25, 0.5, 0.75, 1.0)]
-    for (ckpt, share), offload, update, logprob in itertools.product(
-            checkpointing, ("false", "true"), ladder(update_top, floor), ladder(logprob_top, floor)):
+    stays = ("true", "false") if preset(tmp_path, name, *overrides).model.adapter_sync else ("false",)
+    for (ckpt, share), offload, update, stay, logprob in itertools.product(
+            checkpointing, ("false", "true"), ladder(update_top, floor), stays, ladder(logprob_top, floor)):
         values = [f"model.gradient_checkpointing={ckpt}", f"model.gradient_checkpointing_layers={share}",
                   f"actor.offload_optimizer={offload}", f"actor.max_token_len_per_gpu={update}",
-                  f"actor.logprob_max_token_len_per_gpu={logprob}"]
+                  f"rollout.weights_stay_on_gpu={stay}", f"actor.logprob_max_token_len_per_gpu={logprob}"]
         plan = mc.plan_for(preset(tmp_path, name, *overrides, *values), world, total)
         training = [p for p in plan.phases if p.name not in ("generation", "weight sync")]
         if plan.fits and all(p.total <= 0.9 * total for p in training):
             return {ss.CHECKPOINTING: ckpt == "true", ss.LAYERS: share, ss.OFFLOAD: offload == "true",
-                    ss.UPDATE: update, ss.LOGPROB: logprob}
+                    ss.UPDATE: update, ss.STAY: stay == "true", ss.LOGPROB: logprob}
     return None
 
 
@@ -91,13 +94,14 @@ def test_the_pick_is_the_fastest_candidate_the_plan_says_fits(tmp_path, case):
 
 def test_the_picks_differ_by_gpu_and_match_the_issue_at_7b_lora(tmp_path):
     """LoRA at 7B on an 80 GB GPU: checkpointing off with 8192 tokens per micro-batch (the refusal's
-    own fix for that GPU); a 141 GB card takes twice the budget."""
+    own fix for that GPU); a 141 GB card takes twice the budget. Both keep the engine's weights."""
     small, big = preset(tmp_path, "qwen7b-lora"), preset(tmp_path, "qwen7b-lora")
     ss.resolve(small, 1, H100)
     ss.resolve(big, 1, BIG)
     assert (small.model.gradient_checkpointing, small.actor.max_token_len_per_gpu) == (False, 8192)
     assert (big.model.gradient_checkpointing, big.actor.max_token_len_per_gpu) == (False, 16384)
     assert small.actor.offload_optimizer is False and big.actor.offload_optimizer is False
+    assert small.rollout.weights_stay_on_gpu is True and big.rollout.weights_stay_on_gpu is True  # room beside both
 
 
 def test_an_explicit_value_is_never_overridden(tmp_path):
@@ -107,7 +111,7 @@ def test_an_explicit_value_is_never_overridden(tmp_path):
     assert cfg.model.gradient_checkpointing is True and cfg.actor.max_token_len_per_gpu == 4096
     assert ss.CHECKPOINTING not in choice.keys and ss.UPDATE not in choice.keys
     assert cfg.model.gradient_checkpointing_layers == 0.25  # auto: the fewest layers that fit
-    assert set(cfg.auto_chosen) == {ss.LAYERS, ss.LOGPROB, ss.OFFLOAD, ss.SEQS}
+    assert set(cfg.auto_chosen) == {ss.LAYERS, ss.LOGPROB, ss.OFFLOAD, ss.STAY, ss.SEQS}
     # nothing fits (7B in full on 2 GPUs): the least memory among the auto keys, the explicit ones kept
     cfg = load_config(os.path.join(ROOT, "configs", "qwen7b.toml"), [f'model.path="{qwen7b_dir(tmp_path)}"', *AUTO,
                                                                      "actor.offload_optimizer=false"])
@@ -123,10 +127,10 @@ def test_the_line_gives_the_plans_numbers(tmp_path):
     peak = max((p for p in chosen.phases if p.name not in ("generation", "weight sync")), key=lambda p: p.total)
     faster = mc.plan_for(preset(tmp_path, "qwen7b-lora", "model.gradient_checkpointing=false",
                                 "model.gradient_checkpointing_layers=1.0", "actor.offload_optimizer=false",
-                                "actor.max_token_len_per_gpu=16384",
+                                "actor.max_token_len_per_gpu=16384", "rollout.weights_stay_on_gpu=true",
                                 f"actor.logprob_max_token_len_per_gpu={cfg.actor.logprob_max_token_len_per_gpu}"), 1, H100)
     assert line.startswith(f"speed settings (auto): gradient checkpointing off, optimizer on the GPU, update 8192 "
-                           f"tokens/GPU, log-prob {cfg.actor.logprob_max_token_len_per_gpu} tokens/GPU, vLLM "
+                           f"tokens/GPU, vLLM weights kept on the GPU asleep, log-prob {cfg.actor.logprob_max_token_len_per_gpu} tokens/GPU, vLLM "
                            f"up to {cfg.rollout.max_num_seqs} sequences at once (training peak "
                            f"{peak.total / GiB:.1f} GiB in {peak.name}, within 90% of 79.2 GiB; faster would not fit: "
                            f"update 16384 tokens/GPU {faster.phase('actor update').total / GiB:.1f} GiB in actor update"), line
@@ -256,3 +260,32 @@ def test_engine_sequences_keep_a_set_value_and_the_hf_engines_default(tmp_path):
     cfg = preset(tmp_path, "qwen7b-lora")
     ss.resolve(cfg, 1, None)  # no GPU
     assert cfg.rollout.max_num_seqs == 256
+
+
+def test_the_engines_weights_stay_before_the_log_prob_budget_grows_and_only_with_the_adapter_sync(tmp_path):
+    """rollout.weights_stay_on_gpu comes after the update's budget and before the log-prob pass's. A case
+    where the two compete (a 50 GiB GPU, the log-prob head unchunked so that its pass is the peak): the
+    weights stay at the largest log-prob budget that fits beside them, where the other order would send
+    them to host memory for a larger budget. Without the adapter sync "auto" is off."""
+    fixed = ["model.gradient_checkpointing=true", "model.gradient_checkpointing_layers=1.0",
+             "actor.max_token_len_per_gpu=1536", "actor.offload_optimizer=false", "rollout.gpu_memory_utilization=0.5",
+             "model.chunked_logprobs=false", 'model.fused_logprob_head="none"']
+    total = 50 * GiB
+
+    def fits(stay, logprob):
+        plan = mc.plan_for(preset(tmp_path, "qwen7b-lora", *fixed, f"rollout.weights_stay_on_gpu={stay}",
+                                  f"actor.logprob_max_token_len_per_gpu={logprob}"), 1, total)
+        return plan.fits and all(p.total <= 0.9 * total for p in plan.phases if p.name not in ("generation", "weight sync"))
+
+    budgets = ladder(32768, 1536)
+    by_hand = next((stay, b) for stay in (True, False) for b in budgets if fits(str(stay).lower(), b))
+    other_order = next((stay, b) for b in budgets for stay in (True, False) if fits(str(stay).lower(), b))
+    assert by_hand[0] is True and other_order[0] is False  # they compete here
+    cfg = preset(tmp_path, "qwen7b-lora", *fixed, "actor.logprob_max_token_len_per_gpu=auto")
+    choice = ss.resolve(cfg, 1, total)
+    assert (cfg.rollout.weights_stay_on_gpu, cfg.actor.logprob_max_token_len_per_gpu) == by_hand
+    assert "vLLM weights kept on the GPU asleep" in choice.line()
+    merged = preset(tmp_path, "qwen7b-lora", "model.lora_sync=merged")
+    ss.resolve(merged, 1, BIG)
+    assert merged.rollout.weights_stay_on_gpu is False and ss.STAY in merged.auto_chosen
+

@@ -505,3 +505,36 @@ def test_lora_parameters_of_latent_attention_are_peft_s():
         model = add_adapter(AutoModelForCausalLM.from_config(config), LoraSettings(8, 16.0, (), torch.float32))
     peft = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
     assert mp.shape_from_config(config.to_dict()).lora_parameters(8, ()) == peft > 0
+
+
+def test_the_engines_weights_kept_on_the_gpu_are_in_every_training_phase_and_out_of_host_memory():
+    """rollout.weights_stay_on_gpu: the engine's bf16 weights (its TP share) stay beside training, in the
+    update and the log-prob pass, not in generation (vLLM's share holds them) and not in the host-memory
+    line; the refusal where they do not fit names the switch with the peak it gives."""
+    from spmd_rl.config.run_config import load_config
+    from spmd_rl.preflight.memory import check_memory, host_memory_line, plan_for
+
+    base = ['model.init="random"', 'model.path=""', 'model.arch="qwen2-7b"', 'model.tokenizer="char"',
+            "trainer.save_every=-1", "model.gradient_checkpointing=false", "actor.max_token_len_per_gpu=8192",
+            "actor.logprob_max_token_len_per_gpu=8192"]
+    weights = 7_615_616_512 * 2  # Qwen2.5-7B's parameters (untied head) in bf16, TP = 1
+
+    def cfg(stay, *more):
+        return load_config(os.path.join(ROOT, "configs", "qwen7b-lora.toml"),
+                           [*base, f"rollout.weights_stay_on_gpu={stay}", *more])
+
+    kept, sent = plan_for(cfg("true"), 1, 79.2 * 2**30), plan_for(cfg("false"), 1, 79.2 * 2**30)
+    for phase in ("actor update", "log-prob pass"):
+        assert kept.phase(phase).parts["vLLM weights"] == weights
+        assert kept.phase(phase).total - sent.phase(phase).total == pytest.approx(weights)
+        assert "vLLM weights" not in sent.phase(phase).parts
+    assert kept.phase("generation").parts == sent.phase("generation").parts
+    assert host_memory_line(cfg("true"), 1, 1, None) is None
+    assert host_memory_line(cfg("false"), 1, 1, None)[0].startswith("host memory: 14.2 GiB per rank")
+    # 16384 tokens with the weights kept do not fit a 95 GiB GPU; without them they do
+    over = cfg("true", "actor.max_token_len_per_gpu=16384")
+    with pytest.raises(mc.MemoryPlanError) as e:
+        check_memory(over, 1, 95 * 2**30)
+    without = plan_for(cfg("false", "actor.max_token_len_per_gpu=16384"), 1, 95 * 2**30)
+    assert without.fits
+    assert f"rollout.weights_stay_on_gpu = false (peak {without.peak.total / 2**30:.1f} GiB, fits)" in str(e.value)
