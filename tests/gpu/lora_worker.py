@@ -1,7 +1,7 @@
 """torchrun worker behind tests/gpu/test_lora_gpu.py: a LoRA actor's adapter into our vLLM engine, both
 ways (model.lora_sync), on one GPU; results as JSON for the pytest side to judge.
 
-    torchrun --nproc-per-node=1 tests/gpu/lora_worker.py --model DIR --out FILE
+    torchrun --nproc-per-node=1 tests/gpu/lora_worker.py --model DIR --out FILE [--weights-stay]
 
 The actor is built as the trainer builds it (FSDP2, the base frozen in bf16, the adapter fp32, rank
 32 on every linear layer), its adapter's B drawn non-zero so that the adapter moves the policy. One
@@ -15,7 +15,8 @@ over fixed sequences' teacher-forced log-probs:
 Then the trap: 5 AdamW steps at lr 1e-5 (each adapter entry moves ~5e-5: W + s B A rounds such a
 change away in bf16), and `miss_adapter` / `miss_merged` = |engine's move - actor's move| / |actor's
 move| of the log-probs, the engine re-synced each way (0: it follows the actor; 1: it kept the old
-policy). Seconds of each sync are recorded too.
+policy). Seconds of each sync are recorded too, and `held_asleep`: the bytes of vLLM's sleep pool
+mapped after the first sleep, by tag (with --weights-stay, rollout.weights_stay_on_gpu: the weights).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--weights-stay", action="store_true", help="rollout.weights_stay_on_gpu = true")
     args = ap.parse_args()
     init_distributed("cuda")  # the process group the engine joins
     from spmd_rl.rollout.vllm.engine import VLLMEngine
@@ -116,12 +118,13 @@ def main() -> None:
     cfg.model.lora_rank, cfg.model.lora_alpha = RANK, ALPHA
     cfg.rollout.engine, cfg.rollout.gpu_memory_utilization, cfg.rollout.enforce_eager = "vllm", 0.3, True
     cfg.data.max_prompt_length, cfg.data.max_response_length = 64, 64
+    cfg.rollout.weights_stay_on_gpu = args.weights_stay
     settings = LoraSettings(RANK, ALPHA, (), torch.float32)
     actor = build_sharded(functools.partial(load_causal_lm, args.model, torch.bfloat16, lora=settings),
                           fsdp_mesh("cuda", 1), torch.bfloat16, False)
     draw_b(actor, 0)
     seqs = sequences()
-    r: dict[str, float] = {}
+    r: dict = {}
     engine = VLLMEngine(cfg, args.model, 0, 1, 0, 1)
     r["sleep_level"] = engine.sleep_level
 
@@ -133,6 +136,10 @@ def main() -> None:
     r["adapter"] = mean_abs(engine_logprobs(engine, seqs), act)
     r["effect"] = mean_abs(act, base_act)
     engine.sleep()
+    from spmd_rl.rollout.vllm.sleep import held_while_asleep
+
+    r["held_asleep"] = held_while_asleep()
+    r["engine_weight_bytes"] = engine.engine_parameter_bytes()
     sync(base=False, tensors=zero_adapter(gather_adapter(actor)))
     r["no_adapter"] = mean_abs(engine_logprobs(engine, seqs), base_act)
     engine.sleep()

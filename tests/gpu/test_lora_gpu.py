@@ -7,7 +7,9 @@ shape with rank 32 on every linear layer and its B drawn non-zero.
   still there and a new adapter replaces the old one without the base being sent again;
 - merged weights give the actor's log-probs too;
 - the trap: after 5 small AdamW steps the engine fed by the adapter sync follows the actor's move of
-  its log-probs; the merged sync, whose bf16 W + s B A rounds the change away, is printed beside it.
+  its log-probs; the merged sync, whose bf16 W + s B A rounds the change away, is printed beside it;
+- with rollout.weights_stay_on_gpu (the worker run again, --weights-stay) the weights stay mapped while
+  the engine sleeps, nothing else does, and every number above holds as without it.
 """
 
 from __future__ import annotations
@@ -20,16 +22,25 @@ from runs import random_model_dir, run_worker, skip_reason
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory):
+def run_lora_worker(tmp_path_factory, *flags):
     reason = skip_reason(1)
     if reason:
         pytest.skip(reason)
     pytest.importorskip("peft")
     out = tmp_path_factory.mktemp("lora") / "result.json"
-    result = run_worker("lora_worker.py", ["--model", random_model_dir("qwen2-0.5b")], out, timeout=900)
-    print("lora sync on the GPU:", json.dumps(result))
+    result = run_worker("lora_worker.py", ["--model", random_model_dir("qwen2-0.5b"), *flags], out, timeout=900)
+    print("lora sync on the GPU", *flags, json.dumps(result))
     return result
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    return run_lora_worker(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def measured_weights_stay(tmp_path_factory):
+    return run_lora_worker(tmp_path_factory, "--weights-stay")
 
 
 def test_the_adapter_sync_gives_the_actors_policy(measured):
@@ -39,6 +50,7 @@ def test_the_adapter_sync_gives_the_actors_policy(measured):
     assert m["effect"] > max(0.2, 5 * m["adapter"]), m  # the adapter moves the policy far beyond that
     assert m["no_adapter"] < 0.05, m  # B = 0: the base's policy
     assert m["after_sleep"] < 0.05, m  # a new adapter, the base kept through sleep and wake-up
+    assert m["held_asleep"] == {}, m  # without rollout.weights_stay_on_gpu nothing stays mapped
 
 
 def test_the_merged_sync_gives_the_actors_policy(measured):
@@ -51,3 +63,13 @@ def test_after_small_updates_the_adapter_synced_engine_follows_the_actor(measure
     assert m["miss_adapter"] < 0.3, m
     print(f"after 5 AdamW steps at lr 1e-5 (mean |move| {m['actor_move']:.2e} nats): the engine missed "
           f"{m['miss_adapter']:.2f} of the actor's move with the adapter sync, {m['miss_merged']:.2f} merged")
+
+
+def test_the_weights_kept_on_the_gpu_while_it_sleeps_give_the_same_policy(measured_weights_stay):
+    m = measured_weights_stay
+    assert set(m["held_asleep"]) == {"weights"}, m  # the KV cache is freed, the weights stay
+    assert m["held_asleep"]["weights"] >= m["engine_weight_bytes"], m  # the base's bf16 bytes at least
+    for key in ("adapter", "no_adapter", "after_sleep", "merged"):
+        assert m[key] < 0.05, (key, m)
+    assert m["effect"] > max(0.2, 5 * m["adapter"]), m
+    assert m["actor_move"] > 0 and m["miss_adapter"] < 0.3, m
