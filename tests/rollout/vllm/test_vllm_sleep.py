@@ -6,9 +6,11 @@ engine that the next wake_up brings back."""
 from __future__ import annotations
 
 import logging
+import sys
 import types
 
 import pytest
+import torch
 
 from spmd_rl.rollout.vllm import sleep as vllm_sleep
 
@@ -172,8 +174,6 @@ class StandInWorker:
 @pytest.fixture
 def stand_in_vllm(monkeypatch):
     """vLLM's sleep-mode modules over a Pool: `vllm.device_allocator{,.cumem,.sleep_mode_backend}`."""
-    import sys
-
     pool = Pool({"weights": [300, 200], "kv_cache": [500]})
 
     class CuMemBackend:  # vllm.device_allocator.sleep_mode_backend.CuMemBackend
@@ -235,7 +235,7 @@ class StandInLLM:
 
     def __init__(self, **kwargs):
         self.worker = StandInWorker(StandInLLM.cumem)
-        self.worker.model_runner = types.SimpleNamespace(model=__import__("torch").nn.Linear(4, 4, bias=False))
+        self.worker.model_runner = types.SimpleNamespace(model=torch.nn.Linear(4, 4, bias=False))
         executor = Executor(self.worker)
         executor.driver_worker = types.SimpleNamespace(worker=self.worker)
         self.llm_engine = types.SimpleNamespace(model_executor=executor)
@@ -257,8 +257,6 @@ def test_the_engine_with_the_key_keeps_its_weights_mapped_from_its_first_sleep(s
     rollout.weights_stay_on_gpu its weights stay mapped through its first sleep (at the end of its
     build) and every cycle after, and nothing goes to host memory; without it vLLM's own backend
     copies them there."""
-    import sys
-
     import torch.distributed as dist
     from transformers import Qwen2Config
 
