@@ -18,7 +18,9 @@ mixed precision), upcast to float32, divided by the temperature, then log-softma
 
 It goes through `model.__call__`, so FSDP2's root hooks run as for a normal forward: the head's
 weight is gathered, and its gradient reduce-scattered in backward, exactly as for `.logits`.
-Without `logprob_targets` the call is the model's own forward, unchanged.
+Without `logprob_targets` the call is the model's own forward, unchanged. With `logprob_rows` ([N]
+positions of a one-row input; shared prompts, spmd_rl.batching.shared_prompts) the targets [1, N]
+are predicted from the hidden states at those positions instead of at every position.
 
 `model.fused_logprob_head = "compile"` runs each chunk's element-wise math (upcast, / T,
 log-sum-exp, gather, entropy; in backward the logits' gradient and its cast) as torch.compile'd
@@ -34,6 +36,7 @@ import types
 import torch
 
 from spmd_rl.model import fused_kernels
+from spmd_rl.model.row_gather import gather_rows
 
 HEAD_MODES = ("none", "compile")
 
@@ -322,19 +325,26 @@ def _softmax_entropy(z: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- model hook
 
 
-def _logprob_forward(self, *args, logprob_targets: torch.Tensor | None = None, temperature: float = 1.0,
-                     with_entropy: bool = False, entropy_grad: bool = False, **kwargs):
+def _logprob_forward(self, *args, logprob_targets: torch.Tensor | None = None, logprob_rows: torch.Tensor | None = None,
+                     temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False, **kwargs):
     if logprob_targets is None:
         return type(self).forward(self, *args, **kwargs)
     if self.spmd_chunked_logprobs:
         base = getattr(self, self.base_model_prefix)
-        hidden = base(*args, **kwargs).last_hidden_state
+        hidden = _pick(base(*args, **kwargs).last_hidden_state, logprob_rows)
         out = token_logprobs(hidden, self.get_output_embeddings().weight, logprob_targets, temperature,
                              with_entropy, entropy_grad, fused=getattr(self, "spmd_logprob_head", "none"))
     else:
-        logits = type(self).forward(self, *args, **kwargs).logits
+        logits = _pick(type(self).forward(self, *args, **kwargs).logits, logprob_rows)
         out = full_logits_logprobs(logits, logprob_targets, temperature, with_entropy, entropy_grad)
     return tuple(_not_a_view(t) for t in out)
+
+
+def _pick(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """[1, T, ...] per-position outputs -> [1, N, ...] at the positions `rows` ([N]; a position may
+    predict several targets: a shared prompt's last token, each of its responses' first); all of
+    them when None."""
+    return x if rows is None else gather_rows(x[0], rows)[None]
 
 
 def _not_a_view(t: torch.Tensor | None) -> torch.Tensor | None:

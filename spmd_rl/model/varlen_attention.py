@@ -16,6 +16,13 @@ argument (2.13; 2.10/2.11 have only is_causal); where it has not, such a model i
 (`unsupported`), never run without its window. Attention-logit soft-capping (Gemma 2) and
 bidirectional attention are refused too.
 
+A row whose prompts are shared (model.share_prompts, spmd_rl.batching.shared_prompts) also passes
+`spmd_kv_index` (KV_INDEX): each sequence's keys are then the packed keys at those indices (a
+response's: its prompt's, then its own), delimited by `cu_seq_lens_k`, and its queries are the
+packed row's between `cu_seq_lens_q`. A query sees the keys up to its own position counted from the
+end (causal, aligned at the bottom right, as FlashAttention does when there are more keys than
+queries): a response's first token sees all of its prompt.
+
 Called without boundaries (a padded batch, or generation) it is exactly transformers' "sdpa"
 backend, mask included, so one loaded model serves both layouts. With sequence parallelism
 (trainer.ulysses_size) spmd_rl.batching.sequence_parallel wraps it: the heads are split across the ranks
@@ -30,7 +37,11 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from spmd_rl.model.row_gather import gather_rows
+
 NAME = "spmd_varlen"
+KV_INDEX = "spmd_kv_index"
+"""Keyword argument of a packed row with shared prompts: the packed positions of each sequence's keys."""
 
 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -49,38 +60,50 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         raise ValueError("packed attention takes one packed row of causal attention, no attention mask, no dropout, "
                          "no soft-capping")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    # max_length_*: packing's Python ints, symbolic under torch.compile (no int() here: it would specialize)
+    cu_q, cu_k, max_q, max_k = cu, cu, kwargs["max_length_q"], kwargs["max_length_q"]
+    kv_index = kwargs.get(KV_INDEX)
+    if kv_index is not None:  # shared prompts: each sequence's keys gathered (a prompt's read by all its responses)
+        k, v = gather_rows(k, kv_index), gather_rows(v, kv_index)
+        cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_length_k"]
     if q.is_cuda:
-        # max_length_q: packing's Python int, symbolic under torch.compile (no int() here: it would specialize)
-        out = _cuda_varlen(q, k, v, cu.to(torch.int32), kwargs["max_length_q"], scaling, sliding_window)
+        out = _cuda_varlen(q, k, v, cu_q.to(torch.int32), max_q, scaling, sliding_window, cu_k.to(torch.int32), max_k)
     else:
-        out = _sdpa_per_sequence(q, k, v, cu, scaling, sliding_window)
+        out = _sdpa_per_sequence(q, k, v, cu_q, scaling, sliding_window, cu_k)
     return out.unsqueeze(0), None
 
 
 @torch.compiler.disable  # a Python loop over the sequences: eager under a compiled layer (CPU only)
-def _sdpa_per_sequence(q, k, v, cu: torch.Tensor, scale: float | None, window: int | None = None) -> torch.Tensor:
+def _sdpa_per_sequence(q, k, v, cu: torch.Tensor, scale: float | None, window: int | None = None,
+                       cu_k: torch.Tensor | None = None) -> torch.Tensor:
+    """Sequence i: queries q[cu[i]:cu[i+1]] against keys k[cu_k[i]:cu_k[i+1]] (cu_k: cu when None)."""
     parts = []
+    cu_k = (cu if cu_k is None else cu_k).tolist()
     cu = cu.tolist()
-    for s, e in zip(cu[:-1], cu[1:]):
-        qi, ki, vi = (x[s:e].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
-        mask = window_mask(e - s, window, q.device)
+    for (s, e), (sk, ek) in zip(zip(cu[:-1], cu[1:]), zip(cu_k[:-1], cu_k[1:])):
+        qi = q[s:e].transpose(0, 1)  # [H, n, D]
+        ki, vi = (x[sk:ek].transpose(0, 1) for x in (k, v))
+        mask = causal_mask(e - s, ek - sk, window, q.device)
         parts.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale,
                                                     enable_gqa=ki.shape[0] != qi.shape[0]).transpose(0, 1))
     return torch.cat(parts)
 
 
-def window_mask(n: int, window: int | None, device) -> torch.Tensor | None:
-    """[n, n] bool: query i sees key j when 0 <= i - j < window (transformers' sliding_window_overlay on
-    the causal mask); None when every query sees all of its past (no window, or one as long as the
-    sequence)."""
-    if window is None or window >= n:
+def causal_mask(n_q: int, n_k: int, window: int | None, device) -> torch.Tensor | None:
+    """[n_q, n_k] bool: query i (at key position i + n_k - n_q: the queries are the last n_q of the
+    keys' positions) sees key j when 0 <= i + n_k - n_q - j < window (transformers' sliding_window_overlay
+    on the causal mask); None when that is sdpa's is_causal (as many queries as keys, and no window
+    or one as long as the sequence)."""
+    if n_q == n_k and (window is None or window >= n_k):
         return None
-    i = torch.arange(n, device=device)
-    gap = i[:, None] - i[None, :]
-    return (gap >= 0) & (gap < window)
+    gap = torch.arange(n_q, device=device)[:, None] + (n_k - n_q) - torch.arange(n_k, device=device)[None, :]
+    return (gap >= 0) & (gap < (window if window is not None else n_k + 1))
 
 
-def _cuda_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None, window: int | None = None) -> torch.Tensor:
+def _cuda_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None, window: int | None = None,
+                 cu_k: torch.Tensor | None = None, max_len_k: int | None = None) -> torch.Tensor:
+    """Sequence i: queries q[cu[i]:cu[i+1]] against keys k[cu_k[i]:cu_k[i+1]] (cu_k: cu when None);
+    causality and the window count from the bottom right (the FlashAttention kernel's own alignment)."""
     from torch.nn.attention.varlen import varlen_attn
 
     causal, gqa = _VARLEN_KW or _varlen_kwargs()  # computed eagerly by register(): nothing for dynamo to trace
@@ -91,7 +114,9 @@ def _cuda_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None, w
         kw["window_size"] = (window - 1, 0)
     if q.shape[1] != k.shape[1] and gqa:
         kw["enable_gqa"] = True
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **kw)
+    if cu_k is None:
+        cu_k, max_len_k = cu, max_len
+    return varlen_attn(q, k, v, cu, cu_k, max_len, max_len_k, scale=scale, **kw)
 
 
 _VARLEN_KW: tuple = ()
