@@ -215,7 +215,7 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
     def policy_model(dtype, lora=None):
         return functools.partial(load_causal_lm, model_dir, dtype, m.attn_implementation, m.remove_padding,
                                  m.chunked_logprobs, model_key, fused_kernels=m.fused_kernels,
-                                 fused_logprob_head=m.fused_logprob_head, lora=lora)
+                                 fused_logprob_head=m.fused_logprob_head, lora=lora, share_prompts=m.share_prompts)
 
     if m.use_lora:  # the base frozen in the compute dtype, the adapter in the master dtype; the checkpoint
         # holds the adapter only, so the base is read from the model directory on a resume too
@@ -288,7 +288,7 @@ def lora_note(cfg: Config, actor: torch.nn.Module) -> str:
     trained = sum(p.numel() for p in actor.parameters() if p.requires_grad)
     reference = "; the reference is the actor with its adapter disabled" if cfg.use_reference else ""
     if m.adapter_sync:
-        kept = ("on the GPU while it sleeps, rollout.weights_stay_on_gpu" if cfg.rollout.weights_stay_on_gpu is True
+        kept = ("on the GPU while it sleeps, rollout.weights_stay_on_gpu" if cfg.engine_keeps_weights()
                 else f"in host memory while it sleeps, sleep level {cfg.engine_sleep_level()}")
         sync = (f"the engine gets the base once and keeps it ({kept}), then the adapter alone each step, applied "
                 "by its LoRA layers "

@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch
 
+from spmd_rl.batching import shared_prompts
 from spmd_rl.model import routing
 from spmd_rl.rollout.base import Completion
 from spmd_rl.runtime.distributed import all_reduce_max_int
@@ -174,7 +175,8 @@ def response_token_ids(batch: Batch, i: int) -> list[int]:
     return batch["input_ids"][i, start:start + int(batch["response_lens"][i])].tolist()
 
 
-def plan_micro_batches(lengths: list[int], micro_batch_size: int, max_tokens: int = 0) -> list[list[int]]:
+def plan_micro_batches(lengths: list[int], micro_batch_size: int, max_tokens: int = 0,
+                       prompts: tuple[list[int], list[list[int]]] | None = None) -> list[list[int]]:
     """Row indices of each micro-batch of a (mini-)batch whose rows have `lengths` real tokens.
 
     - `max_tokens <= 0`: consecutive rows, `micro_batch_size` per micro-batch.
@@ -183,15 +185,24 @@ def plan_micro_batches(lengths: list[int], micro_batch_size: int, max_tokens: in
       into the lightest micro-batch). Every rank ends up with the same number of micro-batches
       (the largest any rank needs): FSDP runs collectives in every forward, so ranks must make
       the same number of calls. A row longer than the budget gets a micro-batch of its own.
+    - `prompts` (shared prompts: the rows' prompt lengths, and the rows grouped by prompt,
+      shared_prompts.prompt_sets): with a budget, a prompt's rows go to one micro-batch where the
+      budget allows, and the prompt counts once (shared_prompts.units).
     """
     n = len(lengths)
     if max_tokens <= 0:
         return [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
-    k = max(1, -(-sum(lengths) // max_tokens))
-    while k < n and max(sum(lengths[i] for i in b) for b in balanced_partition(lengths, k)) > max_tokens:
+    if prompts is None:
+        units, costs = [[i] for i in range(n)], list(lengths)
+    else:
+        units, costs = shared_prompts.units(lengths, prompts[0], prompts[1], max_tokens)
+    k = max(1, -(-sum(costs) // max_tokens))
+    while k < len(units) and max(sum(costs[i] for i in b) for b in balanced_partition(costs, k)) > max_tokens:
         k += 1
     k = min(all_reduce_max_int(k), -all_reduce_max_int(-n))  # agreed; never more than any rank's rows
-    return balanced_partition(lengths, k)
+    if len(units) < k:  # another rank needs more micro-batches: cut this rank's prompts' units
+        units, costs = shared_prompts.split_until(units, costs, k, lengths, prompts[0])
+    return [sorted(r for u in part for r in units[u]) for part in balanced_partition(costs, k)]
 
 
 def balanced_partition(lengths: list[int], k: int) -> list[list[int]]:
@@ -207,8 +218,15 @@ def balanced_partition(lengths: list[int], k: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
-def iter_micro_batches(batch: Batch, micro_batch_size: int, max_tokens: int = 0) -> Iterator[tuple[list[int], Batch]]:
-    """(row indices, micro-batch trimmed to its longest row) per `plan_micro_batches`."""
+def iter_micro_batches(batch: Batch, micro_batch_size: int, max_tokens: int = 0,
+                       share_prompts: bool = False) -> Iterator[tuple[list[int], Batch]]:
+    """(row indices, micro-batch trimmed to its longest row) per `plan_micro_batches`; with
+    `share_prompts` (a model that takes shared prompts, spmd_rl.batching.shared_prompts), a prompt's rows
+    kept together. `batch` is on the CPU."""
     lengths = batch["attention_mask"].sum(-1).tolist()
-    for rows in plan_micro_batches(lengths, micro_batch_size, max_tokens):
+    prompts = None
+    if share_prompts and "prompt_lens" in batch:
+        prompt_lens = batch["prompt_lens"].tolist()
+        prompts = (prompt_lens, shared_prompts.prompt_sets(batch["input_ids"], lengths, prompt_lens))
+    for rows in plan_micro_batches(lengths, micro_batch_size, max_tokens, prompts):
         yield rows, batch.select(rows).trimmed()

@@ -11,12 +11,15 @@ token t, the value before t; column 0 gets 0) -- the batch's convention.
   the boundaries as `cu_seq_lens_*` for a variable-length attention backend
   (spmd_rl.model.varlen_attention). No compute or memory is spent on padding. Built from the host's copy
   of the mask (Batch.host), it never waits for the GPU.
+- `shared_prompts.SharedPromptLayout` (`model.share_prompts`): a packed row with each prompt once,
+  before the responses that share it.
 - `sequence_parallel.SlicedLayout` (trainer.ulysses_size > 1, built by sequence_parallel.make_layout):
   a packed row of which each rank of a sequence-parallel group feeds one slice of the tokens to the model.
 
 `targets` is the next token of every position (what its log-prob is of). Positions whose next
 token belongs to another sequence or is padding get some token too; their outputs never reach a
-column.
+column. `output_rows` (None here) names the positions whose outputs are the targets' when they are
+not every position (shared prompts).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class PaddedLayout:
         self.shape = input_ids.shape
         self.inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         self.targets = torch.roll(input_ids, -1, dims=1)
+        self.output_rows = None  # every position predicts its next token
 
     def to_columns(self, out: torch.Tensor) -> torch.Tensor:
         """[b, L] per-position outputs -> [b, L] columns (column t = output at position t - 1)."""
@@ -61,6 +65,7 @@ class PackedLayout:
         self.inputs = {"input_ids": packed, "position_ids": self.cols[None], "attention_mask": empty_mask(packed.device),
                        "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
         self.targets = torch.roll(packed, -1, dims=1)
+        self.output_rows = None  # every position predicts its next token
         self.num_tokens = packed.shape[1]
 
     def to_columns(self, out: torch.Tensor) -> torch.Tensor:

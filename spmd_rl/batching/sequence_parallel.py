@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from spmd_rl.batching import packing
 from spmd_rl.batching.packing import PackedLayout
+from spmd_rl.batching.shared_prompts import SharedPromptLayout
 from spmd_rl.runtime.sp_groups import SPGroups, head_problem, kv_replication, sp_group_ranks
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,7 @@ class SlicedLayout:
                        "attention_mask": packed.inputs["attention_mask"], "cu_seq_lens_q": cu,
                        "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
         self.targets = F.pad(packed.targets, (0, pad))[:, part]  # shifted on the whole row, then sliced
+        self.output_rows = None
         self.num_tokens, self.pad, self.part = total, pad, part
 
     def token_rows(self, x: torch.Tensor, fill: int = -1) -> torch.Tensor:
@@ -198,9 +200,12 @@ def of_model(model: torch.nn.Module) -> SPGroups | None:
 def make_layout(mb, model: torch.nn.Module):
     """The layout of micro-batch `mb` (spmd_rl.batching.batch.Batch) for `model` (packing.make_layout, from the
     host's copy of the mask where `mb` has one), sliced for this rank when the model is set up for
-    sequence parallelism (apply)."""
-    from spmd_rl.model.loading import uses_packing
+    sequence parallelism (apply); each prompt once where the model shares prompts
+    (spmd_rl.batching.shared_prompts; rows without prompt lengths are packed whole)."""
+    from spmd_rl.model.loading import shares_prompts, uses_packing
 
+    if shares_prompts(model) and "prompt_lens" in mb:
+        return SharedPromptLayout(mb, mb.host)
     host_mask = mb.host["attention_mask"] if mb.host is not None else None
     layout = packing.make_layout(mb["input_ids"], mb["attention_mask"], uses_packing(model), host_mask)
     sp = of_model(model)

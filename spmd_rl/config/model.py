@@ -69,6 +69,13 @@ class ModelConfig:
     critic, forward and backward: position ids restart per sequence and attention stays within a
     sequence (PyTorch's variable-length FlashAttention kernel on CUDA, per-sequence SDPA on CPU).
     No compute or memory goes to padding; needed for the token budgets (`*.max_token_len_per_gpu`)."""
+    share_prompts: bool = False
+    """Feed each prompt once per packed micro-batch, followed by the responses that begin with it
+    (a GRPO group's n), instead of once per response: each response attends to that one copy, with
+    the positions and log-probs it had whole (spmd_rl/batching/shared_prompts.py). The update and
+    the log-prob passes of actor and reference skip the prompt's n - 1 repeats; the token budgets
+    count a shared prompt once. The critic takes its rows whole. Needs `remove_padding`; not with
+    sequence parallelism (trainer.ulysses_size > 1). What it saves: docs/performance.md."""
     chunked_logprobs: bool = True
     """Compute token log-probs and entropy from the last hidden states in chunks, never holding the
     [tokens, vocab] float32 logits (6 GB for 10k tokens of a 152k vocabulary); backward recomputes
@@ -136,6 +143,9 @@ class ModelConfig:
         need(self.fused_logprob_head == "none" or self.chunked_logprobs,
               f"model.fused_logprob_head = {self.fused_logprob_head!r} fuses the chunked log-prob head: set "
               "model.chunked_logprobs = true, or model.fused_logprob_head = \"none\"")
+        need(not self.share_prompts or self.remove_padding,
+              "model.share_prompts = true feeds prompts once in packed rows: set model.remove_padding = true, or "
+              "model.share_prompts = false")
 
         if self.lora_rank:
             self.check_lora()

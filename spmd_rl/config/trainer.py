@@ -173,6 +173,10 @@ class TrainerConfig:
         if not m.remove_padding:
             raise ConfigError(f"trainer.ulysses_size = {sp} splits packed rows across ranks: set "
                               "model.remove_padding = true")
+        if m.share_prompts:
+            raise ConfigError(f"trainer.ulysses_size = {sp} splits packed rows across ranks, which shared prompts "
+                              "(model.share_prompts = true) do not: set model.share_prompts = false, or "
+                              "trainer.ulysses_size = 1")
 
     def check(self, run_dir: str, checkpoint_dir: str) -> None:
         """Steps and checkpoints in range; the resume target exists; `run_dir` (Config.run_dir),

@@ -197,29 +197,35 @@ def materialize_random_model(out_dir: str, config, seed: int, dtype: torch.dtype
 
 def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", remove_padding: bool = False,
                    chunked_logprobs: bool = True, key: str = "", weights: bool = True, fused_kernels: str = "none",
-                   fused_logprob_head: str = "none", lora: LoraSettings | None = None) -> torch.nn.Module:
+                   fused_logprob_head: str = "none", lora: LoraSettings | None = None,
+                   share_prompts: bool = False) -> torch.nn.Module:
     """A causal LM on CPU in `dtype`, exactly as `from_pretrained` builds it, that can also be
     called for token log-probs (spmd_rl.model.logprob_head; chunked from the hidden states unless
     `chunked_logprobs` is false). `remove_padding`: it takes packed rows (spmd_rl.batching.packing) through
     the variable-length attention backend (which runs padded batches as sdpa does). `key`: the
     config key that named `path`, for the one-line error when its files cannot be loaded.
     `weights` false: the same model on the meta device, nothing read but the config (see
-    build_sharded). `fused_kernels`, `fused_logprob_head`: see prepare_policy. `lora`: a LoRA
-    adapter (spmd_rl.model.lora) on the frozen model, which stays in `dtype`."""
+    build_sharded). `fused_kernels`, `fused_logprob_head`, `share_prompts`: see prepare_policy. `lora`:
+    a LoRA adapter (spmd_rl.model.lora) on the frozen model, which stays in `dtype`."""
     model = _from_dir(AutoModelForCausalLM, path, dtype, attn_implementation, weights, key)
     if lora is not None:
         add_adapter(model, lora)
-    return prepare_policy(model, remove_padding, chunked_logprobs, fused_kernels, fused_logprob_head)
+    return prepare_policy(model, remove_padding, chunked_logprobs, fused_kernels, fused_logprob_head, share_prompts)
 
 
 def prepare_policy(model: torch.nn.Module, remove_padding: bool = False, chunked_logprobs: bool = True,
-                   fused_kernels: str = "none", fused_logprob_head: str = "none") -> torch.nn.Module:
+                   fused_kernels: str = "none", fused_logprob_head: str = "none",
+                   share_prompts: bool = False) -> torch.nn.Module:
     """Make a causal LM callable for token log-probs (spmd_rl.train.actor.forward_logprobs): the
     log-prob head, and with `remove_padding` the variable-length attention backend.
     `fused_kernels`: the decoder layers' kernels (spmd_rl.model.fused_kernels: "none", "liger",
     "compile"; applied here, before any fully_shard). `fused_logprob_head`: the head's chunk math
-    ("none", "compile"; spmd_rl.model.logprob_head)."""
+    ("none", "compile"; spmd_rl.model.logprob_head). `share_prompts` (with `remove_padding`): each
+    prompt once per micro-batch (spmd_rl.batching.shared_prompts)."""
+    if share_prompts and not remove_padding:
+        raise ValueError("shared prompts are packed rows: they need remove_padding")
     set_layout(model, remove_padding)
+    model.spmd_share_prompts = share_prompts
     set_fused_kernels(model, fused_kernels)
     return logprob_head.install(model, chunked=chunked_logprobs, fused=fused_logprob_head)
 
@@ -344,6 +350,11 @@ def disable_dropout(model: torch.nn.Module) -> None:
 def uses_packing(model: torch.nn.Module) -> bool:
     """Whether `model` was loaded to take packed rows (model.remove_padding)."""
     return bool(getattr(model, "spmd_remove_padding", False))
+
+
+def shares_prompts(model: torch.nn.Module) -> bool:
+    """Whether `model` takes each prompt once per micro-batch (model.share_prompts)."""
+    return bool(getattr(model, "spmd_share_prompts", False))
 
 
 decoder_layers = fused_kernels.decoder_layers

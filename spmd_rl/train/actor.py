@@ -15,7 +15,7 @@ from spmd_rl.batching import sequence_parallel
 from spmd_rl.batching.batch import Batch, HostColumns, iter_micro_batches
 from spmd_rl.config.actor import ActorConfig
 from spmd_rl.model import routing
-from spmd_rl.model.loading import reshard
+from spmd_rl.model.loading import reshard, shares_prompts
 
 if TYPE_CHECKING:
     from spmd_rl.train.old_logprobs import UpdateLogprobs
@@ -37,7 +37,7 @@ def forward_logprobs(model: torch.nn.Module, mb: Batch, temperature: float, with
     routes = layout.token_rows(mb[routing.BATCH_KEY]) if routing.BATCH_KEY in mb else None
     with routing.replay(model, routes), routing.router_logits(model, router_aux is not None) as logits:
         logp, entropy = model(**layout.inputs, use_cache=False, logprob_targets=layout.targets,
-                              temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+                              logprob_rows=layout.output_rows, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
     if router_aux is not None and logits:
         real = layout.token_rows(mb["attention_mask"][..., None])[..., 0] > 0  # the forward's tokens, padding out
         router_aux.append(routing.load_balancing_loss(logits, routing.state_of(model).top_k, real))
@@ -60,7 +60,7 @@ def per_token_outputs(model: torch.nn.Module, batch: Batch, forward, micro_batch
     batch.iter_micro_batches), gathered into [B, L] float32 on CPU and masked to the responses;
     then the model's FSDP units are resharded (no-grad forwards leave the root gathered)."""
     out = HostColumns(batch["input_ids"].shape)
-    for rows, mb in iter_micro_batches(batch, micro_batch_size, max_tokens):
+    for rows, mb in iter_micro_batches(batch, micro_batch_size, max_tokens, shares_prompts(model)):
         out.put(rows, forward(mb.to(device)))
     reshard(model)
     return out.result() * batch["response_mask"]

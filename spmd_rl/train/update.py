@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.batching.batch import Batch, iter_micro_batches
+from spmd_rl.model.loading import shares_prompts
 from spmd_rl.runtime.distributed import all_reduce_sum
 from spmd_rl.train.offload import move_optimizer_state
 
@@ -90,7 +91,7 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
             denom = global_denominator(mini, loss_agg_mode, device)
             token_denom = global_denominator(mini, "token-mean", device)
             optimizer.zero_grad(set_to_none=True)
-            micros = [mb for _, mb in iter_micro_batches(mini, micro_batch_size, max_tokens)]
+            micros = [mb for _, mb in iter_micro_batches(mini, micro_batch_size, max_tokens, shares_prompts(model))]
             for i, micro in enumerate(micros):
                 # Each micro-batch's gradients are reduce-scattered in its backward (FSDP2's default)
                 # and accumulate in the shards. Deferring that to the last micro-batch

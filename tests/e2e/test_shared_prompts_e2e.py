@@ -1,0 +1,20 @@
+"""Shared prompts (model.share_prompts) in whole 2-rank CPU runs of the tiny job: packed rows with a
+token budget, a reference model for the KL loss, and each prompt of 16 responses fed once train exactly
+as the same rows fed whole (the same losses, KL and gradient norms, to float32 rounding)."""
+
+import pytest
+
+from tests.helpers.cpu_runs import read_metrics, run, torchrun_cmd
+
+COMMON = ["trainer.total_steps=4", "trainer.val_every=-1", "trainer.save_every=0", "trainer.val_before_train=false",
+          "trainer.tensorboard=false", "data.synthetic_size=256", "model.remove_padding=true",
+          "actor.max_token_len_per_gpu=128", "actor.use_kl_loss=true"]
+
+
+def test_shared_prompts_train_as_whole_rows(tmp_path):
+    for share in ("false", "true"):
+        run(torchrun_cmd(2, f"trainer.run_dir={tmp_path / share}", f"model.share_prompts={share}", *COMMON))
+    whole, shared = read_metrics(tmp_path / "false"), read_metrics(tmp_path / "true")
+    for step in range(1, 5):
+        for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+            assert shared[step][key] == pytest.approx(whole[step][key], rel=1e-4, abs=1e-7), (step, key)
