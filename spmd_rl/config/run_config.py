@@ -100,6 +100,11 @@ class Config:
             return self.rollout.sleep_level
         return 1 if self.model.adapter_sync else 2
 
+    def engine_keeps_weights(self) -> bool:
+        """Whether the engine's weights stay on the GPU while it sleeps (rollout.weights_stay_on_gpu):
+        true once set or chosen; an "auto" not yet chosen (speed_settings, at start) reads as false."""
+        return self.rollout.weights_stay_on_gpu is True
+
     def engine_max_model_len(self) -> int:
         """The engine's context length: rollout.max_model_len, or where it is 0 the longest prompt and
         response (data.max_prompt_length + data.max_response_length)."""

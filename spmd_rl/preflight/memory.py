@@ -119,7 +119,7 @@ def engine_of(cfg: Config, shape: mp.ModelShape) -> mp.Engine:
     if r.engine == "hf":
         return mp.Engine("hf", weight_bytes=weights)
     return mp.Engine("vllm", r.gpu_memory_utilization, not r.enforce_eager, weights / r.tensor_parallel_size,
-                     r.weight_sync_bucket_mb * 2**20, r.weights_stay_on_gpu is True)
+                     r.weight_sync_bucket_mb * 2**20, cfg.engine_keeps_weights())
 
 
 def plan_for(cfg: Config, world_size: int, device_total: float | None,
@@ -198,7 +198,7 @@ def update_fixes(cfg: Config, plan: mp.MemoryPlan, world_size: int, shapes) -> l
     if not a.offload_optimizer:
         off = plan_for(_changed(cfg, actor__offload_optimizer=True), world_size, total, shapes)
         fixes.append(f"actor.offload_optimizer = true ({_peak(off)})")
-    if cfg.rollout.weights_stay_on_gpu is True:
+    if cfg.engine_keeps_weights():
         host = plan_for(_changed(cfg, rollout__weights_stay_on_gpu=False), world_size, total, shapes)
         fixes.append(f"rollout.weights_stay_on_gpu = false ({_peak(host)})")
     return fixes

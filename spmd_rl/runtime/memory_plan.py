@@ -10,8 +10,9 @@ A run holds, per GPU, in two phases that take turns (spmd_rl/trainer.py):
 - update: the training state (parameters, gradients, AdamW's two moments) with the larger of the
   activations of one micro-batch and the optimizer step's own bytes (AdamW's foreach sqrt(v), one
   more parameter-sized tensor; the moments too where they are offloaded), vLLM asleep (it keeps only
-  its buffers outside the pool and its CUDA graphs, and its weights with rollout.weights_stay_on_gpu). The no-grad log-prob passes (old log-probs, reference, values) hold the same state
-  without gradients, with their own, larger, token budget.
+  its buffers outside the pool and its CUDA graphs, and its weights with rollout.weights_stay_on_gpu).
+  The no-grad log-prob passes (old log-probs, reference, values) hold the same state without
+  gradients, with their own, larger, token budget.
 
 Bytes per parameter, sharded over the FSDP shard group: a trained model in float32 masters holds
 4 (parameters) + 4 (gradients) + 8 (AdamW's two moments, in the parameters' dtype) = 16; in

@@ -213,8 +213,8 @@ def use_cache_root(path: str) -> str:
 
 
 def inner_model(llm) -> torch.nn.Module:
-    """The nn.Module inside this process's vLLM worker (the one place that knows the path)."""
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    """The nn.Module inside this process's vLLM worker."""
+    runner = vllm_sleep.engine_worker(llm).model_runner
     return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
 
@@ -464,7 +464,7 @@ class VLLMEngine:
         self._weights_valid = False  # dummy weights until the first load_weights
         self._prefix_cache_stale = False
         self._runs = 0  # streamed runs started (their request ids)
-        self.weights_stay = r.weights_stay_on_gpu is True  # "auto" was chosen at start (speed_settings)
+        self.weights_stay = cfg.engine_keeps_weights()  # "auto" was chosen at start (speed_settings)
         if self.weights_stay:  # before the first sleep, which would otherwise copy them to host memory
             vllm_sleep.keep_weights_on_gpu(self.llm)
         self.sleep()
@@ -584,8 +584,7 @@ class VLLMEngine:
 
         from spmd_rl.model.lora import adapter_config
 
-        runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        workers = runner.lora_manager  # vLLM's WorkerLoRAManager: how its own loader builds a LoRAModel
+        workers = vllm_sleep.engine_worker(self.llm).model_runner.lora_manager  # vLLM's WorkerLoRAManager: how its own loader builds a LoRAModel
         # the modules its LoRA layers wrap: engine_kwargs' lora_target_modules, the adapter's own
         helper = PEFTHelper.from_dict(adapter_config(self.lora, list(workers.lora_config.target_modules)))
         helper.validate_legal(workers.lora_config)
