@@ -240,7 +240,8 @@ def build_models(cfg: Config, env: DistEnv, tokenizer, resume: bool, clock: Star
     if cfg.use_critic:
         critic_dir, critic_key = (c.path, "critic.path") if c.path else (model_dir, model_key)
         critic = sharded(functools.partial(load_value_model, critic_dir, master, m.attn_implementation,
-                                           m.remove_padding, critic_key, fused_kernels=m.fused_kernels), resume)
+                                           m.remove_padding, critic_key, fused_kernels=m.fused_kernels,
+                                           share_prompts=m.share_prompts), resume)
         critic_opt = make_optimizer(critic, c.lr, c.weight_decay)
         critic_sched = make_scheduler(critic_opt, c.warmup_steps, cfg.trainer.total_steps)
     reward_model = build_reward_model(cfg, env)

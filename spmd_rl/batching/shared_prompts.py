@@ -12,10 +12,11 @@ with it:
 - positions: a response's tokens keep their columns (its prompt's positions, continued);
 - attention (spmd_rl.model.varlen_attention, KV_INDEX): a prompt attends causally to itself; a
   response to all of its prompt and causally to itself, never to another response;
-- outputs (`output_rows`): the log-prob of column t of row r comes from the hidden state of the token
-  before it: the response's own previous token, or, for the response's first token, the prompt's last
-  (one position read by every response of the prompt). Only the response region's columns get one;
-  the others are 0, as padding's are (every loss and metric reads the responses only);
+- outputs (`output_rows`): column t of row r (the log-prob of token t, the critic's value before it)
+  comes from the hidden state of the token before it: the response's own previous token, or, for the
+  response's first token, the prompt's last (one position read by every response of the prompt). Only
+  the response region's columns get one; the others are 0, as padding's are (every loss and metric
+  reads the responses only);
 - gradients: a shared position gets the sum of what its responses send back (row_gather: added in
   float32), as its n copies would have got between them.
 

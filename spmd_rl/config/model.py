@@ -72,10 +72,10 @@ class ModelConfig:
     share_prompts: bool = False
     """Feed each prompt once per packed micro-batch, followed by the responses that begin with it
     (a GRPO group's n), instead of once per response: each response attends to that one copy, with
-    the positions and log-probs it had whole (spmd_rl/batching/shared_prompts.py). The update and
-    the log-prob passes of actor and reference skip the prompt's n - 1 repeats; the token budgets
-    count a shared prompt once. The critic takes its rows whole. Needs `remove_padding`; not with
-    sequence parallelism (trainer.ulysses_size > 1). What it saves: docs/performance.md."""
+    the positions, log-probs and values it had whole (spmd_rl/batching/shared_prompts.py). The updates
+    and the no-grad passes of actor, reference and critic skip the prompt's n - 1 repeats; the token
+    budgets count a shared prompt once. Needs `remove_padding`; not with sequence parallelism
+    (trainer.ulysses_size > 1). What it saves: docs/performance.md."""
     chunked_logprobs: bool = True
     """Compute token log-probs and entropy from the last hidden states in chunks, never holding the
     [tokens, vocab] float32 logits (6 GB for 10k tokens of a 152k vocabulary); backward recomputes

@@ -222,10 +222,7 @@ def prepare_policy(model: torch.nn.Module, remove_padding: bool = False, chunked
     "compile"; applied here, before any fully_shard). `fused_logprob_head`: the head's chunk math
     ("none", "compile"; spmd_rl.model.logprob_head). `share_prompts` (with `remove_padding`): each
     prompt once per micro-batch (spmd_rl.batching.shared_prompts)."""
-    if share_prompts and not remove_padding:
-        raise ValueError("shared prompts are packed rows: they need remove_padding")
-    set_layout(model, remove_padding)
-    model.spmd_share_prompts = share_prompts
+    set_layout(model, remove_padding, share_prompts)
     set_fused_kernels(model, fused_kernels)
     return logprob_head.install(model, chunked=chunked_logprobs, fused=fused_logprob_head)
 
@@ -238,10 +235,10 @@ def set_fused_kernels(model: torch.nn.Module, mode: str) -> str:
 
 def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa",
                      remove_padding: bool = False, key: str = "", weights: bool = True,
-                     fused_kernels: str = "none") -> torch.nn.Module:
+                     fused_kernels: str = "none", share_prompts: bool = False) -> torch.nn.Module:
     """The critic: the causal LM's backbone with a scalar head per token, initialised to zero so
-    every rank starts from the same values (0) whatever the RNG. `key`, `weights`, `fused_kernels`:
-    as for load_causal_lm."""
+    every rank starts from the same values (0) whatever the RNG. `key`, `weights`, `fused_kernels`,
+    `share_prompts`: as for load_causal_lm."""
     model = _from_dir(AutoModelForTokenClassification, path, dtype, attn_implementation, weights, key,
                       "the critic", new=("score.",), num_labels=1)
     with torch.no_grad():
@@ -250,7 +247,7 @@ def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "
         if getattr(head, "bias", None) is not None:
             head.bias.zero_()
     head.register_forward_hook(_not_a_view)
-    set_layout(model, remove_padding)
+    set_layout(model, remove_padding, share_prompts)
     set_fused_kernels(model, fused_kernels)
     return model
 
@@ -316,15 +313,19 @@ def warn_experts_loop(model: torch.nn.Module) -> None:
                     "(docs/moe.md)", type(model).__name__, implementation)
 
 
-def set_layout(model: torch.nn.Module, remove_padding: bool) -> None:
-    """Padded (sdpa) or packed (variable-length attention) input; every dropout zeroed. A model that
+def set_layout(model: torch.nn.Module, remove_padding: bool, share_prompts: bool = False) -> None:
+    """Padded (sdpa) or packed (variable-length attention) input, with each prompt once per packed
+    row where `share_prompts` (spmd_rl.batching.shared_prompts); every dropout zeroed. A model that
     packed attention cannot run right (varlen_attention.unsupported) is refused."""
+    if share_prompts and not remove_padding:
+        raise ValueError("shared prompts are packed rows: they need remove_padding")
     if remove_padding:  # the varlen backend runs padded batches exactly as sdpa does, too
         check_packable(model.config)
         model.set_attn_implementation(varlen_attention.register())
     elif uses_packing(model):
         model.set_attn_implementation("sdpa")
     model.spmd_remove_padding = remove_padding
+    model.spmd_share_prompts = share_prompts
     disable_dropout(model)
 
 

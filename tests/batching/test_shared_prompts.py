@@ -76,6 +76,28 @@ def test_shared_prompts_give_the_padded_log_probs_entropy_and_gradients(tmp_path
         assert (g_b[n] - g_a[n]).norm() <= 1e-6 * g_a[n].norm(), n
 
 
+def test_shared_prompts_give_the_critic_the_padded_values_and_gradients(tmp_path):
+    from spmd_rl.model.loading import load_value_model
+    from spmd_rl.train.critic import forward_values
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config()).save_pretrained(tmp_path)
+    mb = grouped_batch(GROUPS, seed=2)
+    keep = mb["response_mask"].bool()
+    outs = []
+    for packed, share in ((False, False), (True, True)):
+        model = load_value_model(str(tmp_path), torch.float64, remove_padding=packed, share_prompts=share)
+        with torch.no_grad():  # a non-zero head, so gradients reach the backbone
+            model.score.weight.copy_(torch.linspace(-1, 1, model.score.weight.numel()).view_as(model.score.weight))
+        v = forward_values(model, mb)
+        (v[keep] ** 2).sum().backward()
+        outs.append((v, param_grads(model)))
+    torch.testing.assert_close(outs[1][0][keep], outs[0][0][keep], rtol=0, atol=1e-12)
+    assert (outs[1][0][~keep] == 0).all()
+    for n in outs[0][1]:  # RMSNorm in float32: see test_shared_prompts_give_the_padded_log_probs_entropy_and_gradients
+        assert (outs[1][1][n] - outs[0][1][n]).norm() <= 1e-6 * outs[0][1][n].norm(), n
+
+
 def test_a_sliding_window_reaches_back_into_the_shared_prompt():
     """Gemma 3's windowed layers (window 4, shorter than the prompts): a response's first tokens see the
     prompt's last window - 1 tokens, as in the whole row."""
