@@ -147,6 +147,12 @@ def test_packed_chunked_actor_equals_padded_full_logits(model_dir):
         torch.testing.assert_close(g_b[n], g_a[n], rtol=0, atol=1e-10, msg=n)
 
 
+def nonzero_value_head(model) -> None:
+    """A critic's zero-initialised value head set to fixed non-zero weights, so gradients reach the backbone."""
+    with torch.no_grad():
+        model.score.weight.copy_(torch.linspace(-1, 1, model.score.weight.numel()).view_as(model.score.weight))
+
+
 def test_packed_critic_values_and_gradients_equal_padded(model_dir):
     from spmd_rl.model.loading import load_value_model
     from spmd_rl.train.critic import forward_values
@@ -158,8 +164,7 @@ def test_packed_critic_values_and_gradients_equal_padded(model_dir):
     for packed in (False, True):
         torch.manual_seed(0)
         model = load_value_model(model_dir, torch.float64, remove_padding=packed)
-        with torch.no_grad():  # a non-zero head, so gradients reach the backbone
-            model.score.weight.copy_(torch.linspace(-1, 1, model.score.weight.numel()).view_as(model.score.weight))
+        nonzero_value_head(model)
         v = forward_values(model, mb)
         (v[keep] ** 2).sum().backward()
         outs.append((v, param_grads(model)))

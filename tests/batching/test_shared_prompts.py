@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from spmd_rl.batching.batch import Batch, iter_micro_batches, plan_micro_batches
 from spmd_rl.batching.shared_prompts import SharedPromptLayout, prompt_sets, units
-from tests.batching.test_packing import param_grads, tiny_config
+from tests.batching.test_packing import nonzero_value_head, param_grads, tiny_config
 from tests.helpers.dist_utils import run_distributed
 
 
@@ -87,8 +87,7 @@ def test_shared_prompts_give_the_critic_the_padded_values_and_gradients(tmp_path
     outs = []
     for packed, share in ((False, False), (True, True)):
         model = load_value_model(str(tmp_path), torch.float64, remove_padding=packed, share_prompts=share)
-        with torch.no_grad():  # a non-zero head, so gradients reach the backbone
-            model.score.weight.copy_(torch.linspace(-1, 1, model.score.weight.numel()).view_as(model.score.weight))
+        nonzero_value_head(model)
         v = forward_values(model, mb)
         (v[keep] ** 2).sum().backward()
         outs.append((v, param_grads(model)))

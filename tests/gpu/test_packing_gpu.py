@@ -28,30 +28,39 @@ def ragged_batch(lens, vocab, device, seed=0):
 def test_packed_varlen_matches_padded_on_gpu(arch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from transformers import AutoModelForCausalLM
-
-    from spmd_rl.model.loading import prepare_policy, random_model_config
-    from spmd_rl.train.actor import forward_logprobs
+    from spmd_rl.model.loading import random_model_config
 
     dev = torch.device("cuda")
     config = random_model_config(arch)
+    mb = ragged_batch([130, 517, 64, 300, 611, 12, 450, 233], config.vocab_size, dev)
+    keep = mb["attention_mask"].bool()
+    keep[:, 0] = False
+    close_to_fp32_as_padded(config, mb, keep, arch, dict(remove_padding=True, chunked_logprobs=True))
+
+
+def close_to_fp32_as_padded(config, mb, keep, label: str, variant: dict) -> None:
+    """Log-probs and entropy of a bf16 model prepared with `variant` (prepare_policy's arguments) as close
+    to a float32 padded reference as the bf16 padded path's, and the same gradients (cosine, norm)."""
+    from transformers import AutoModelForCausalLM
+
+    from spmd_rl.model.loading import prepare_policy
+    from spmd_rl.train.actor import forward_logprobs
+
+    dev = torch.device("cuda")
     torch.manual_seed(0)
     with dev:  # random init on the GPU: seconds instead of a minute on the CPU for 1.5B
         ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     state = ref.state_dict()
-    mb = ragged_batch([130, 517, 64, 300, 611, 12, 450, 233], config.vocab_size, dev)
-    keep = mb["attention_mask"].bool()
-    keep[:, 0] = False
     prepare_policy(ref, remove_padding=False, chunked_logprobs=False)
     with torch.no_grad():
         want, want_ent = forward_logprobs(ref, mb, 1.0, with_entropy=True)
     del ref
     results, grads = {}, {}
-    for name, packed, chunked in (("padded", False, False), ("packed", True, True)):
+    for name, kwargs in (("padded", dict(remove_padding=False, chunked_logprobs=False)), ("variant", variant)):
         with dev:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
         model.load_state_dict(state)
-        model = prepare_policy(model, remove_padding=packed, chunked_logprobs=chunked)
+        model = prepare_policy(model, **kwargs)
         logp, ent = forward_logprobs(model, mb, 1.0, with_entropy=True)
         logp[keep].sum().backward()
         results[name] = ((logp - want)[keep].abs(), (ent - want_ent)[keep].abs())
@@ -59,14 +68,14 @@ def test_packed_varlen_matches_padded_on_gpu(arch):
         del model
         torch.cuda.empty_cache()
     for name, (d, de) in results.items():
-        print(f"{arch} {name}: |logp - fp32| mean {d.mean():.4f} max {d.max():.3f}; |entropy - fp32| mean {de.mean():.4f}")
-    pad, pack = results["padded"][0], results["packed"][0]
-    assert pack.mean() < 1.5 * pad.mean() + 1e-3, (pack.mean(), pad.mean())
-    assert pack.max() < 2 * pad.max() + 0.05
-    assert results["packed"][1].mean() < 1.5 * results["padded"][1].mean() + 1e-3
-    cos = torch.nn.functional.cosine_similarity(grads["packed"], grads["padded"], dim=0)
-    rel = (grads["packed"].norm() / grads["padded"].norm()).item()
-    print(f"{arch} gradient cosine packed vs padded {cos:.5f}, norm ratio {rel:.4f}")
+        print(f"{label} {name}: |logp - fp32| mean {d.mean():.4f} max {d.max():.3f}; |entropy - fp32| mean {de.mean():.4f}")
+    pad, got = results["padded"][0], results["variant"][0]
+    assert got.mean() < 1.5 * pad.mean() + 1e-3, (got.mean(), pad.mean())
+    assert got.max() < 2 * pad.max() + 0.05
+    assert results["variant"][1].mean() < 1.5 * results["padded"][1].mean() + 1e-3
+    cos = torch.nn.functional.cosine_similarity(grads["variant"], grads["padded"], dim=0)
+    rel = (grads["variant"].norm() / grads["padded"].norm()).item()
+    print(f"{label} gradient cosine against padded {cos:.5f}, norm ratio {rel:.4f}")
     assert cos > 0.99 and abs(rel - 1) < 0.02
 
 
@@ -133,11 +142,8 @@ def test_shared_prompts_match_the_padded_path_on_gpu(fused):
     (cosine, norm), eager and with compiled decoder layers."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from transformers import AutoModelForCausalLM
-
     from spmd_rl.batching.batch import Batch
-    from spmd_rl.model.loading import prepare_policy, random_model_config
-    from spmd_rl.train.actor import forward_logprobs
+    from spmd_rl.model.loading import random_model_config
 
     dev = torch.device("cuda")
     config = random_model_config("qwen2-0.5b")
@@ -154,35 +160,5 @@ def test_shared_prompts_match_the_padded_path_on_gpu(fused):
         ids[i, :len(r)], attn[i, :len(r)], resp[i, p:len(r)] = r, 1, 1.0
     mb = Batch({"input_ids": ids, "attention_mask": attn, "response_mask": resp,
                 "prompt_lens": torch.tensor(prompt_lens)}).to(dev)
-    keep = mb["response_mask"].bool()
-    torch.manual_seed(0)
-    with dev:
-        ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    state = ref.state_dict()
-    prepare_policy(ref, remove_padding=False, chunked_logprobs=False)
-    with torch.no_grad():
-        want, want_ent = forward_logprobs(ref, mb, 1.0, with_entropy=True)
-    del ref
-    results, grads = {}, {}
-    for name, packed, share in (("padded", False, False), ("shared", True, True)):
-        with dev:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-        model.load_state_dict(state)
-        model = prepare_policy(model, remove_padding=packed, chunked_logprobs=packed, share_prompts=share,
-                               fused_kernels=fused if share else "none")
-        logp, ent = forward_logprobs(model, mb, 1.0, with_entropy=True)
-        logp[keep].sum().backward()
-        results[name] = ((logp - want)[keep].abs(), (ent - want_ent)[keep].abs())
-        grads[name] = torch.cat([p.grad.float().flatten() for p in model.parameters()])
-        del model
-        torch.cuda.empty_cache()
-    for name, (d, de) in results.items():
-        print(f"{name}: |logp - fp32| mean {d.mean():.4f} max {d.max():.3f}; |entropy - fp32| mean {de.mean():.4f}")
-    pad, shared = results["padded"][0], results["shared"][0]
-    assert shared.mean() < 1.5 * pad.mean() + 1e-3, (shared.mean(), pad.mean())
-    assert shared.max() < 2 * pad.max() + 0.05
-    assert results["shared"][1].mean() < 1.5 * results["padded"][1].mean() + 1e-3
-    cos = torch.nn.functional.cosine_similarity(grads["shared"], grads["padded"], dim=0)
-    rel = (grads["shared"].norm() / grads["padded"].norm()).item()
-    print(f"gradient cosine shared vs padded {cos:.5f}, norm ratio {rel:.4f}")
-    assert cos > 0.99 and abs(rel - 1) < 0.02
+    close_to_fp32_as_padded(config, mb, mb["response_mask"].bool(), f"shared prompts, {fused}",
+                            dict(remove_padding=True, chunked_logprobs=True, share_prompts=True, fused_kernels=fused))
