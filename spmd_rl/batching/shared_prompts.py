@@ -27,6 +27,8 @@ prompt once (spmd_rl.batching.batch.plan_micro_batches).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +47,56 @@ def prompt_sets(input_ids: torch.Tensor, lengths: list[int], prompt_lens: list[i
     return list(sets.values())
 
 
+@dataclass
+class HostLayout:
+    """The packed row of a micro-batch with each prompt once, as CPU index tensors (`lay_out`)."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    """[T] each packed token's row and column in the micro-batch (its column is its position)."""
+    seg_q: list[int]
+    """The packed row's sequences in order: a prompt's tokens, or one response's."""
+    kv_index: torch.Tensor
+    seg_k: list[int]
+    """Each sequence's keys, by packed position: a prompt's own; a response's prompt, then its own."""
+    out_rows: torch.Tensor
+    out_cols: torch.Tensor
+    out_at: torch.Tensor
+    """[N] each response column (row, column) and the packed position that predicts it."""
+
+
+def lay_out(input_ids: torch.Tensor, lengths: list[int], prompt_lens: list[int]) -> HostLayout:
+    """The packed row of the module doc for a micro-batch's CPU `input_ids` [b, L]."""
+    rows, cols, seg_q, kv, out_r, out_c, out_at = [], [], [], [], [], [], []
+    pos = 0
+    for members in prompt_sets(input_ids, lengths, prompt_lens):
+        p = min(prompt_lens[members[0]], lengths[members[0]])
+        start = pos  # the prompt's first packed position
+        prompt = torch.arange(start, start + p)
+        if p:
+            rows.append(torch.full((p,), members[0]))
+            cols.append(torch.arange(p))
+            seg_q.append(p)
+            kv.append(prompt)
+            pos += p
+        for r in members:
+            n = lengths[r] - p
+            if n <= 0:
+                continue
+            rows.append(torch.full((n,), r))
+            cols.append(torch.arange(p, lengths[r]))
+            seg_q.append(n)
+            kv.append(torch.cat([prompt, torch.arange(pos, pos + n)]))
+            # column t's output is read where token t - 1 is: the prompt's last position, or the response's
+            before = torch.arange(max(p, 1), lengths[r]) - 1
+            out_r.append(torch.full_like(before, r))
+            out_c.append(before + 1)
+            out_at.append(torch.where(before < p, start + before, pos + before - p))
+            pos += n
+    return HostLayout(_cat_long(rows), _cat_long(cols), seg_q, _cat_long(kv), [len(x) for x in kv],
+                      _cat_long(out_r), _cat_long(out_c), _cat_long(out_at))
+
+
 class SharedPromptLayout:
     """A micro-batch as one packed row with each prompt once (the module doc). `host`: the micro-batch's
     CPU copy (Batch.host) when it is on a GPU: the row is laid out there and the indices copied over
@@ -53,51 +105,22 @@ class SharedPromptLayout:
     def __init__(self, mb, host=None):
         host = mb if host is None else host
         self.shape = mb["input_ids"].shape
-        lengths = host["attention_mask"].sum(1).tolist()
-        prompt_lens = host["prompt_lens"].tolist()
-        src_r, src_c, seg_q, kv, out_r, out_c, out_at = [], [], [], [], [], [], []
-        pos = 0
-        for rows in prompt_sets(host["input_ids"].cpu(), lengths, prompt_lens):
-            p = min(prompt_lens[rows[0]], lengths[rows[0]])
-            start = pos  # the prompt's first packed position
-            prompt = torch.arange(start, start + p)
-            if p:
-                src_r.append(torch.full((p,), rows[0]))
-                src_c.append(torch.arange(p))
-                seg_q.append(p)
-                kv.append(prompt)
-                pos += p
-            for r in rows:
-                n = lengths[r] - p
-                if n <= 0:
-                    continue
-                cols = torch.arange(p, lengths[r])
-                src_r.append(torch.full((n,), r))
-                src_c.append(cols)
-                seg_q.append(n)
-                kv.append(torch.cat([prompt, torch.arange(pos, pos + n)]))
-                # column t's log-prob is read where token t - 1 is: the prompt's last position, or the response's
-                before = torch.arange(max(p, 1), lengths[r]) - 1
-                out_r.append(torch.full_like(before, r))
-                out_c.append(before + 1)
-                out_at.append(torch.where(before < p, start + before, pos + before - p))
-                pos += n
-        cat = _cat_long
-        seg_k = [len(x) for x in kv]
+        plan = lay_out(host["input_ids"].cpu(), host["attention_mask"].sum(1).tolist(), host["prompt_lens"].tolist())
         device = mb["input_ids"].device
-        self.rows, self.cols, out_r, out_c = (to_device(cat(x), device) for x in (src_r, src_c, out_r, out_c))
-        self.output_rows = to_device(cat(out_at), device)
+        self.rows, self.cols, out_r, out_c = (to_device(x, device) for x in (plan.rows, plan.cols, plan.out_rows,
+                                                                             plan.out_cols))
+        self.output_rows = to_device(plan.out_at, device)
         """[N] packed positions whose hidden states predict the N response columns (the model's logprob_rows)."""
         self.out_index = (out_r, out_c)
         cu_q, cu_k = (to_device(F.pad(torch.tensor(s, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)), device)
-                      for s in (seg_q, seg_k))
+                      for s in (plan.seg_q, plan.seg_k))
         ids = mb["input_ids"]
         self.inputs = {"input_ids": ids[self.rows, self.cols][None], "position_ids": self.cols[None],
                        "attention_mask": empty_mask(device), "cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k,
-                       "max_length_q": max(seg_q, default=0), "max_length_k": max(seg_k, default=0),
-                       KV_INDEX: to_device(cat(kv), device)}
+                       "max_length_q": max(plan.seg_q, default=0), "max_length_k": max(plan.seg_k, default=0),
+                       KV_INDEX: to_device(plan.kv_index, device)}
         self.targets = ids[out_r, out_c][None]
-        self.num_tokens = pos
+        self.num_tokens = len(plan.rows)
 
     def to_columns(self, out: torch.Tensor) -> torch.Tensor:
         """[1, N] outputs at `output_rows` -> [b, L] columns; columns outside the responses get 0."""
