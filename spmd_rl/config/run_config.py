@@ -100,6 +100,11 @@ class Config:
             return self.rollout.sleep_level
         return 1 if self.model.adapter_sync else 2
 
+    def vllm_applies_adapter(self) -> bool:
+        """Whether vLLM's LoRA layers apply the adapter sent each step (LoRA's adapter sync into the
+        vLLM engine): the engine's base weights then never change after the first sync."""
+        return self.model.adapter_sync and self.rollout.engine == "vllm"
+
     def engine_keeps_weights(self) -> bool:
         """Whether the engine's weights stay on the GPU while it sleeps (rollout.weights_stay_on_gpu):
         true once set or chosen; an "auto" not yet chosen (speed_settings, at start) reads as false."""
@@ -124,11 +129,11 @@ class Config:
 
     def check_lora_sync(self) -> None:
         """LoRA's adapter sync against the engine's sleep level; the weights kept on the GPU need it."""
-        need(not (self.model.adapter_sync and self.rollout.engine == "vllm" and self.rollout.sleep_level == 2),
+        need(not (self.vllm_applies_adapter() and self.rollout.sleep_level == 2),
              'model.lora_sync = "adapter" sends the base weights to vLLM once and keeps them, but rollout.sleep_level '
              '= 2 drops them at every sleep (the base would be sent every step): set rollout.sleep_level = 0 (picks 1) '
              'or 1, or model.lora_sync = "merged"')
-        need(self.rollout.weights_stay_on_gpu is not True or (self.model.adapter_sync and self.rollout.engine == "vllm"),
+        need(not self.engine_keeps_weights() or self.vllm_applies_adapter(),
              'rollout.weights_stay_on_gpu = true keeps the vLLM engine\'s base weights on the GPU while it sleeps, which '
              'only LoRA\'s adapter sync can use (its base never changes): set it to false or "auto", or use '
              'rollout.engine = "vllm" with model.lora_rank > 0 and model.lora_sync = "adapter"')

@@ -268,7 +268,7 @@ def host_memory_parts(cfg: Config, world_size: int) -> dict[str, tuple[float, st
     critic = model_shape(cfg, critic=True) if cfg.use_critic else None
     roles, shard = roles_of(cfg, shape, critic), cfg.trainer.fsdp_size or world_size
     parts = {}
-    if cfg.rollout.engine == "vllm" and cfg.engine_sleep_level() == 1 and cfg.rollout.weights_stay_on_gpu is not True:
+    if cfg.rollout.engine == "vllm" and cfg.engine_sleep_level() == 1 and not cfg.engine_keeps_weights():
         parts["vLLM weights asleep (sleep level 1)"] = (
             engine_of(cfg, shape).weight_bytes,
             'model.lora_sync = "merged" (sleep level 2)' if cfg.model.adapter_sync else "rollout.sleep_level = 2")

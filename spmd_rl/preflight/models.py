@@ -172,7 +172,7 @@ def check_lora_in_latent_attention(cfg: Config) -> None:
     attention folds (LATENT_ATTENTION_FOLDED): the engine would sample without that part of the adapter,
     unnoticed but for the mismatch. The merged sync serves it (the engine folds W + BA)."""
     m = cfg.model
-    if not (m.adapter_sync and cfg.rollout.engine == "vllm"):
+    if not cfg.vllm_applies_adapter():
         return
     from spmd_rl.model.loading import random_model_config
 

@@ -154,8 +154,7 @@ def stay_options(cfg: Config, world_size: int) -> list[dict[str, Any]]:
     stay = cfg.rollout.weights_stay_on_gpu
     if stay != AUTO:
         return [{STAY: stay}]
-    can = cfg.model.adapter_sync and cfg.rollout.engine == "vllm"
-    return [{STAY: True}, {STAY: False}] if can else [{STAY: False}]
+    return [{STAY: True}, {STAY: False}] if cfg.vllm_applies_adapter() else [{STAY: False}]
 
 
 def logprob_options(cfg: Config, world_size: int) -> list[dict[str, Any]]:
