@@ -70,7 +70,7 @@ def lay_out(input_ids: torch.Tensor, lengths: list[int], prompt_lens: list[int])
     rows, cols, seg_q, kv, out_r, out_c, out_at = [], [], [], [], [], [], []
     pos = 0
     for members in prompt_sets(input_ids, lengths, prompt_lens):
-        p = min(prompt_lens[members[0]], lengths[members[0]])
+        p = _prompt_len(members, lengths, prompt_lens)
         start = pos  # the prompt's first packed position
         prompt = torch.arange(start, start + p)
         if p:
@@ -132,6 +132,11 @@ class SharedPromptLayout:
         return x[self.rows, self.cols]
 
 
+def _prompt_len(rows: list[int], lengths: list[int], prompt_lens: list[int]) -> int:
+    """The prompt length of rows that share a prompt (prompt_sets): the first row's, within its length."""
+    return min(prompt_lens[rows[0]], lengths[rows[0]])
+
+
 def _cat_long(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.long)
 
@@ -143,7 +148,7 @@ def units(lengths: list[int], prompt_lens: list[int], sets: list[list[int]], max
     `max_tokens` (a row longer than the budget alone), in row order."""
     out, costs = [], []
     for rows in sets:
-        p = min(prompt_lens[rows[0]], lengths[rows[0]])
+        p = _prompt_len(rows, lengths, prompt_lens)
         unit, cost = [], p
         for r in rows:
             extra = lengths[r] - p
@@ -166,7 +171,7 @@ def split_until(units_: list[list[int]], costs: list[int], count: int, lengths: 
         i = max(range(len(units_)), key=lambda j: len(units_[j]))
         rows = units_.pop(i)
         costs.pop(i)
-        p = min(prompt_lens[rows[0]], lengths[rows[0]])
+        p = _prompt_len(rows, lengths, prompt_lens)
         for half in (rows[:len(rows) // 2], rows[len(rows) // 2:]):
             units_.append(half)
             costs.append(p + sum(lengths[r] - p for r in half))

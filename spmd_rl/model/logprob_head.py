@@ -36,7 +36,7 @@ import types
 import torch
 
 from spmd_rl.model import fused_kernels
-from spmd_rl.model.row_gather import gather_rows
+from spmd_rl.model.row_gather import pick_positions
 
 HEAD_MODES = ("none", "compile")
 
@@ -331,20 +331,13 @@ def _logprob_forward(self, *args, logprob_targets: torch.Tensor | None = None, l
         return type(self).forward(self, *args, **kwargs)
     if self.spmd_chunked_logprobs:
         base = getattr(self, self.base_model_prefix)
-        hidden = _pick(base(*args, **kwargs).last_hidden_state, logprob_rows)
+        hidden = pick_positions(base(*args, **kwargs).last_hidden_state, logprob_rows)
         out = token_logprobs(hidden, self.get_output_embeddings().weight, logprob_targets, temperature,
                              with_entropy, entropy_grad, fused=getattr(self, "spmd_logprob_head", "none"))
     else:
-        logits = _pick(type(self).forward(self, *args, **kwargs).logits, logprob_rows)
+        logits = pick_positions(type(self).forward(self, *args, **kwargs).logits, logprob_rows)
         out = full_logits_logprobs(logits, logprob_targets, temperature, with_entropy, entropy_grad)
     return tuple(_not_a_view(t) for t in out)
-
-
-def _pick(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """[1, T, ...] per-position outputs -> [1, N, ...] at the positions `rows` ([N]; a position may
-    predict several targets: a shared prompt's last token, each of its responses' first); all of
-    them when None."""
-    return x if rows is None else gather_rows(x[0], rows)[None]
 
 
 def _not_a_view(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -30,6 +30,13 @@ class _GatherRows(torch.autograd.Function):
         return out.to(ctx.dtype), None
 
 
+def pick_positions(x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """[1, T, ...] per-position outputs of a one-row input -> [1, N, ...] at `positions` ([N]; a position
+    may be picked several times: a shared prompt's last, before each of its responses); x itself when
+    None."""
+    return x if positions is None else gather_rows(x[0], positions)[None]
+
+
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x[index] along dim 0 (index: 1-D long); the gradient of a row picked k times is the sum of
     its k copies' gradients, added in float32 (float64 stays float64)."""

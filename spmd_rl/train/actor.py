@@ -37,7 +37,8 @@ def forward_logprobs(model: torch.nn.Module, mb: Batch, temperature: float, with
     routes = layout.token_rows(mb[routing.BATCH_KEY]) if routing.BATCH_KEY in mb else None
     with routing.replay(model, routes), routing.router_logits(model, router_aux is not None) as logits:
         logp, entropy = model(**layout.inputs, use_cache=False, logprob_targets=layout.targets,
-                              logprob_rows=layout.output_rows, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+                              logprob_rows=layout.output_rows, temperature=temperature, with_entropy=with_entropy,
+                              entropy_grad=entropy_grad)
     if router_aux is not None and logits:
         real = layout.token_rows(mb["attention_mask"][..., None])[..., 0] > 0  # the forward's tokens, padding out
         router_aux.append(routing.load_balancing_loss(logits, routing.state_of(model).top_k, real))

@@ -12,16 +12,14 @@ from spmd_rl.algo import algorithms as algos
 from spmd_rl.batching import sequence_parallel
 from spmd_rl.batching.batch import Batch
 from spmd_rl.config.critic import CriticConfig
-from spmd_rl.model.row_gather import gather_rows
+from spmd_rl.model.row_gather import pick_positions
 from spmd_rl.train.actor import per_token_outputs
 
 
 def forward_values(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
     layout = sequence_parallel.make_layout(mb, model)
     out = model(**layout.inputs, use_cache=False).logits[..., 0].float()
-    if layout.output_rows is not None:  # shared prompts: the values at the positions before the responses' tokens
-        out = gather_rows(out[0], layout.output_rows)[None]
-    return layout.to_columns(out)
+    return layout.to_columns(pick_positions(out, layout.output_rows))  # shared prompts: before each response token
 
 
 def compute_values(model: torch.nn.Module, batch: Batch, micro_batch_size: int, device: torch.device,

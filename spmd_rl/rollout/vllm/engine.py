@@ -584,7 +584,8 @@ class VLLMEngine:
 
         from spmd_rl.model.lora import adapter_config
 
-        workers = vllm_sleep.engine_worker(self.llm).model_runner.lora_manager  # vLLM's WorkerLoRAManager: how its own loader builds a LoRAModel
+        # vLLM's WorkerLoRAManager: how its own loader builds a LoRAModel
+        workers = vllm_sleep.engine_worker(self.llm).model_runner.lora_manager
         # the modules its LoRA layers wrap: engine_kwargs' lora_target_modules, the adapter's own
         helper = PEFTHelper.from_dict(adapter_config(self.lora, list(workers.lora_config.target_modules)))
         helper.validate_legal(workers.lora_config)
