@@ -112,6 +112,12 @@ class RolloutConfig:
     "vLLM weights"). "auto": on where the memory plan predicts training fits beside them, chosen after
     the update's token budget and before the log-prob pass's (docs/training.md, "Speed settings chosen
     at start"); off without the adapter sync, where new weights come every step."""
+    lora_matmul: bool = True
+    """vLLM with LoRA's adapter sync (model.lora_sync = "adapter"): its LoRA layers apply the engine's one
+    adapter with two cuBLAS matmuls per output slice (spmd_rl/rollout/vllm/lora_matmul.py) in place of
+    vLLM's Punica Triton kernels, which look each token's adapter up to serve many at once. False: vLLM's
+    kernels, with the tuned configs of spmd_rl/rollout/vllm/lora_kernels.py where they ship for the GPU
+    and shape (docs/lora.md, "LoRA kernels"; docs/performance.md for the generation time either way)."""
     weight_sync_bucket_mb: int = 512
     """Size of the buckets in which FSDP shards are gathered and handed to the engine."""
     offload_train_states: bool = False

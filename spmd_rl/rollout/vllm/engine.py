@@ -67,7 +67,7 @@ from spmd_rl.model.expert_layout import FUSED_EXPERTS
 from spmd_rl.model.loading import DTYPES
 from spmd_rl.rollout.base import Completion, SamplingParams
 from spmd_rl.rollout.finish_times import GenerateTail
-from spmd_rl.rollout.vllm import lora_kernels
+from spmd_rl.rollout.vllm import lora_kernels, lora_matmul
 from spmd_rl.rollout.vllm import sleep as vllm_sleep
 from spmd_rl.rollout.vllm.model_inspection import in_process_inspection
 from spmd_rl.rollout.vllm.outputs import completion, logprob_request, paused_gc, supports_flat_logprobs
@@ -443,7 +443,10 @@ class VLLMEngine:
         self.flat_logprobs = supports_flat_logprobs(VSP)
         self.pause_gc = True
 
-        if self.lora is not None:  # the LoRA kernels' tuned configs, where they ship for this GPU and shape
+        if self.lora is not None and r.lora_matmul:  # the adapter through cuBLAS matmuls (lora_matmul.py)
+            lora_matmul.install()
+            log.info("LoRA kernels: the adapter through cuBLAS matmuls (rollout.lora_matmul)")
+        elif self.lora is not None:  # vLLM's kernels, with their tuned configs where they ship for this GPU and shape
             from spmd_rl.model.lora import vllm_max_lora_rank
 
             log.info(lora_kernels.choose(torch.cuda.get_device_name(), text_config(model_dir),
