@@ -115,9 +115,10 @@ class RolloutConfig:
     lora_matmul: bool = True
     """vLLM with LoRA's adapter sync (model.lora_sync = "adapter"): its LoRA layers apply the engine's one
     adapter with two cuBLAS matmuls per output slice (spmd_rl/rollout/vllm/lora_matmul.py) in place of
-    vLLM's Punica Triton kernels, which look each token's adapter up to serve many at once. False: vLLM's
-    kernels, with the tuned configs of spmd_rl/rollout/vllm/lora_kernels.py where they ship for the GPU
-    and shape (docs/lora.md, "LoRA kernels"; docs/performance.md for the generation time either way)."""
+    vLLM's Punica Triton kernels, which look each token's adapter up to serve many at once. Where vLLM
+    runs its model uncompiled (rollout.vllm_compile = false, the default). False, or with vllm_compile:
+    vLLM's kernels, with the tuned configs of spmd_rl/rollout/vllm/lora_kernels.py where they ship for
+    the GPU and shape (docs/lora.md, "LoRA kernels"; docs/performance.md for the generation time)."""
     weight_sync_bucket_mb: int = 512
     """Size of the buckets in which FSDP shards are gathered and handed to the engine."""
     offload_train_states: bool = False

@@ -84,8 +84,9 @@ LAYERS_7B = {"qkv": (3584, (3584, 512, 512)), "o": (3584, (3584,)), "gate_up": (
 @pytest.mark.parametrize("tokens", [512, 4096], ids=["decode-512", "prefill-4096"])
 def test_one_adapter_matmuls_match_vllms_punica_kernels(tokens):
     """rollout.lora_matmul's wrapper (spmd_rl/rollout/vllm/lora_matmul.py) against vLLM's Punica Triton kernels
-    on the same stacked adapter and token map (a tenth of the tokens without the adapter), both against
-    float64: as close as the kernels, and tokens without the adapter keep the base output exactly."""
+    on the same adapter and token map (a tenth of the tokens without the adapter), both against float64, at
+    its first call (which joins the layer's slices) and after a new adapter is written through vLLM's slice
+    tensors: as close as the kernels, and tokens without the adapter keep the base output exactly."""
     reason = skip_reason(1)
     if reason:
         pytest.skip(reason)
@@ -110,22 +111,32 @@ def test_one_adapter_matmuls_match_vllms_punica_kernels(tokens):
         w.update_metadata(mapping, [1], 1, 152064)
     gen = torch.Generator(device="cuda").manual_seed(0)
     has = torch.tensor(ids, device="cuda") == 1
+
+    def draw(t, fan_in):  # a new adapter, written into vLLM's slot tensor as its set_lora does
+        t[0] = 0
+        t[0, 0].copy_(torch.randn(t.shape[2:], generator=gen, device="cuda") / fan_in ** 0.5)
+
     for name, (fan_in, outs) in LAYERS_7B.items():
         x = torch.randn(tokens, fan_in, generator=gen, device="cuda").bfloat16()
         y0 = torch.randn(tokens, sum(outs), generator=gen, device="cuda").bfloat16()
-        a = tuple((torch.randn(1, 1, 32, fan_in, generator=gen, device="cuda") / fan_in ** 0.5).bfloat16() for _ in outs)
-        b = tuple((torch.randn(1, 1, n, 32, generator=gen, device="cuda") / 32 ** 0.5).bfloat16() for n in outs)
-        want, offset = y0.double().clone(), 0
-        for ai, bi, n in zip(a, b, outs):
-            want[has, offset:offset + n] += (x[has].double() @ ai[0, 0].double().t()) @ bi[0, 0].double().t()
-            offset += n
-        got = {}
-        for label, w in (("punica", theirs), ("matmul", ours)):
-            y = y0.clone()
-            w.add_lora_linear(y, x, a, b, 1.0, outs)
-            got[label] = y
-        err = {k: (v.double() - want).abs().max().item() for k, v in got.items()}
-        print(f"{name} at {tokens} tokens: max error against float64 {err}")
-        assert err["matmul"] <= 1.5 * err["punica"] + 1e-3, (name, err)
-        assert torch.equal(got["matmul"][~has], y0[~has]), name
-        assert torch.equal(got["punica"][~has], y0[~has]), name
+        a = tuple(torch.zeros(1, 1, 32, fan_in, device="cuda", dtype=torch.bfloat16) for _ in outs)
+        b = tuple(torch.zeros(1, 1, n, 32, device="cuda", dtype=torch.bfloat16) for n in outs)
+        a_theirs, b_theirs = tuple(t.clone() for t in a), tuple(t.clone() for t in b)
+        for load in ("first", "reloaded"):
+            for t, t_theirs in zip((*a, *b), (*a_theirs, *b_theirs)):
+                draw(t, t.shape[-1])
+                t_theirs.copy_(t)
+            want, offset = y0.double().clone(), 0
+            for ai, bi, n in zip(a_theirs, b_theirs, outs):
+                want[has, offset:offset + n] += (x[has].double() @ ai[0, 0].double().t()) @ bi[0, 0].double().t()
+                offset += n
+            got = {}
+            for label, w, aa, bb in (("punica", theirs, a_theirs, b_theirs), ("matmul", ours, a, b)):
+                y = y0.clone()
+                w.add_lora_linear(y, x, aa, bb, 1.0, outs)
+                got[label] = y
+            err = {k: (v.double() - want).abs().max().item() for k, v in got.items()}
+            print(f"{name} at {tokens} tokens, {load} adapter: max error against float64 {err}")
+            assert err["matmul"] <= 1.5 * err["punica"] + 1e-3, (name, load, err)
+            assert torch.equal(got["matmul"][~has], y0[~has]), (name, load)
+            assert torch.equal(got["punica"][~has], y0[~has]), (name, load)

@@ -14,6 +14,9 @@ import torch.distributed as dist
 from spmd_rl.config.run_config import load_config
 from spmd_rl.runtime.distributed import free_port
 
+VLLM_WRAPPER = "vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU"
+"""What vLLM 0.26's CUDA platform names as its LoRA layers' wrapper (get_punica_wrapper)."""
+
 
 @contextlib.contextmanager
 def stand_in_engine(monkeypatch, model_dir, llm_cls, sampling_params_cls, overrides=(), config: dict | None = None,
@@ -24,6 +27,9 @@ def stand_in_engine(monkeypatch, model_dir, llm_cls, sampling_params_cls, overri
     fake = types.ModuleType("vllm")
     fake.LLM, fake.SamplingParams = llm_cls, sampling_params_cls
     monkeypatch.setitem(sys.modules, "vllm", fake)
+    fake.platforms = types.ModuleType("vllm.platforms")  # the platform, whose LoRA wrapper the engine may name
+    fake.platforms.current_platform = type("Platform", (), {"get_punica_wrapper": classmethod(lambda cls: VLLM_WRAPPER)})()
+    monkeypatch.setitem(sys.modules, "vllm.platforms", fake.platforms)
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(k, v)

@@ -443,7 +443,7 @@ class VLLMEngine:
         self.flat_logprobs = supports_flat_logprobs(VSP)
         self.pause_gc = True
 
-        if self.lora is not None and r.lora_matmul:  # the adapter through cuBLAS matmuls (lora_matmul.py)
+        if self.lora is not None and r.lora_matmul and not r.vllm_compile:  # cuBLAS matmuls (lora_matmul.py)
             lora_matmul.install()
             log.info("LoRA kernels: the adapter through cuBLAS matmuls (rollout.lora_matmul)")
         elif self.lora is not None:  # vLLM's kernels, with their tuned configs where they ship for this GPU and shape

@@ -120,7 +120,8 @@ def test_the_engine_points_vllm_at_them_before_it_is_built_with_lora(monkeypatch
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: H200)
     overrides = ["rollout.tensor_parallel_size=1"]
     if lora:
-        overrides += ["model.lora_rank=32", 'model.lora_sync="adapter"', 'model.lora_target_modules=["q_proj"]']
+        overrides += ["model.lora_rank=32", 'model.lora_sync="adapter"', 'model.lora_target_modules=["q_proj"]',
+                      "rollout.lora_matmul=false"]  # vLLM's kernels (with the matmuls: test_lora_matmul.py)
     with caplog.at_level(logging.INFO), stand_in_engine(monkeypatch, tmp_path, _RecordingLLM,
                                                         type("SamplingParams", (), {}), overrides, QWEN7B_CONFIG):
         pass

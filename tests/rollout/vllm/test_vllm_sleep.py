@@ -276,6 +276,7 @@ def test_the_engine_with_the_key_keeps_its_weights_mapped_from_its_first_sleep(s
 
     monkeypatch.setattr(vllm_engine.torch.cuda, "get_device_name", lambda *a: "stand-in")
     monkeypatch.setattr(vllm_engine.lora_kernels, "choose", lambda *a: "LoRA kernels: stand-in")
+    monkeypatch.setattr(vllm_engine.lora_matmul, "install", lambda: None)
     cfg = load_config(None, ['rollout.engine="vllm"', "model.lora_rank=8", f"rollout.weights_stay_on_gpu={str(stay).lower()}"])
     dist.init_process_group("gloo")
     try:
