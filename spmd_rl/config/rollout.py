@@ -114,7 +114,7 @@ class RolloutConfig:
     at start"); off without the adapter sync, where new weights come every step."""
     lora_matmul: bool = True
     """vLLM with LoRA's adapter sync (model.lora_sync = "adapter"): its LoRA layers apply the engine's one
-    adapter with two cuBLAS matmuls per output slice (spmd_rl/rollout/vllm/lora_matmul.py) in place of
+    adapter with two cuBLAS matmuls a layer, its slices joined (spmd_rl/rollout/vllm/lora_matmul.py), in place of
     vLLM's Punica Triton kernels, which look each token's adapter up to serve many at once. Where vLLM
     runs its model uncompiled (rollout.vllm_compile = false, the default). False, or with vllm_compile:
     vLLM's kernels, with the tuned configs of spmd_rl/rollout/vllm/lora_kernels.py where they ship for

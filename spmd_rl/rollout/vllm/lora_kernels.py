@@ -1,4 +1,6 @@
-"""Tuned configs for vLLM's LoRA kernels: shipped per GPU and model shape, used by default with the adapter sync.
+"""Tuned configs for vLLM's LoRA kernels: shipped per GPU and model shape, used with the adapter sync where
+the engine runs vLLM's kernels (rollout.lora_matmul off, or vLLM compiling its model; by default the adapter
+goes through cuBLAS matmuls instead: lora_matmul.py).
 
 vLLM applies an adapter with two Triton kernels per adapted layer (shrink, expand). It looks each call's
 tile config up in the folder VLLM_TUNED_CONFIG_FOLDER names (`{GPU}_SHRINK.json`, `{GPU}_EXPAND_TRUE.json`,
