@@ -16,9 +16,9 @@ per forward. `apply_adapter` is the math (no vLLM in it). `install()` makes vLLM
 (vLLM's PunicaWrapperGPU with `add_lora_linear` done by these where it holds one adapter, its kernels
 otherwise) through the platform's `get_punica_wrapper`, before the engine is built; a layer's buffers are
 joined at its first call, in vLLM's profile run, before CUDA graphs capture the matmuls (not for a model
-vLLM compiles, whose first call is traced: the engine installs it with rollout.vllm_compile off only). The mask `on` is
-filled from vLLM's token-to-adapter map (index -1: none) at each metadata update, outside the graphs, into
-a buffer the graphs read.
+vLLM compiles, whose first call is traced: the engine installs it with rollout.vllm_compile off only).
+The mask `on` is filled from vLLM's token-to-adapter map (index -1: none) at each metadata update,
+outside the graphs, into a buffer the graphs read.
 
 Numbers: h is rounded to the adapter's dtype before the expand, as Punica's expand kernel casts its float32
 buffer to B's dtype; the add to the base output is rounded once (Punica's kernel rounds the product, then
