@@ -58,6 +58,15 @@ class RolloutConfig:
     "Speed settings chosen at start"). A number: vLLM's own cap for every call."""
     max_num_batched_tokens: int = 8192
     """vLLM: most tokens in one scheduler step."""
+    kv_cache_tokens: int | Auto = 0
+    """vLLM: the KV cache's size, in tokens on each GPU of a replica. 0: what rollout.gpu_memory_utilization
+    leaves after the weights (vLLM's own sizing). A number: that many (vLLM's kv_cache_memory_bytes, at
+    one token's bytes of the model). "auto": every sequence of one engine call at its full length
+    (Config.engine_sequences_per_call x Config.engine_max_model_len, in whole KV blocks, and vLLM's null
+    block), so no request waits for room; at most what gpu_memory_utilization leaves (0 where that is
+    less). A smaller cache is mapped faster at each wake-up and unmapped faster at sleep
+    (docs/performance.md for numbers); the memory plan counts the engine at gpu_memory_utilization either
+    way, and the start-up line of the engine says the size it got."""
     max_model_len: int = 0
     """vLLM: context length; 0 = data.max_prompt_length + data.max_response_length."""
     enforce_eager: bool = False
@@ -288,6 +297,10 @@ class RolloutConfig:
             ("stop_token_ids", all(i >= 0 for i in self.stop_token_ids), "token ids >= 0"),
             ("max_num_seqs", self.max_num_seqs == AUTO or self.max_num_seqs >= 1, '>= 1, or "auto"'),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
+            ("kv_cache_tokens", self.kv_cache_tokens == AUTO or self.kv_cache_tokens == 0
+             or self.kv_cache_tokens >= cfg.engine_max_model_len(),
+             '0 (gpu_memory_utilization sizes it), "auto", or >= the engine\'s context length '
+             '(rollout.max_model_len, or data.max_prompt_length + data.max_response_length)'),
             ("max_model_len", self.max_model_len == 0 or self.max_model_len >= d.max_prompt_length + d.max_response_length,
              "0 or >= data.max_prompt_length + data.max_response_length"),
             ("cudagraph_capture_sizes", all(s > 0 for s in self.cudagraph_capture_sizes), "sizes > 0"),

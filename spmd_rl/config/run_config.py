@@ -30,7 +30,7 @@ from typing import Any
 from spmd_rl.config import actor, algorithm, critic, data, model, reward, reward_model, rollout, toml_io, trainer
 from spmd_rl.config.actor import ActorConfig
 from spmd_rl.config.algorithm import AlgorithmConfig
-from spmd_rl.config.checks import need, ordinal
+from spmd_rl.config.checks import AUTO, need, ordinal
 from spmd_rl.config.critic import CriticConfig
 from spmd_rl.config.data import DataConfig
 from spmd_rl.config.model import ModelConfig
@@ -126,6 +126,17 @@ class Config:
         if d.val_files:
             most = max(most, -(-d.val_batch_size // world_size) * r.tensor_parallel_size * r.val_n)
         return most
+
+    def engine_kv_cache_tokens(self, world_size: int) -> int:
+        """rollout.kv_cache_tokens as tokens on each GPU of a replica (0: vLLM sizes it from
+        rollout.gpu_memory_utilization); "auto": each of a call's sequences (engine_sequences_per_call)
+        at engine_max_model_len in whole KV blocks (rollout.block_size, vLLM's 16 where 0), plus vLLM's
+        null block."""
+        tokens = self.rollout.kv_cache_tokens
+        if tokens != AUTO:
+            return tokens
+        block = self.rollout.block_size or 16
+        return (self.engine_sequences_per_call(world_size) * -(-self.engine_max_model_len() // block) + 1) * block
 
     def check_lora_sync(self) -> None:
         """LoRA's adapter sync against the engine's sleep level; the weights kept on the GPU need it."""

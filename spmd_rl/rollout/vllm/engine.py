@@ -143,13 +143,45 @@ def expert_count(model_dir: str) -> int:
     return experts_of(text_config(model_dir))
 
 
+def kv_cache_bytes(cfg, world_size: int, device_total: float | None) -> int:
+    """vLLM's kv_cache_memory_bytes for rollout.kv_cache_tokens (Config.engine_kv_cache_tokens) at one
+    token's bytes of the model on one GPU of a replica (memory_plan.kv_bytes_per_token); 0 leaves the
+    size to vLLM: the key's 0, or "auto" above what gpu_memory_utilization leaves on a device of
+    `device_total` bytes (memory_plan.engine_kv_tokens; None: no cap)."""
+    tokens = cfg.engine_kv_cache_tokens(world_size)
+    if not tokens:
+        return 0
+    from spmd_rl.preflight import memory
+    from spmd_rl.runtime import memory_plan as mp
+
+    r = cfg.rollout
+    shape = memory.model_shape(cfg)
+    per_token = mp.kv_bytes_per_token(shape, r.tensor_parallel_size, mp.DTYPE_BYTES[r.dtype])
+    if (r.kv_cache_tokens == "auto" and device_total
+            and tokens > mp.engine_kv_tokens(memory.engine_of(cfg, shape), device_total, per_token)):
+        return 0
+    return int(tokens * per_token)
+
+
+def kv_cache_words(cfg, world_size: int, kv_bytes: int) -> str:
+    """The start-up line's words for rollout.kv_cache_tokens (its engine kwarg `kv_bytes`, 0 if none)."""
+    tokens = cfg.engine_kv_cache_tokens(world_size)
+    if not kv_bytes:
+        return (f'rollout.kv_cache_tokens = "auto" wants {tokens} tokens, more than rollout.gpu_memory_utilization '
+                f"leaves: vLLM sizes it from gpu_memory_utilization")
+    why = (f'"auto": {cfg.engine_sequences_per_call(world_size)} sequences x {cfg.engine_max_model_len()} tokens'
+           if cfg.rollout.kv_cache_tokens == "auto" else "set")
+    return f"{tokens} tokens, {kv_bytes / 2**30:.1f} GiB (rollout.kv_cache_tokens {why})"
+
+
 def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_mode: bool = True,
-                  world_size: int = 1, **overrides: Any) -> dict[str, Any]:
+                  world_size: int = 1, device_total: float | None = None, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for this config: the project's own, then the user's
     `rollout.engine_kwargs` (config validation refused those that would replace one of ours), then
     `overrides`. `dummy=False, sleep_mode=False` gives a plain engine that reads the checkpoint from
     disk with otherwise identical settings (tests, bench). `world_size`: the run's ranks (the
-    batch sizes of rollout.cudagraph_step_sizes)."""
+    batch sizes of rollout.cudagraph_step_sizes, rollout.kv_cache_tokens' "auto"); `device_total`: the
+    GPU's bytes ("auto"'s cap: kv_cache_bytes)."""
     r = cfg.rollout
     kw: dict[str, Any] = dict(
         model=model_dir,
@@ -170,6 +202,9 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
         enable_chunked_prefill=r.enable_chunked_prefill,
         disable_custom_all_reduce=r.disable_custom_all_reduce,
     )
+    kv_bytes = kv_cache_bytes(cfg, world_size, device_total)
+    if kv_bytes:  # rollout.kv_cache_tokens: the KV cache's size, in place of gpu_memory_utilization's share
+        kw["kv_cache_memory_bytes"] = kv_bytes
     if r.partial_rollouts:  # a streamed run's requests deliver their new tokens every STREAM_INTERVAL tokens
         kw["stream_interval"] = STREAM_INTERVAL
     if returns_routes(cfg, model_dir):  # routing replay: each token's experts come back (Completion.routes)
@@ -457,8 +492,13 @@ class VLLMEngine:
         # inspected here, not in a new Python (model_inspection.py)
         with engine_build_allocator(), in_process_inspection():
             torch.cuda.empty_cache()
-            self.llm = LLM(**engine_kwargs(cfg, model_dir, self.engine_seed, world_size=world_size))
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory \
+                if torch.cuda.is_available() else None
+            kwargs = engine_kwargs(cfg, model_dir, self.engine_seed, world_size=world_size, device_total=total)
+            self.llm = LLM(**kwargs)
         self.init_seconds = time.perf_counter() - t0
+        if r.kv_cache_tokens:
+            log.info("KV cache: %s", kv_cache_words(cfg, world_size, kwargs.get("kv_cache_memory_bytes", 0)))
         # rollout.max_num_seqs = "auto": each call's cap from what the KV cache holds (running_cap.py)
         self.running_cap = (RunningCap.of(self.llm, r.max_num_seqs) if "rollout.max_num_seqs" in cfg.auto_chosen
                             else None)

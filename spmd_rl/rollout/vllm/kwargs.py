@@ -66,6 +66,7 @@ ROLLOUT_KEYS: dict[str, str] = {
         "tensor_parallel_size", "dtype", "seed", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
         "max_num_batched_tokens", "enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
         "disable_custom_all_reduce", "cudagraph_capture_sizes", "block_size")},
+    "kv_cache_memory_bytes": "rollout.kv_cache_tokens",
     "compilation_config.cudagraph_capture_sizes": "rollout.cudagraph_capture_sizes",
     "compilation_config.mode": "rollout.vllm_compile",
     "compilation_config.level": "rollout.vllm_compile",

@@ -179,7 +179,8 @@ def test_what_the_colocated_engine_fixes_is_refused_with_the_reason(name, reason
 
 @pytest.mark.parametrize("name", sorted(n for n in ROLLOUT_KEYS if "." not in n))
 def test_what_a_rollout_key_sets_is_refused_naming_the_key(name):
-    assert refusal({name: 1}) == (f"rollout.engine_kwargs.{name} duplicates rollout.{name}: set rollout.{name} "
+    key = ROLLOUT_KEYS[name]  # rollout.<name>, or the key that sets it (kv_cache_memory_bytes: kv_cache_tokens)
+    assert refusal({name: 1}) == (f"rollout.engine_kwargs.{name} duplicates {key}: set {key} "
                                   "instead, and remove it from rollout.engine_kwargs")
 
 
@@ -431,3 +432,53 @@ def test_partial_rollouts_stream_new_tokens_every_few():
     assert "stream_interval" not in engine_kwargs(cfg, "/m", 0)
     cfg.rollout.partial_rollouts = True
     assert engine_kwargs(cfg, "/m", 0)["stream_interval"] == STREAM_INTERVAL > 1
+
+
+# --------------------------------------------------------------------------- rollout.kv_cache_tokens
+
+QWEN2_7B_TOKEN_BYTES = 28 * 2 * 4 * 128 * 2
+"""One token's KV cache of Qwen2.5-7B in bf16: 28 layers, a key and a value, 4 KV heads of 128, 2 bytes."""
+BENCH_7B = ['model.init="random"', 'model.arch="qwen2-7b"', 'model.path=""', "data.max_prompt_length=128",
+            "data.max_response_length=512", "data.train_batch_size=64", "rollout.n=8", "data.val_files=[]",
+            'rollout.engine="vllm"']
+
+
+@pytest.mark.parametrize("value, tokens", [
+    ('"auto"', (512 * 640 // 64 + 1) * 64),  # 512 sequences of a call x 10 blocks of 64, and the null block
+    ("400000", 400000),
+], ids=["auto", "set"])
+def test_the_kv_cache_gets_the_tokens_asked_at_the_models_bytes(value, tokens):
+    cfg = load_config(None, [*BENCH_7B, f"rollout.kv_cache_tokens={value}"])
+    assert cfg.engine_kv_cache_tokens(1) == tokens
+    kw = engine_kwargs(cfg, "/m", 0, world_size=1, device_total=141e9)
+    assert kw["kv_cache_memory_bytes"] == tokens * QWEN2_7B_TOKEN_BYTES
+
+
+def test_auto_counts_a_calls_sequences_per_replica_and_whole_blocks():
+    cfg = load_config(None, [*BENCH_7B, 'rollout.kv_cache_tokens="auto"', "data.max_response_length=500",
+                             "rollout.block_size=16"])
+    assert cfg.engine_kv_cache_tokens(2) == (256 * 40 + 1) * 16  # 256 sequences a rank, 628 tokens in 40 blocks
+
+
+def test_without_the_key_or_above_the_engines_share_vllm_sizes_it(caplog):
+    assert "kv_cache_memory_bytes" not in engine_kwargs(load_config(None, BENCH_7B), "/m", 0, device_total=141e9)
+    cfg = load_config(None, [*BENCH_7B, 'rollout.kv_cache_tokens="auto"', "rollout.gpu_memory_utilization=0.2"])
+    # 0.2 x 80 GB less the 15 GB of bf16 weights leaves less than the 18.8 GB asked: vLLM's own sizing
+    assert "kv_cache_memory_bytes" not in engine_kwargs(cfg, "/m", 0, device_total=80e9)
+    assert "kv_cache_memory_bytes" in engine_kwargs(cfg, "/m", 0, device_total=200e9)  # 0.2 of it leaves room
+
+
+def test_a_set_size_is_kept_and_one_below_the_context_refused_in_one_line(tmp_path):
+    cfg = load_config(None, [*BENCH_7B, "rollout.kv_cache_tokens=1000000", "rollout.gpu_memory_utilization=0.2"])
+    assert engine_kwargs(cfg, "/m", 0, device_total=80e9)["kv_cache_memory_bytes"] == 1000000 * QWEN2_7B_TOKEN_BYTES
+    with pytest.raises(ConfigError, match=r"rollout.kv_cache_tokens = 600 .*>= the engine's context length"):
+        preflight.validate(valid_cfg(tmp_path, *BENCH_7B, "rollout.kv_cache_tokens=600"))
+
+
+def test_the_engines_start_up_line_says_the_size_and_why():
+    from spmd_rl.rollout.vllm.engine import kv_cache_words
+
+    cfg = load_config(None, [*BENCH_7B, 'rollout.kv_cache_tokens="auto"'])
+    assert kv_cache_words(cfg, 1, 327744 * QWEN2_7B_TOKEN_BYTES) == (
+        '327744 tokens, 17.5 GiB (rollout.kv_cache_tokens "auto": 512 sequences x 640 tokens)')
+    assert kv_cache_words(cfg, 1, 0).endswith("vLLM sizes it from gpu_memory_utilization")
