@@ -122,6 +122,18 @@ def engine_of(cfg: Config, shape: mp.ModelShape) -> mp.Engine:
                      r.weight_sync_bucket_mb * 2**20, cfg.engine_keeps_weights())
 
 
+def engine_kv_token_bytes(cfg: Config, shape: mp.ModelShape) -> float:
+    """One token's KV cache on one GPU of the engine (its tensor parallelism and dtype)."""
+    r = cfg.rollout
+    return mp.kv_bytes_per_token(shape, r.tensor_parallel_size, mp.DTYPE_BYTES[r.dtype])
+
+
+def engine_share_kv_tokens(cfg: Config, shape: mp.ModelShape, device_total: float) -> int:
+    """Tokens the engine's KV cache holds in rollout.gpu_memory_utilization's share of a device of
+    `device_total` bytes (memory_plan.engine_kv_tokens)."""
+    return mp.engine_kv_tokens(engine_of(cfg, shape), device_total, engine_kv_token_bytes(cfg, shape))
+
+
 def plan_for(cfg: Config, world_size: int, device_total: float | None,
              shapes: tuple[mp.ModelShape, mp.ModelShape | None] | None = None) -> mp.MemoryPlan:
     """The memory plan of `cfg` on `world_size` ranks of GPUs of `device_total` bytes (None: no

@@ -177,8 +177,7 @@ def engine_sequences(cfg: Config, world_size: int, device_total: float, shape: m
         return NO_GPU_VALUES[SEQS], ""
     calls = cfg.engine_sequences_per_call(world_size)
     length = cfg.engine_max_model_len()
-    token_bytes = mp.kv_bytes_per_token(shape, r.tensor_parallel_size, mp.DTYPE_BYTES[r.dtype])
-    fit = mp.engine_kv_tokens(memory.engine_of(cfg, shape), device_total, token_bytes) // length
+    fit = memory.engine_share_kv_tokens(cfg, shape, device_total) // length
     value = max(1, min(calls, SEQS_MAX))
     bound = "a call's most" if value == calls else "vLLM's CUDA graphs' most"
     return value, (f"{bound} (a call has up to {calls}); each call runs as many as the KV cache holds at the "

@@ -63,6 +63,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from spmd_rl.config.checks import AUTO
 from spmd_rl.model.expert_layout import FUSED_EXPERTS
 from spmd_rl.model.loading import DTYPES
 from spmd_rl.rollout.base import Completion, SamplingParams
@@ -145,22 +146,19 @@ def expert_count(model_dir: str) -> int:
 
 def kv_cache_bytes(cfg, world_size: int, device_total: float | None) -> int:
     """vLLM's kv_cache_memory_bytes for rollout.kv_cache_tokens (Config.engine_kv_cache_tokens) at one
-    token's bytes of the model on one GPU of a replica (memory_plan.kv_bytes_per_token); 0 leaves the
-    size to vLLM: the key's 0, or "auto" above what gpu_memory_utilization leaves on a device of
-    `device_total` bytes (memory_plan.engine_kv_tokens; None: no cap)."""
+    token's bytes of the model on one GPU of a replica (preflight.memory.engine_kv_token_bytes); 0 leaves
+    the size to vLLM: the key's 0, or "auto" above what gpu_memory_utilization leaves on a device of
+    `device_total` bytes (preflight.memory.engine_share_kv_tokens; None: no cap)."""
     tokens = cfg.engine_kv_cache_tokens(world_size)
     if not tokens:
         return 0
     from spmd_rl.preflight import memory
-    from spmd_rl.runtime import memory_plan as mp
 
-    r = cfg.rollout
     shape = memory.model_shape(cfg)
-    per_token = mp.kv_bytes_per_token(shape, r.tensor_parallel_size, mp.DTYPE_BYTES[r.dtype])
-    if (r.kv_cache_tokens == "auto" and device_total
-            and tokens > mp.engine_kv_tokens(memory.engine_of(cfg, shape), device_total, per_token)):
+    if cfg.rollout.kv_cache_tokens == AUTO and device_total and tokens > memory.engine_share_kv_tokens(
+            cfg, shape, device_total):
         return 0
-    return int(tokens * per_token)
+    return int(tokens * memory.engine_kv_token_bytes(cfg, shape))
 
 
 def kv_cache_words(cfg, world_size: int, kv_bytes: int) -> str:
@@ -170,7 +168,7 @@ def kv_cache_words(cfg, world_size: int, kv_bytes: int) -> str:
         return (f'rollout.kv_cache_tokens = "auto" wants {tokens} tokens, more than rollout.gpu_memory_utilization '
                 f"leaves: vLLM sizes it from gpu_memory_utilization")
     why = (f'"auto": {cfg.engine_sequences_per_call(world_size)} sequences x {cfg.engine_max_model_len()} tokens'
-           if cfg.rollout.kv_cache_tokens == "auto" else "set")
+           if cfg.rollout.kv_cache_tokens == AUTO else "set")
     return f"{tokens} tokens, {kv_bytes / 2**30:.1f} GiB (rollout.kv_cache_tokens {why})"
 
 
