@@ -289,7 +289,8 @@ def lora_note(cfg: Config, actor: torch.nn.Module) -> str:
     trained = sum(p.numel() for p in actor.parameters() if p.requires_grad)
     reference = "; the reference is the actor with its adapter disabled" if cfg.use_reference else ""
     if m.adapter_sync:
-        kept = ("on the GPU while it sleeps, rollout.weights_stay_on_gpu" if cfg.engine_keeps_weights()
+        kept = ("on the GPU, awake between steps, rollout.stay_awake" if cfg.engine_stays_awake()
+                else "on the GPU while it sleeps, rollout.weights_stay_on_gpu" if cfg.engine_keeps_weights()
                 else f"in host memory while it sleeps, sleep level {cfg.engine_sleep_level()}")
         sync = (f"the engine gets the base once and keeps it ({kept}), then the adapter alone each step, applied "
                 "by its LoRA layers "

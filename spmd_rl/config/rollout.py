@@ -65,8 +65,9 @@ class RolloutConfig:
     (Config.engine_sequences_per_call x Config.engine_max_model_len, in whole KV blocks, and vLLM's null
     block), so no request waits for room; at most what gpu_memory_utilization leaves (0 where that is
     less). A smaller cache is mapped faster at each wake-up and unmapped faster at sleep
-    (docs/performance.md for numbers); the memory plan counts the engine at gpu_memory_utilization either
-    way, and the start-up line of the engine says the size it got."""
+    (docs/performance.md for numbers), and leaves room for the engine to stay awake beside training
+    (rollout.stay_awake); the memory plan counts the engine's weights, this cache and its runtime, and the
+    start-up line of the engine says the size it got."""
     max_model_len: int = 0
     """vLLM: context length; 0 = data.max_prompt_length + data.max_response_length."""
     enforce_eager: bool = False
@@ -121,6 +122,16 @@ class RolloutConfig:
     "vLLM weights"). "auto": on where the memory plan predicts training fits beside them, chosen after
     the update's token budget and before the log-prob pass's (docs/training.md, "Speed settings chosen
     at start"); off without the adapter sync, where new weights come every step."""
+    stay_awake: bool | Auto = False
+    """vLLM: the engine never sleeps after its first wake-up: its weights and KV cache stay on the GPU
+    while training runs, so no step maps them back at wake-up or unmaps them at sleep (time/wake,
+    time/sleep), and PyTorch keeps what training freed cached for the next step (no empty_cache()
+    before each wake-up; the engine's expandable-segments switch stays off, spmd_rl/runtime/gpu_memory.py).
+    The update and the log-prob pass then run beside the whole engine (the start-up memory line counts
+    it as "vLLM awake"), which a KV cache sized to the step (rollout.kv_cache_tokens) keeps small.
+    "auto": on where the memory plan predicts training fits beside it, chosen after the update's token
+    budget and before the weights kept on the GPU asleep (docs/training.md, "Speed settings chosen at
+    start"). Not with rollout.offload_train_states, which frees training's memory for an engine that wakes."""
     lora_matmul: bool = True
     """vLLM with LoRA's adapter sync (model.lora_sync = "adapter"): its LoRA layers apply the engine's one
     adapter with two cuBLAS matmuls a layer, its slices joined (spmd_rl/rollout/vllm/lora_matmul.py), in place of
@@ -288,6 +299,13 @@ class RolloutConfig:
                   f"tensor-parallel group would span two nodes: use a divisor of {gpus_per_node}")
         need(0 < self.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization must be in (0, 1)")
         need(self.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb must be > 0")
+        need(self.stay_awake is not True or self.engine == "vllm",
+             'rollout.stay_awake = true keeps the vLLM engine awake between steps; the HF engine never sleeps: '
+             'set it to false or "auto", or use rollout.engine = "vllm"')
+        need(self.stay_awake is not True or not self.offload_train_states,
+             "rollout.stay_awake = true keeps the engine's memory through training, while rollout.offload_train_states "
+             'moves training\'s state off the GPU to make room for an engine that wakes: set one of them to false '
+             '(or rollout.stay_awake = "auto", which stays asleep beside the offload)')
 
     def ranges(self, cfg: Config) -> list[Rule]:
         d = cfg.data

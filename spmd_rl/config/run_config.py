@@ -110,6 +110,11 @@ class Config:
         true once set or chosen; an "auto" not yet chosen (speed_settings, at start) reads as false."""
         return self.rollout.weights_stay_on_gpu is True
 
+    def engine_stays_awake(self) -> bool:
+        """Whether the vLLM engine stays awake between steps (rollout.stay_awake): true once set or chosen;
+        an "auto" not yet chosen (speed_settings, at start) reads as false."""
+        return self.rollout.engine == "vllm" and self.rollout.stay_awake is True
+
     def engine_max_model_len(self) -> int:
         """The engine's context length: rollout.max_model_len, or where it is 0 the longest prompt and
         response (data.max_prompt_length + data.max_response_length)."""

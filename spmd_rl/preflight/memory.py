@@ -11,9 +11,11 @@ becomes (spmd_rl/trainer.py). The trainer calls them before any model loads (bui
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
+from spmd_rl.config.checks import AUTO
 from spmd_rl.errors import UserError
 from spmd_rl.runtime import memory_plan as mp
 
@@ -134,6 +136,21 @@ def engine_share_kv_tokens(cfg: Config, shape: mp.ModelShape, device_total: floa
     return mp.engine_kv_tokens(engine_of(cfg, shape), device_total, engine_kv_token_bytes(cfg, shape))
 
 
+def engine_kv_cache_bytes(cfg: Config, world_size: int, device_total: float | None,
+                          shape: mp.ModelShape | None = None) -> int:
+    """The KV cache rollout.kv_cache_tokens gives each GPU of the engine, in bytes (vLLM's
+    kv_cache_memory_bytes): Config.engine_kv_cache_tokens at one token's bytes (engine_kv_token_bytes).
+    0 leaves the size to vLLM's share: the key's 0, or "auto" above what gpu_memory_utilization leaves on
+    a device of `device_total` bytes (engine_share_kv_tokens; None: no cap)."""
+    tokens = cfg.engine_kv_cache_tokens(world_size)
+    if not tokens:
+        return 0
+    shape = shape or model_shape(cfg)
+    if cfg.rollout.kv_cache_tokens == AUTO and device_total and tokens > engine_share_kv_tokens(cfg, shape, device_total):
+        return 0
+    return int(tokens * engine_kv_token_bytes(cfg, shape))
+
+
 def plan_for(cfg: Config, world_size: int, device_total: float | None,
              shapes: tuple[mp.ModelShape, mp.ModelShape | None] | None = None) -> mp.MemoryPlan:
     """The memory plan of `cfg` on `world_size` ranks of GPUs of `device_total` bytes (None: no
@@ -143,7 +160,11 @@ def plan_for(cfg: Config, world_size: int, device_total: float | None,
     if critic_shape is not None:
         models["critic"] = (critic_shape, work_of(cfg, "critic"))
     shard = cfg.trainer.fsdp_size or world_size
-    return mp.plan_memory(roles_of(cfg, shape, critic_shape), shard, models, engine_of(cfg, shape), device_total,
+    engine = engine_of(cfg, shape)
+    if engine.kind == "vllm":  # awake beside training (rollout.stay_awake), its KV cache as rollout.kv_cache_tokens sets it
+        engine = dataclasses.replace(engine, awake=cfg.engine_stays_awake(),
+                                     kv_bytes=engine_kv_cache_bytes(cfg, world_size, device_total, shape))
+    return mp.plan_memory(roles_of(cfg, shape, critic_shape), shard, models, engine, device_total,
                           cfg.rollout.offload_train_states)
 
 
@@ -210,8 +231,12 @@ def update_fixes(cfg: Config, plan: mp.MemoryPlan, world_size: int, shapes) -> l
     if not a.offload_optimizer:
         off = plan_for(_changed(cfg, actor__offload_optimizer=True), world_size, total, shapes)
         fixes.append(f"actor.offload_optimizer = true ({_peak(off)})")
+    if cfg.engine_stays_awake():
+        asleep = plan_for(_changed(cfg, rollout__stay_awake=False), world_size, total, shapes)
+        fixes.append(f"rollout.stay_awake = false ({_peak(asleep)})")
     if cfg.engine_keeps_weights():
-        host = plan_for(_changed(cfg, rollout__weights_stay_on_gpu=False), world_size, total, shapes)
+        host = plan_for(_changed(cfg, rollout__weights_stay_on_gpu=False, rollout__stay_awake=False), world_size,
+                        total, shapes)
         fixes.append(f"rollout.weights_stay_on_gpu = false ({_peak(host)})")
     return fixes
 

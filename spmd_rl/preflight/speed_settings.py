@@ -2,7 +2,7 @@
 
 The keys (SPEED_KEYS): model.gradient_checkpointing and model.gradient_checkpointing_layers,
 actor.max_token_len_per_gpu, actor.logprob_max_token_len_per_gpu, actor.offload_optimizer,
-rollout.weights_stay_on_gpu, and the engine's rollout.max_num_seqs. A value the user set is kept.
+rollout.stay_awake, rollout.weights_stay_on_gpu, and the engine's rollout.max_num_seqs. A value the user set is kept.
 Each training "auto" gets the value of the fastest candidate the memory plan
 (spmd_rl/preflight/memory.py's `plan_for`) predicts to fit. The candidates, fastest first, one
 setting before the next (a candidate earlier on the first setting comes first whatever the rest):
@@ -13,9 +13,13 @@ setting before the next (a candidate earlier on the first setting comes first wh
 3. the update's token budget: largest first (fewer micro-batches, each with its launches and idle
    time), from the tokens one GPU holds of a mini-batch (at most BUDGET_MAX) down to the longest
    sequence, halving;
-4. the engine's weights kept on the GPU while it sleeps, then sent to host memory (with LoRA's adapter
+4. the vLLM engine awake between steps, then asleep (not with rollout.offload_train_states): awake, a
+   step saves its wake-up and sleep (the KV cache mapped and unmapped, PyTorch's cache emptied), and
+   training runs beside the whole engine, which fits where the KV cache is sized to the step
+   (rollout.kv_cache_tokens);
+5. the engine's weights kept on the GPU while it sleeps, then sent to host memory (with LoRA's adapter
    sync only; off otherwise): kept, a step saves their copy to the host at sleep and back at wake-up;
-5. the log-prob pass's token budget: likewise, from the tokens one GPU holds of the whole step.
+6. the log-prob pass's token budget: likewise, from the tokens one GPU holds of the whole step.
 
 A candidate fits when every training phase of its plan (the updates and the log-prob pass) stays
 within (1 - MARGIN) of the device and the whole plan fits (MemoryPlan.fits: generation takes the
@@ -60,15 +64,17 @@ LAYERS = "model.gradient_checkpointing_layers"
 OFFLOAD = "actor.offload_optimizer"
 UPDATE = "actor.max_token_len_per_gpu"
 LOGPROB = "actor.logprob_max_token_len_per_gpu"
+AWAKE = "rollout.stay_awake"
 STAY = "rollout.weights_stay_on_gpu"
 SEQS = "rollout.max_num_seqs"
-SPEED_KEYS = (CHECKPOINTING, LAYERS, OFFLOAD, UPDATE, STAY, LOGPROB, SEQS)
+SPEED_KEYS = (CHECKPOINTING, LAYERS, OFFLOAD, UPDATE, AWAKE, STAY, LOGPROB, SEQS)
 """The keys that take "auto"."""
 
 NO_GPU_VALUES: dict[str, Any] = {
     CHECKPOINTING: ModelConfig.gradient_checkpointing, LAYERS: ModelConfig.gradient_checkpointing_layers,
     OFFLOAD: ActorConfig.offload_optimizer, UPDATE: ActorConfig.max_token_len_per_gpu,
-    LOGPROB: ActorConfig.logprob_max_token_len_per_gpu, STAY: RolloutConfig.weights_stay_on_gpu,
+    LOGPROB: ActorConfig.logprob_max_token_len_per_gpu, AWAKE: RolloutConfig.stay_awake,
+    STAY: RolloutConfig.weights_stay_on_gpu,
     SEQS: RolloutConfig.max_num_seqs}
 """What "auto" takes where the plan cannot compare (no GPU, a shape it cannot read): each key's default."""
 
@@ -149,6 +155,15 @@ def update_options(cfg: Config, world_size: int) -> list[dict[str, Any]]:
     return budget_options(cfg, world_size, UPDATE, cfg.actor.mini_batch_rows(cfg.rollout.n, ranks))
 
 
+def awake_options(cfg: Config, world_size: int) -> list[dict[str, Any]]:
+    """Awake, then asleep, for the vLLM engine without rollout.offload_train_states (asleep otherwise)."""
+    awake = cfg.rollout.stay_awake
+    if awake != AUTO:
+        return [{AWAKE: awake}]
+    can = cfg.rollout.engine == "vllm" and not cfg.rollout.offload_train_states
+    return [{AWAKE: True}, {AWAKE: False}] if can else [{AWAKE: False}]
+
+
 def stay_options(cfg: Config, world_size: int) -> list[dict[str, Any]]:
     """Kept on the GPU, then not, where the engine can keep them (LoRA's adapter sync in vLLM)."""
     stay = cfg.rollout.weights_stay_on_gpu
@@ -162,7 +177,7 @@ def logprob_options(cfg: Config, world_size: int) -> list[dict[str, Any]]:
     return budget_options(cfg, world_size, LOGPROB, cfg.data.train_batch_size * cfg.rollout.n // ranks)
 
 
-AXES = (checkpointing_options, offload_options, update_options, stay_options, logprob_options)
+AXES = (checkpointing_options, offload_options, update_options, awake_options, stay_options, logprob_options)
 """The settings in the order of the module docstring, the first the most significant."""
 
 
@@ -254,8 +269,12 @@ def describe(values: dict[str, Any], keys: list[str]) -> str:
         words.append("optimizer offloaded" if values[OFFLOAD] else "optimizer on the GPU")
     if UPDATE in keys:
         words.append(f"update {values[UPDATE]} tokens/GPU" if values[UPDATE] else "update by sequences")
-    if STAY in keys:
+    if AWAKE in keys and values[AWAKE]:  # an engine awake keeps its weights: no words on them
+        words.append("vLLM awake between steps")
+    elif STAY in keys:
         words.append("vLLM weights kept on the GPU asleep" if values[STAY] else "vLLM weights off the GPU asleep")
+    elif AWAKE in keys:
+        words.append("vLLM asleep while training")
     if LOGPROB in keys:
         words.append(f"log-prob {values[LOGPROB]} tokens/GPU" if values[LOGPROB] else "log-prob twice the update's")
     if SEQS in keys:

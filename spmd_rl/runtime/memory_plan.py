@@ -3,14 +3,16 @@
 A run holds, per GPU, in two phases that take turns (spmd_rl/trainer.py):
 
 - generation: the vLLM engine awake (`rollout.gpu_memory_utilization` x the device's memory: vLLM
-  sizes its weights + KV cache + activations to that share) beside what training keeps resident:
+  sizes its weights + KV cache + activations to that share; with `rollout.kv_cache_tokens` its weights,
+  that KV cache and ENGINE_RUNTIME_GIB) beside what training keeps resident:
   every model's parameter shards and the optimizer states (gradients are freed after each update),
   or nothing with `rollout.offload_train_states` (then the weight sync, before the KV cache wakes,
   still holds both the training state and the engine's weights);
 - update: the training state (parameters, gradients, AdamW's two moments) with the larger of the
   activations of one micro-batch and the optimizer step's own bytes (AdamW's foreach sqrt(v), one
   more parameter-sized tensor; the moments too where they are offloaded), vLLM asleep (it keeps only
-  its buffers outside the pool and its CUDA graphs, and its weights with rollout.weights_stay_on_gpu).
+  its buffers outside the pool and its CUDA graphs, and its weights with rollout.weights_stay_on_gpu),
+  or with rollout.stay_awake vLLM awake: its weights, its KV cache and its runtime beside training.
   The no-grad log-prob passes (old log-probs, reference, values) hold the same state without
   gradients, with their own, larger, token budget.
 
@@ -416,6 +418,8 @@ class Engine:
     weight_bytes: float = 0.0  # this GPU's engine weights (its tensor-parallel shard), for the weight sync
     sync_bucket_bytes: float = 512 * 2**20
     weights_stay: bool = False  # rollout.weights_stay_on_gpu: the weights stay on the GPU while it sleeps
+    awake: bool = False  # rollout.stay_awake: never asleep after its first wake-up, in training phases too
+    kv_bytes: float = 0.0  # rollout.kv_cache_tokens' KV cache on this GPU; 0: vLLM fills its share
 
 
 def kv_bytes_per_token(shape: ModelShape, tensor_parallel_size: int, dtype_bytes: int) -> float:
@@ -454,6 +458,22 @@ def engine_weights_asleep(engine: Engine) -> dict[str, float]:
     """The engine's weights where they stay on the GPU while it sleeps (rollout.weights_stay_on_gpu),
     a part of every training phase; none otherwise."""
     return {"vLLM weights": engine.weight_bytes} if engine.kind == "vllm" and engine.weights_stay else {}
+
+
+def engine_awake_bytes(engine: Engine, device_total: float) -> float:
+    """What the vLLM engine holds awake: its share of the device where vLLM sizes the KV cache, or its
+    weights, its KV cache of `kv_bytes` and ENGINE_RUNTIME_GIB where rollout.kv_cache_tokens sets it."""
+    if not engine.kv_bytes:
+        return engine.gpu_memory_utilization * device_total
+    return engine.weight_bytes + engine.kv_bytes + ENGINE_RUNTIME_GIB * GiB
+
+
+def engine_in_training(engine: Engine, device_total: float) -> dict[str, float]:
+    """What the engine holds while training runs, by part: awake (rollout.stay_awake) all of it and
+    its buffers outside the pool; else asleep, with its weights where they stay."""
+    if engine.kind == "vllm" and engine.awake:
+        return {"vLLM awake": engine_awake_bytes(engine, device_total), "vLLM asleep": engine_asleep_bytes(engine)}
+    return {engine_label(engine): engine_asleep_bytes(engine), **engine_weights_asleep(engine)}
 
 
 # --------------------------------------------------------------------------- the plan
@@ -499,14 +519,16 @@ class MemoryPlan:
 
 
 def training_phases(roles: list[Role], shard: int, models: dict[str, tuple[ModelShape, Work]],
-                    engine: Engine, overhead: float) -> list[Phase]:
-    """The update of each trained role and the no-grad passes, vLLM asleep. A role's update holds
-    its gradients and its activations (or, with its optimizer offloaded, its moments during the
-    step); every role keeps its parameters and resident moments. `models`: each trained role's
-    shape and micro-batches (the reference runs the actor's)."""
+                    engine: Engine, overhead: float, device_total: float) -> list[Phase]:
+    """The update of each trained role and the no-grad passes, vLLM asleep (or awake:
+    engine_in_training). A role's update holds its gradients and its activations (or, with its
+    optimizer offloaded, its moments during the step); every role keeps its parameters and resident
+    moments. With the engine awake they are the run's peak: PyTorch keeps what training freed cached
+    for the next step (no empty_cache), and generation runs in it beside the engine. `models`: each
+    trained role's shape and micro-batches (the reference runs the actor's)."""
     resident = {"params": sum(r.param_bytes(shard) for r in roles),
                 "optimizer": sum(r.resident_optimizer_bytes(shard) for r in roles)}
-    fixed = {engine_label(engine): engine_asleep_bytes(engine), **engine_weights_asleep(engine), "overhead": overhead}
+    fixed = {**engine_in_training(engine, device_total), "overhead": overhead}
     phases = []
     for role in (r for r in roles if r.trained):
         shape, work = models[role.name]
@@ -532,9 +554,9 @@ def generation_phases(roles: list[Role], shard: int, engine: Engine, device_tota
     state = resident_state_bytes(roles, shard)
     if engine.kind == "hf":
         return [Phase("generation", {**state, "HF engine": engine.weight_bytes, "overhead": overhead})]
-    share = engine.gpu_memory_utilization * device_total
+    awake = engine_awake_bytes(engine, device_total)  # its share, or its KV cache as rollout.kv_cache_tokens sets it
     asleep = engine_asleep_bytes(engine)  # beside its share: measured awake - asleep = the share
-    generation = {"vLLM": share, **({} if offload else state), "vLLM asleep": asleep, "overhead": overhead}
+    generation = {"vLLM": awake, **({} if offload else state), "vLLM asleep": asleep, "overhead": overhead}
     phases = [Phase("generation", generation)]
     if offload:
         phases.append(Phase("weight sync", {**state, "vLLM weights": engine.weight_bytes,
@@ -551,7 +573,7 @@ def plan_memory(roles: list[Role], shard: int, models: dict[str, tuple[ModelShap
     taken of 80 GiB, only for the line)."""
     overhead = CUDA_CONTEXT_GIB * GiB if device_total else 0.0
     total_for_share = device_total if device_total else 80 * GiB
-    phases = training_phases(roles, shard, models, engine, overhead)
+    phases = training_phases(roles, shard, models, engine, overhead, total_for_share)
     phases += generation_phases(roles, shard, engine, total_for_share, offload_train_states, overhead)
     return MemoryPlan(phases, device_total)
 

@@ -26,7 +26,7 @@ H100 = 79.2 * GiB  # what torch.cuda.mem_get_info reports on an 80 GB H100
 BIG = 139.8 * GiB  # a 141 GB card
 AUTO = ["model.gradient_checkpointing=auto", "model.gradient_checkpointing_layers=auto",
         "actor.max_token_len_per_gpu=auto", "actor.logprob_max_token_len_per_gpu=auto", "actor.offload_optimizer=auto",
-        "rollout.weights_stay_on_gpu=auto"]
+        "rollout.stay_awake=auto", "rollout.weights_stay_on_gpu=auto"]
 RANDOM_05B = ['model.init="random"', 'model.path=""', 'model.arch="qwen2-0.5b"', 'model.tokenizer="char"']
 
 
@@ -49,22 +49,25 @@ def ladder(top, floor):
 
 def first_fit_by_hand(tmp_path, name, world, total, update_top, logprob_top, floor, *overrides):
     """Walk the documented order (checkpointing off, then on over the fewest layers; offload off,
-    then on; the update's budget, largest first; with LoRA's adapter sync the engine's weights kept on
-    the GPU, then not; the log-prob pass's budget, largest first) with configs written as overrides,
+    then on; the update's budget, largest first; the engine awake between steps, then asleep; with
+    LoRA's adapter sync the engine's weights kept on the GPU, then not; the log-prob pass's budget,
+    largest first) with configs written as overrides,
     each planned by plan_for, and return the first whose training phases stay within 90% of `total`
     and whose plan fits."""
     checkpointing = [("false", 1.0)] + [("true", s) for s in (0.25, 0.5, 0.75, 1.0)]
     stays = ("true", "false") if preset(tmp_path, name, *overrides).model.adapter_sync else ("false",)
-    for (ckpt, share), offload, update, stay, logprob in itertools.product(
-            checkpointing, ("false", "true"), ladder(update_top, floor), stays, ladder(logprob_top, floor)):
+    for (ckpt, share), offload, update, awake, stay, logprob in itertools.product(
+            checkpointing, ("false", "true"), ladder(update_top, floor), ("true", "false"), stays,
+            ladder(logprob_top, floor)):
         values = [f"model.gradient_checkpointing={ckpt}", f"model.gradient_checkpointing_layers={share}",
                   f"actor.offload_optimizer={offload}", f"actor.max_token_len_per_gpu={update}",
-                  f"rollout.weights_stay_on_gpu={stay}", f"actor.logprob_max_token_len_per_gpu={logprob}"]
+                  f"rollout.stay_awake={awake}", f"rollout.weights_stay_on_gpu={stay}",
+                  f"actor.logprob_max_token_len_per_gpu={logprob}"]
         plan = mc.plan_for(preset(tmp_path, name, *overrides, *values), world, total)
         training = [p for p in plan.phases if p.name not in ("generation", "weight sync")]
         if plan.fits and all(p.total <= 0.9 * total for p in training):
             return {ss.CHECKPOINTING: ckpt == "true", ss.LAYERS: share, ss.OFFLOAD: offload == "true",
-                    ss.UPDATE: update, ss.STAY: stay == "true", ss.LOGPROB: logprob}
+                    ss.UPDATE: update, ss.AWAKE: awake == "true", ss.STAY: stay == "true", ss.LOGPROB: logprob}
     return None
 
 
@@ -111,7 +114,7 @@ def test_an_explicit_value_is_never_overridden(tmp_path):
     assert cfg.model.gradient_checkpointing is True and cfg.actor.max_token_len_per_gpu == 4096
     assert ss.CHECKPOINTING not in choice.keys and ss.UPDATE not in choice.keys
     assert cfg.model.gradient_checkpointing_layers == 0.25  # auto: the fewest layers that fit
-    assert set(cfg.auto_chosen) == {ss.LAYERS, ss.LOGPROB, ss.OFFLOAD, ss.STAY, ss.SEQS}
+    assert set(cfg.auto_chosen) == {ss.LAYERS, ss.LOGPROB, ss.OFFLOAD, ss.AWAKE, ss.STAY, ss.SEQS}
     # nothing fits (7B in full on 2 GPUs): the least memory among the auto keys, the explicit ones kept
     cfg = load_config(os.path.join(ROOT, "configs", "qwen7b.toml"), [f'model.path="{qwen7b_dir(tmp_path)}"', *AUTO,
                                                                      "actor.offload_optimizer=false"])
@@ -133,7 +136,11 @@ def test_the_line_gives_the_plans_numbers(tmp_path):
                            f"tokens/GPU, vLLM weights kept on the GPU asleep, log-prob {cfg.actor.logprob_max_token_len_per_gpu} tokens/GPU, vLLM "
                            f"up to {cfg.rollout.max_num_seqs} sequences at once (training peak "
                            f"{peak.total / GiB:.1f} GiB in {peak.name}, within 90% of 79.2 GiB; faster would not fit: "
-                           f"update 16384 tokens/GPU {faster.phase('actor update').total / GiB:.1f} GiB in actor update"), line
+                           f"update 16384 tokens/GPU {faster.phase('actor update').total / GiB:.1f} GiB in actor update, "), line
+    awake = mc.plan_for(preset(tmp_path, "qwen7b-lora", *(f"{k}={str(ss.value_of(cfg, k)).lower()}" for k in ss.SPEED_KEYS
+                                                          if k != ss.AWAKE), "rollout.stay_awake=true"), 1, H100)
+    assert f"vLLM awake between steps {awake.phase('actor update').total / GiB:.1f} GiB in actor update" in line
+    assert awake.phase("actor update").parts["vLLM awake"] == 0.6 * H100  # vLLM sizes its KV cache to its share
     assert "\n" not in line
 
 
@@ -289,3 +296,41 @@ def test_the_engines_weights_stay_before_the_log_prob_budget_grows_and_only_with
     ss.resolve(merged, 1, BIG)
     assert merged.rollout.weights_stay_on_gpu is False and ss.STAY in merged.auto_chosen
 
+
+
+def test_the_engine_stays_awake_where_training_fits_beside_it_before_its_weights_are_kept(tmp_path):
+    """rollout.stay_awake comes after the update's budget and before the weights kept asleep. bench_step's
+    work (64 x 8 sequences of 128 + 512 tokens) with the KV cache sized to it: a 141 GB card fits the update at
+    16384 tokens beside the whole engine, an 80 GB one does not (its faster neighbour in the line, with the
+    plan's number); where vLLM sizes the KV cache to its share, or the training state is offloaded, or the
+    engine is the HF one, it stays asleep."""
+    work = ["data.max_prompt_length=128", "data.max_response_length=512", 'rollout.kv_cache_tokens="auto"']
+    big = preset(tmp_path, "qwen7b-lora", *work)
+    choice = ss.resolve(big, 1, BIG)
+    assert (big.rollout.stay_awake, big.actor.max_token_len_per_gpu, big.model.gradient_checkpointing) == (True, 16384,
+                                                                                                          False)
+    assert "vLLM awake between steps" in choice.line() and "kept on the GPU asleep" not in choice.line()
+    assert big.engine_stays_awake()
+    small = preset(tmp_path, "qwen7b-lora", *work)
+    line = ss.resolve(small, 1, H100).line()
+    assert small.rollout.stay_awake is False and small.rollout.weights_stay_on_gpu is True
+    values = [f"{k}={str(ss.value_of(small, k)).lower()}" for k in ss.SPEED_KEYS if k != ss.AWAKE]
+    awake = mc.plan_for(preset(tmp_path, "qwen7b-lora", *work, *values, "rollout.stay_awake=true"), 1, H100)
+    assert awake.phase("actor update").total > 0.9 * H100
+    assert f"vLLM awake between steps {awake.phase('actor update').total / GiB:.1f} GiB in actor update" in line
+    for other in (["rollout.kv_cache_tokens=0"], ["rollout.offload_train_states=true"], ['rollout.engine="hf"']):
+        cfg = preset(tmp_path, "qwen7b-lora", *work, *other)
+        ss.resolve(cfg, 1, BIG)
+        assert cfg.rollout.stay_awake is False and not cfg.engine_stays_awake(), other
+    user = preset(tmp_path, "qwen7b-lora", *work, "rollout.stay_awake=false")
+    ss.resolve(user, 1, BIG)
+    assert user.rollout.stay_awake is False and ss.AWAKE not in user.auto_chosen
+
+
+def test_stay_awake_is_refused_with_the_hf_engine_and_with_the_offloaded_state(tmp_path):
+    for other, words in ((['rollout.engine="hf"'], "the HF engine never sleeps"),
+                         (["rollout.offload_train_states=true"], "rollout.offload_train_states moves")):
+        cfg = preset(tmp_path, "qwen7b-lora", "rollout.stay_awake=true", *other)
+        with pytest.raises(ConfigError, match=words):
+            cfg.rollout.check_engine(1, 1)
+    preset(tmp_path, "qwen7b-lora", "rollout.stay_awake=true").rollout.check_engine(1, 1)

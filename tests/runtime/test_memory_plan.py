@@ -538,3 +538,43 @@ def test_the_engines_weights_kept_on_the_gpu_are_in_every_training_phase_and_out
     without = plan_for(cfg("false", "actor.max_token_len_per_gpu=16384"), 1, 95 * 2**30)
     assert without.fits
     assert f"rollout.weights_stay_on_gpu = false (peak {without.peak.total / 2**30:.1f} GiB, fits)" in str(e.value)
+
+
+def test_the_engine_awake_is_in_every_training_phase_with_its_kv_cache():
+    """rollout.stay_awake: the whole engine stays beside training: with rollout.kv_cache_tokens its bf16
+    weights, its KV cache (written out: Qwen2.5-7B's 28 layers x 4 KV heads x 128 x key and value x 2
+    bytes a token, 512 sequences x 640 tokens in blocks of 64, and vLLM's null block) and
+    ENGINE_RUNTIME_GIB; where vLLM sizes its KV cache, its whole share of the device. Generation counts
+    the engine alike, awake or not. The refusal names rollout.stay_awake = false with the peak it gives."""
+    from spmd_rl.preflight.memory import check_memory, plan_for
+
+    base = ['model.init="random"', 'model.path=""', 'model.arch="qwen2-7b"', 'model.tokenizer="char"',
+            "trainer.save_every=-1", "model.gradient_checkpointing=false", "actor.max_token_len_per_gpu=16384",
+            "actor.logprob_max_token_len_per_gpu=32768", "rollout.weights_stay_on_gpu=true",
+            "data.max_prompt_length=128", "data.max_response_length=512"]  # bench_step's work: 640 tokens
+    weights = 7_615_616_512 * 2
+    kv = (512 * 640 // 64 + 1) * 64 * 28 * 4 * 128 * 2 * 2
+    big = 139.8 * GiB
+
+    def cfg(awake, *more):
+        return load_config(os.path.join(ROOT, "configs", "qwen7b-lora.toml"),
+                           [*base, f"rollout.stay_awake={awake}", *more])
+
+    sized = 'rollout.kv_cache_tokens="auto"'
+    awake, asleep = plan_for(cfg("true", sized), 1, big), plan_for(cfg("false", sized), 1, big)
+    for phase in ("actor update", "log-prob pass"):
+        parts = awake.phase(phase).parts
+        assert parts["vLLM awake"] == pytest.approx(weights + kv + 2 * GiB)
+        assert "vLLM weights" not in parts  # in the awake engine's part
+        assert awake.phase(phase).total - asleep.phase(phase).total == pytest.approx(kv + 2 * GiB)
+    assert awake.phase("generation").parts == asleep.phase("generation").parts
+    assert awake.phase("generation").parts["vLLM"] == pytest.approx(weights + kv + 2 * GiB)  # the sized cache
+    share = plan_for(cfg("true", "rollout.kv_cache_tokens=0"), 1, big)  # vLLM fills 0.6 of the device
+    assert share.phase("actor update").parts["vLLM awake"] == share.phase("generation").parts["vLLM"] == 0.6 * big
+    # the sized cache fits a 141 GB GPU within the 90% the speed settings keep; on 80 GB it is refused
+    assert awake.phase("actor update").total < 0.9 * big
+    with pytest.raises(mc.MemoryPlanError) as e:
+        check_memory(cfg("true", 'rollout.kv_cache_tokens="auto"', "actor.max_token_len_per_gpu=8192"), 1, H100_TOTAL)
+    asleep80 = plan_for(cfg("false", 'rollout.kv_cache_tokens="auto"', "actor.max_token_len_per_gpu=8192"), 1, H100_TOTAL)
+    assert asleep80.fits
+    assert f"rollout.stay_awake = false (peak {asleep80.peak.total / GiB:.1f} GiB, fits)" in str(e.value)

@@ -19,6 +19,9 @@ before waking and right after sleeping (PyTorch's cache must
 give memory back for vLLM's pool to take it, and the other way round), expandable segments off
 while awake and while it is built (spmd_rl/runtime/gpu_memory.py: vLLM's custom all-reduce cannot share
 CUDA-graph buffers from expandable segments) and the prefix cache reset after every weight load.
+With rollout.stay_awake the engine sleeps once, at start-up, and from its first wake-up on keeps its
+memory: `sleep()` does nothing, `wake_up()` finds nothing to wake (no empty_cache), and training runs
+beside it in PyTorch's cache, expandable segments off.
 
 Facts this module relies on (vLLM 0.26; checked on H100/H200, see tests/gpu/):
 - `load_format="dummy"`: start-up reads no checkpoint; the first `load_weights` gives the weights.
@@ -144,23 +147,6 @@ def expert_count(model_dir: str) -> int:
     return experts_of(text_config(model_dir))
 
 
-def kv_cache_bytes(cfg, world_size: int, device_total: float | None) -> int:
-    """vLLM's kv_cache_memory_bytes for rollout.kv_cache_tokens (Config.engine_kv_cache_tokens) at one
-    token's bytes of the model on one GPU of a replica (preflight.memory.engine_kv_token_bytes); 0 leaves
-    the size to vLLM: the key's 0, or "auto" above what gpu_memory_utilization leaves on a device of
-    `device_total` bytes (preflight.memory.engine_share_kv_tokens; None: no cap)."""
-    tokens = cfg.engine_kv_cache_tokens(world_size)
-    if not tokens:
-        return 0
-    from spmd_rl.preflight import memory
-
-    shape = memory.model_shape(cfg)
-    if cfg.rollout.kv_cache_tokens == AUTO and device_total and tokens > memory.engine_share_kv_tokens(
-            cfg, shape, device_total):
-        return 0
-    return int(tokens * memory.engine_kv_token_bytes(cfg, shape))
-
-
 def kv_cache_words(cfg, world_size: int, kv_bytes: int) -> str:
     """The start-up line's words for rollout.kv_cache_tokens (its engine kwarg `kv_bytes`, 0 if none)."""
     tokens = cfg.engine_kv_cache_tokens(world_size)
@@ -179,7 +165,7 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
     `overrides`. `dummy=False, sleep_mode=False` gives a plain engine that reads the checkpoint from
     disk with otherwise identical settings (tests, bench). `world_size`: the run's ranks (the
     batch sizes of rollout.cudagraph_step_sizes, rollout.kv_cache_tokens' "auto"); `device_total`: the
-    GPU's bytes ("auto"'s cap: kv_cache_bytes)."""
+    GPU's bytes ("auto"'s cap: preflight.memory.engine_kv_cache_bytes)."""
     r = cfg.rollout
     kw: dict[str, Any] = dict(
         model=model_dir,
@@ -200,7 +186,9 @@ def engine_kwargs(cfg, model_dir: str, seed: int, *, dummy: bool = True, sleep_m
         enable_chunked_prefill=r.enable_chunked_prefill,
         disable_custom_all_reduce=r.disable_custom_all_reduce,
     )
-    kv_bytes = kv_cache_bytes(cfg, world_size, device_total)
+    from spmd_rl.preflight.memory import engine_kv_cache_bytes
+
+    kv_bytes = engine_kv_cache_bytes(cfg, world_size, device_total)  # 0: vLLM sizes it
     if kv_bytes:  # rollout.kv_cache_tokens: the KV cache's size, in place of gpu_memory_utilization's share
         kw["kv_cache_memory_bytes"] = kv_bytes
     if r.partial_rollouts:  # a streamed run's requests deliver their new tokens every STREAM_INTERVAL tokens
@@ -508,8 +496,11 @@ class VLLMEngine:
         self.weights_stay = cfg.engine_keeps_weights()  # "auto" was chosen at start (speed_settings)
         if self.weights_stay:  # before the first sleep, which would otherwise copy them to host memory
             vllm_sleep.keep_weights_on_gpu(self.llm)
-        self.sleep()
-        kept = (f", its weights ({self.engine_parameter_bytes() / 2**30:.1f} GiB) kept on the GPU while it sleeps"
+        self.stays_awake = False
+        self.sleep()  # asleep until the first weight sync, also where it then stays awake
+        self.stays_awake = cfg.engine_stays_awake()
+        kept = (", awake from its first wake-up on (rollout.stay_awake)" if self.stays_awake else
+                f", its weights ({self.engine_parameter_bytes() / 2**30:.1f} GiB) kept on the GPU while it sleeps"
                 if self.weights_stay else "")
         log.info("vLLM engine ready in %.1fs: replica %d, tp %d, sleep level %d%s, stop ids %s",
                  self.init_seconds, self.replica, tp, self.sleep_level, kept, self.stop_ids)
@@ -529,8 +520,9 @@ class VLLMEngine:
 
     def sleep(self) -> None:
         """Give back vLLM's GPU memory (weights and KV cache; level 1 keeps a CPU copy of the
-        weights; with rollout.weights_stay_on_gpu the weights stay). No-op when already asleep."""
-        if not self._awake:
+        weights; with rollout.weights_stay_on_gpu the weights stay). No-op when already asleep, and
+        with rollout.stay_awake after start-up: the engine then keeps its memory, and PyTorch its cache."""
+        if not self._awake or self.stays_awake:
             return
         vllm_sleep.sleep(self.llm, self.sleep_level)  # survives vLLM's check on a shared GPU
         self._awake.clear()

@@ -250,20 +250,15 @@ class StandInLLM:
         return True
 
 
-@pytest.mark.parametrize("stay", [True, False])
-def test_the_engine_with_the_key_keeps_its_weights_mapped_from_its_first_sleep(stand_in_vllm, monkeypatch, tmp_path,
-                                                                               stay):
-    """VLLMEngine, built on CPU over the stand-ins with LoRA's adapter sync: with
-    rollout.weights_stay_on_gpu its weights stay mapped through its first sleep (at the end of its
-    build) and every cycle after, and nothing goes to host memory; without it vLLM's own backend
-    copies them there."""
+def stand_in_engine(stand_in_vllm, monkeypatch, tmp_path, *overrides):
+    """VLLMEngine built on CPU over the stand-ins with LoRA's adapter sync and `overrides`."""
     import torch.distributed as dist
     from transformers import Qwen2Config
 
     from spmd_rl.config.run_config import load_config
     from spmd_rl.runtime.distributed import free_port
 
-    pool, cumem = stand_in_vllm
+    _, cumem = stand_in_vllm
     StandInLLM.cumem = cumem
     sys.modules["vllm"].LLM = StandInLLM
     sys.modules["vllm"].SamplingParams = type("SamplingParams", (), {})
@@ -277,12 +272,23 @@ def test_the_engine_with_the_key_keeps_its_weights_mapped_from_its_first_sleep(s
     monkeypatch.setattr(vllm_engine.torch.cuda, "get_device_name", lambda *a: "stand-in")
     monkeypatch.setattr(vllm_engine.lora_kernels, "choose", lambda *a: "LoRA kernels: stand-in")
     monkeypatch.setattr(vllm_engine.lora_matmul, "install", lambda: None)
-    cfg = load_config(None, ['rollout.engine="vllm"', "model.lora_rank=8", f"rollout.weights_stay_on_gpu={str(stay).lower()}"])
+    cfg = load_config(None, ['rollout.engine="vllm"', "model.lora_rank=8", *overrides])
     dist.init_process_group("gloo")
     try:
-        engine = vllm_engine.VLLMEngine(cfg, str(tmp_path), rank=0, world_size=1, local_rank=0, local_world_size=1)
+        return vllm_engine.VLLMEngine(cfg, str(tmp_path), rank=0, world_size=1, local_rank=0, local_world_size=1)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stay", [True, False])
+def test_the_engine_with_the_key_keeps_its_weights_mapped_from_its_first_sleep(stand_in_vllm, monkeypatch, tmp_path,
+                                                                               stay):
+    """VLLMEngine, built on CPU over the stand-ins with LoRA's adapter sync: with
+    rollout.weights_stay_on_gpu its weights stay mapped through its first sleep (at the end of its
+    build) and every cycle after, and nothing goes to host memory; without it vLLM's own backend
+    copies them there."""
+    pool, _ = stand_in_vllm
+    engine = stand_in_engine(stand_in_vllm, monkeypatch, tmp_path, f"rollout.weights_stay_on_gpu={str(stay).lower()}")
     weights = {p for p, d in pool.pointer_to_data.items() if d.tag == "weights"}
     assert engine.is_asleep and engine.sleep_level == 1
     for _ in range(2):
@@ -293,3 +299,30 @@ def test_the_engine_with_the_key_keeps_its_weights_mapped_from_its_first_sleep(s
         assert vllm_sleep.mapped_bytes(pool) == {"weights": 500, "kv_cache": 500}
         engine.sleep()
     assert (weights & set(pool.unmapped) == set()) == stay
+
+
+@pytest.mark.parametrize("awake", [True, False])
+def test_the_engine_stays_awake_from_its_first_wake_up_with_the_key(stand_in_vllm, monkeypatch, tmp_path, awake):
+    """rollout.stay_awake: the engine sleeps once at the end of its build (as without it); from its first
+    wake-up on, sleep() leaves weights and KV cache mapped and the next wake-ups neither empty PyTorch's
+    cache nor call vLLM. Without it every step unmaps the KV cache and empties the cache around it."""
+    pool, _ = stand_in_vllm
+    engine = stand_in_engine(stand_in_vllm, monkeypatch, tmp_path, "rollout.weights_stay_on_gpu=true",
+                             f"rollout.stay_awake={str(awake).lower()}")
+    assert engine.is_asleep and vllm_sleep.mapped_bytes(pool) == {"weights": 500}
+    emptied, woken = [], []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    wake = engine.llm.wake_up
+    monkeypatch.setattr(engine.llm, "wake_up", lambda tags=None: (woken.append(tags), wake(tags)))
+    for _ in range(3):  # the trainer's cycle
+        engine.wake_up(["weights"])
+        engine.wake_up(["kv_cache"])
+        assert vllm_sleep.mapped_bytes(pool) == {"weights": 500, "kv_cache": 500}
+        engine.sleep()
+        assert engine.is_asleep != awake
+        assert vllm_sleep.mapped_bytes(pool) == ({"weights": 500, "kv_cache": 500} if awake else {"weights": 500})
+    assert woken == [["weights"], ["kv_cache"]] * (1 if awake else 3)
+    if awake:
+        assert len(emptied) == 2  # before the first cycle's two wake-ups only
+    else:
+        assert len(emptied) >= 9  # before each wake-up and after each sleep, every cycle
