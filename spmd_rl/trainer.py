@@ -53,7 +53,7 @@ from spmd_rl.rollout.base import SamplingParams
 from spmd_rl.rollout.multiturn import MultiTurnRollout, merge_trajectory_metrics
 from spmd_rl.rollout.weight_sync import gather_adapter, iter_base_weights, iter_weights
 from spmd_rl.runtime.distributed import DistEnv, all_reduce_mean, all_reduce_metrics, all_reduce_sum
-from spmd_rl.runtime.gpu_memory import PhaseMemory, allocator_lines_held, is_out_of_memory
+from spmd_rl.runtime.gpu_memory import PhaseMemory, allocator_lines_held, free_after_sleep_bytes, is_out_of_memory
 from spmd_rl.runtime.memory_plan import MemoryPlan
 from spmd_rl.runtime.preemption import StopFlag
 from spmd_rl.telemetry import run_summary
@@ -292,7 +292,8 @@ class Trainer:
         with timer("sleep"):
             self.engine.sleep()
         if self.device.type == "cuda":  # what sleep handed back (and, every step, whether anything leaks)
-            timer.metrics["memory/free_after_sleep_gb"] = torch.cuda.mem_get_info(self.device)[0] / 2**30
+            timer.metrics["memory/free_after_sleep_gb"] = free_after_sleep_bytes(
+                self.device, self.cfg.engine_stays_awake()) / 2**30
         if self.cfg.rollout.offload_train_states:
             with timer("reload"):
                 self.train_offload.reload()

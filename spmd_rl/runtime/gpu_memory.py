@@ -150,6 +150,17 @@ def device_memory(device: torch.device | int | None = None) -> dict[str, float]:
     }
 
 
+def free_after_sleep_bytes(device: torch.device, engine_awake: bool) -> int:
+    """Free device memory once the engine's turn is over (`memory/free_after_sleep_gb`): the driver's free
+    bytes, and with the engine awake (rollout.stay_awake) also what PyTorch's cache holds unused, since
+    nothing empties it then and those blocks are training's to reuse. Either way the figure stays flat
+    from step to step unless something leaks."""
+    free = torch.cuda.mem_get_info(device)[0]
+    if engine_awake:
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free
+
+
 def engine_pool_bytes() -> int:
     """Bytes allocated in vLLM's sleep-mode pool (0 when vLLM is not loaded). PyTorch's allocator
     counts these as allocated even while the engine sleeps and they hold no device memory, so
