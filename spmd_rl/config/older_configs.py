@@ -23,6 +23,7 @@ OLD_BEHAVIOUR: dict[str, Any] = {
     "trainer.log_samples": 0,  # added with 3 as its default; versions before it showed no samples
     "reward.warn_error_share": 1.0,  # added with 0.05; versions before it never warned of scoring errors
     "rollout.partial_pool_batches": 2,  # added with 3; before it partial rollouts' pool held two batches, no refill
+    "rollout.lora_matmul": False,  # added with true; before it vLLM's Punica kernels applied the engine's adapter
 }
 
 

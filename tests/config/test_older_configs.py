@@ -18,12 +18,14 @@ from tests.checkpoint.test_old_checkpoint import OLD_RUNS, written_by
 # What differs between each fixture's config.toml and today's config for the command that wrote it,
 # read off the two configs: the run directory and data files (the fixture's were elsewhere), the
 # memory check that version did not have, the samples and scoring-error warnings it did not show, the
-# partial rollouts' pool that took no new prompts mid-step, and the CPU preset's sleep level, set since.
+# partial rollouts' pool that took no new prompts mid-step, vLLM's LoRA kernels where matmuls apply the
+# adapter now, and the CPU preset's sleep level, set since.
 EXPECTED_CHANGES = {
     "0.1.0-9d108d1": {"trainer.run_dir", "data.train_files", "trainer.memory_check", "rollout.sleep_level",
-                      "trainer.log_samples", "reward.warn_error_share", "rollout.partial_pool_batches"},
+                      "trainer.log_samples", "reward.warn_error_share", "rollout.partial_pool_batches",
+                      "rollout.lora_matmul"},
     "0.1.0-730471c-lora": {"trainer.run_dir", "data.train_files", "trainer.log_samples", "reward.warn_error_share",
-                           "rollout.partial_pool_batches"},
+                           "rollout.partial_pool_batches", "rollout.lora_matmul"},
 }
 
 
