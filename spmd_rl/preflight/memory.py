@@ -121,7 +121,7 @@ def engine_of(cfg: Config, shape: mp.ModelShape) -> mp.Engine:
     if r.engine == "hf":
         return mp.Engine("hf", weight_bytes=weights)
     return mp.Engine("vllm", r.gpu_memory_utilization, not r.enforce_eager, weights / r.tensor_parallel_size,
-                     r.weight_sync_bucket_mb * 2**20, cfg.engine_keeps_weights())
+                     r.weight_sync_bucket_mb * 2**20, cfg.engine_keeps_weights(), cfg.engine_stays_awake())
 
 
 def engine_kv_token_bytes(cfg: Config, shape: mp.ModelShape) -> float:
@@ -161,9 +161,8 @@ def plan_for(cfg: Config, world_size: int, device_total: float | None,
         models["critic"] = (critic_shape, work_of(cfg, "critic"))
     shard = cfg.trainer.fsdp_size or world_size
     engine = engine_of(cfg, shape)
-    if engine.kind == "vllm":  # awake beside training (rollout.stay_awake), its KV cache as rollout.kv_cache_tokens sets it
-        engine = dataclasses.replace(engine, awake=cfg.engine_stays_awake(),
-                                     kv_bytes=engine_kv_cache_bytes(cfg, world_size, device_total, shape))
+    if engine.kind == "vllm":  # its KV cache as rollout.kv_cache_tokens sets it (the run's ranks and device)
+        engine = dataclasses.replace(engine, kv_bytes=engine_kv_cache_bytes(cfg, world_size, device_total, shape))
     return mp.plan_memory(roles_of(cfg, shape, critic_shape), shard, models, engine, device_total,
                           cfg.rollout.offload_train_states)
 
