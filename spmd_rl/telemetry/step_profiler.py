@@ -11,7 +11,8 @@ each profiled step N every rank R writes
     <run_dir>/profile/step_<N>_rank<R>.txt       per phase: wall ms, GPU busy ms and %, ms of
                                                  garbage collection; for a phase whose GPU
                                                  idles, the host ops it idled in
-                                                 (`idle_host_ops`); for a phase whose GPU
+                                                 (`idle_host_ops`) and when in the phase
+                                                 (`idle_where`); for a phase whose GPU
                                                  works, its kernels by device time
                                                  (`phase_kernels`); then the step's ops with
                                                  the most self device time (CPU time without
@@ -188,8 +189,33 @@ def _overlap(disjoint: list[tuple[float, float]], a: float, b: float) -> float:
     return (b - a) - sum(hi - lo for lo, hi in _gaps(disjoint, a, b))
 
 
+def idle_where(events, phase: str, parts: int = 10, top: int = 5) -> tuple[list[float], list[tuple[float, float]]]:
+    """When in `phase` the GPU idled: the idle ms in each of `parts` equal slices of the phase's time
+    (its ranges end to end), and its `top` longest idle gaps as (ms from the phase's start, ms), longest
+    first. Idle time spread evenly over the phase is the host falling behind at every step of a loop;
+    idle time in the first or last slice is work before or after the loop (setting up, collecting)."""
+    return _idle_where(_timeline(events), phase, parts, top)
+
+
+def _idle_where(timeline, phase: str, parts: int = 10, top: int = 5):
+    ranges, busy, _, _ = timeline
+    spans = sorted(ranges.get(phase, []))
+    total = sum(b - a for a, b in spans)
+    slices, gaps, offset = [0.0] * parts, [], 0.0
+    for a, b in spans:
+        for lo, hi in _gaps(busy, a, b):
+            start, end = offset + lo - a, offset + hi - a
+            gaps.append((start, end - start))
+            for k in range(parts):
+                slices[k] += max(0.0, min(end, total * (k + 1) / parts) - max(start, total * k / parts))
+        offset += b - a
+    gaps.sort(key=lambda gap: -gap[1])
+    return [ms / 1e3 for ms in slices], [(start / 1e3, length / 1e3) for start, length in gaps[:top]]
+
+
 def idle_table(timeline, times: dict[str, tuple[float, float]], top: int = 12) -> list[str]:
-    """For each phase whose GPU idles 50 ms or more: the host ops the idle time fell in."""
+    """For each phase whose GPU idles 50 ms or more: the host ops the idle time fell in, then when in
+    the phase it idled (idle_where)."""
     lines = []
     for name, (wall, busy) in times.items():
         if wall - busy < 50.0:
@@ -199,6 +225,9 @@ def idle_table(timeline, times: dict[str, tuple[float, float]], top: int = 12) -
         ops = _idle_in(timeline, name)
         total = sum(ops.values()) or 1.0
         lines += [f"| {op[:100]} | {ms:.1f} | {100 * ms / total:.0f}% |" for op, ms in list(ops.items())[:top]]
+        slices, gaps = _idle_where(timeline, name)
+        lines += ["", f"Idle ms in each tenth of {name}: " + ", ".join(f"{ms:.0f}" for ms in slices),
+                  "Its longest idle gaps (ms into the phase: ms): " + ", ".join(f"{at:.0f}: {ms:.1f}" for at, ms in gaps)]
     return lines
 
 

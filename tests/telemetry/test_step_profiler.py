@@ -166,6 +166,27 @@ def test_idle_time_is_given_to_the_innermost_host_op_running_then():
     assert "| (host code between ops) | 10.0 | 10% |" in text and "update_actor" not in text, text
 
 
+def test_idle_time_is_placed_in_the_phase_by_tenth_and_by_gap():
+    """A phase of two 10 ms ranges (20 ms end to end): the GPU idles 0-3 ms and 9-10 ms of the first and
+    15-16 ms of the second (its 5-6 ms: 15-16 ms end to end). By hand, tenths of 2 ms: 2, 1, 0, 0, 1, 0, 0, 1,
+    0, 0 ms; gaps longest first: 3 ms at 0, then the two 1 ms gaps in order of the sort (stable: first
+    found first)."""
+    events = [
+        _Event("phase/generate", 0, 10_000), _Event("phase/generate", 30_000, 40_000),
+        _Event("decode", 3_000, 9_000, device=True), _Event("decode", 30_000, 35_000, device=True),
+        _Event("decode", 36_000, 40_000, device=True),
+        _Event("idle_kernel", 20_000, 30_000, device=True),  # between the ranges: outside the phase
+    ]
+    slices, gaps = step_profiler.idle_where(events, "generate")
+    assert slices == pytest.approx([2.0, 1.0, 0, 0, 1.0, 0, 0, 1.0, 0, 0]), slices
+    assert gaps == [(0.0, 3.0), (9.0, 1.0), (15.0, 1.0)], gaps
+    assert step_profiler.idle_where(events, "generate", top=1)[1] == [(0.0, 3.0)]
+    long = events + [_Event("phase/update_actor", 50_000, 150_000)]  # idles 100 ms: gets the lines
+    text = "\n".join(step_profiler.idle_table(step_profiler._timeline(long), step_profiler.phase_times(long)))
+    assert "Idle ms in each tenth of update_actor: 10, 10, 10, 10, 10, 10, 10, 10, 10, 10" in text, text
+    assert "Its longest idle gaps (ms into the phase: ms): 0: 100.0" in text and "of generate" not in text, text
+
+
 def test_each_phase_lists_the_kernels_it_started_by_device_time():
     """Hand-made events: a kernel counts in the phase whose range holds its start (also when it
     runs past the phase's end, and when the phase has two ranges), overlapping kernels each count
