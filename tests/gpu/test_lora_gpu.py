@@ -86,7 +86,9 @@ def test_one_adapter_matmuls_match_vllms_punica_kernels(tokens):
     """rollout.lora_matmul's wrapper (spmd_rl/rollout/vllm/lora_matmul.py) against vLLM's Punica Triton kernels
     on the same adapter and token map (a tenth of the tokens without the adapter), both against float64, at
     its first call (which joins the layer's slices) and after a new adapter is written through vLLM's slice
-    tensors: as close as the kernels, and tokens without the adapter keep the base output exactly."""
+    tensors: as close as the kernels, and tokens without the adapter keep the base output exactly. The
+    engine's wrapper without the mask (EveryTokenPunica: every request carries the adapter) gives the
+    masked wrapper's output bit for bit on the tokens with the adapter."""
     reason = skip_reason(1)
     if reason:
         pytest.skip(reason)
@@ -107,7 +109,10 @@ def test_one_adapter_matmuls_match_vllms_punica_kernels(tokens):
     theirs = PunicaWrapperGPU(8192, 512, "cuda", lora_config=config)
     ours = get_punica_wrapper(8192, 512, "cuda", lora_config=config)
     assert type(ours).__name__ == "OneAdapterPunica"
-    for w in (theirs, ours):
+    lora_matmul.install(every_request_has_adapter=True)
+    every = get_punica_wrapper(8192, 512, "cuda", lora_config=config)
+    assert type(every).__name__ == "EveryTokenPunica"
+    for w in (theirs, ours, every):
         w.update_metadata(mapping, [1], 1, 152064)
     gen = torch.Generator(device="cuda").manual_seed(0)
     has = torch.tensor(ids, device="cuda") == 1
@@ -122,16 +127,19 @@ def test_one_adapter_matmuls_match_vllms_punica_kernels(tokens):
         a = tuple(torch.zeros(1, 1, 32, fan_in, device="cuda", dtype=torch.bfloat16) for _ in outs)
         b = tuple(torch.zeros(1, 1, n, 32, device="cuda", dtype=torch.bfloat16) for n in outs)
         a_theirs, b_theirs = tuple(t.clone() for t in a), tuple(t.clone() for t in b)
+        a_every, b_every = tuple(t.clone() for t in a), tuple(t.clone() for t in b)  # its own joined matrices
         for load in ("first", "reloaded"):
-            for t, t_theirs in zip((*a, *b), (*a_theirs, *b_theirs)):
+            for t, t_theirs, t_every in zip((*a, *b), (*a_theirs, *b_theirs), (*a_every, *b_every)):
                 draw(t, t.shape[-1])
                 t_theirs.copy_(t)
+                t_every.copy_(t)
             want, offset = y0.double().clone(), 0
             for ai, bi, n in zip(a_theirs, b_theirs, outs):
                 want[has, offset:offset + n] += (x[has].double() @ ai[0, 0].double().t()) @ bi[0, 0].double().t()
                 offset += n
             got = {}
-            for label, w, aa, bb in (("punica", theirs, a_theirs, b_theirs), ("matmul", ours, a, b)):
+            for label, w, aa, bb in (("punica", theirs, a_theirs, b_theirs), ("matmul", ours, a, b),
+                                     ("every", every, a_every, b_every)):
                 y = y0.clone()
                 w.add_lora_linear(y, x, aa, bb, 1.0, outs)
                 got[label] = y
@@ -140,3 +148,4 @@ def test_one_adapter_matmuls_match_vllms_punica_kernels(tokens):
             assert err["matmul"] <= 1.5 * err["punica"] + 1e-3, (name, load, err)
             assert torch.equal(got["matmul"][~has], y0[~has]), (name, load)
             assert torch.equal(got["punica"][~has], y0[~has]), (name, load)
+            assert torch.equal(got["every"][has], got["matmul"][has]), (name, load)

@@ -465,7 +465,7 @@ class VLLMEngine:
         self.pause_gc = True
 
         if self.lora is not None and r.lora_matmul and not r.vllm_compile:  # cuBLAS matmuls (lora_matmul.py)
-            lora_matmul.install()
+            lora_matmul.install(every_request_has_adapter=True)  # _check_ready: no generation without it
             log.info("LoRA kernels: the adapter through cuBLAS matmuls (rollout.lora_matmul)")
         elif self.lora is not None:  # vLLM's kernels, with their tuned configs where they ship for this GPU and shape
             from spmd_rl.model.lora import vllm_max_lora_rank

@@ -6,7 +6,7 @@ its adapter up. The engine holds one adapter (max_loras = 1, the actor's), and f
 LoRA is two plain matmuls, whatever its output slices (q/k/v has three, gate/up two):
 
     h = x @ A^T                 (tokens x slices * rank: every slice's A stacked along the rank)
-    h *= on                     (1 where the token's request carries the adapter, else 0)
+    h *= on                     (1 where the token's request carries the adapter, else 0; see below)
     y += h @ B^T                (B block-diagonal: slice i's rows read slice i's rank columns only;
                                  one addmm, the add in the matmul's epilogue)
 
@@ -18,7 +18,10 @@ otherwise) through the platform's `get_punica_wrapper`, before the engine is bui
 joined at its first call, in vLLM's profile run, before CUDA graphs capture the matmuls (not for a model
 vLLM compiles, whose first call is traced: the engine installs it with rollout.vllm_compile off only).
 The mask `on` is filled from vLLM's token-to-adapter map (index -1: none) at each metadata update,
-outside the graphs, into a buffer the graphs read.
+outside the graphs, into a buffer the graphs read. The engine runs every request with its adapter (it
+refuses to generate before one is loaded), so it installs `EveryTokenPunica`, which skips the mask: the
+tokens vLLM then runs without an adapter are the padding of a CUDA graph's batch and its dummy runs,
+whose outputs nobody reads; that saves a kernel per adapted layer and token step.
 
 Numbers: h is rounded to the adapter's dtype before the expand, as Punica's expand kernel casts its float32
 buffer to B's dtype; the add to the base output is rounded once (Punica's kernel rounds the product, then
@@ -32,6 +35,7 @@ from __future__ import annotations
 import torch
 
 WRAPPER = "OneAdapterPunica"
+WRAPPER_EVERY_TOKEN = "EveryTokenPunica"
 
 
 @torch.no_grad()
@@ -60,27 +64,33 @@ def join_slices(lora_a: tuple[torch.Tensor, ...], lora_b: tuple[torch.Tensor, ..
 
 
 def apply_adapter(y: torch.Tensor, x: torch.Tensor, a_all: torch.Tensor, b_all: torch.Tensor, scale: float,
-                  on: torch.Tensor) -> None:
+                  on: torch.Tensor | None) -> None:
     """y += (x @ a_all^T * scale * on) @ b_all^T, in place: vLLM's add_lora_linear for its adapter slot 0,
-    on a layer's joined matrices (join_slices); `on`: [>= tokens, 1], 1 for a token with the adapter."""
+    on a layer's joined matrices (join_slices); `on`: [>= tokens, 1], 1 for a token with the adapter, or
+    None: every token has it."""
     x = x.view(-1, x.shape[-1])
     h = torch.mm(x, a_all.t())
-    on = on[: x.size(0)]
-    h.mul_(on if scale == 1.0 else on * scale)
+    if on is not None:
+        on = on[: x.size(0)]
+        h.mul_(on if scale == 1.0 else on * scale)
+    elif scale != 1.0:
+        h.mul_(scale)
     y.view(-1, y.shape[-1]).addmm_(h, b_all.t())
 
 
-def install() -> None:
-    """Make vLLM's LoRA layers use OneAdapterPunica (before the engine is built; vLLM resolves the
-    platform's wrapper by its qualified name)."""
+def install(every_request_has_adapter: bool = False) -> None:
+    """Make vLLM's LoRA layers use OneAdapterPunica, or EveryTokenPunica (no mask) where the engine runs
+    every request with its adapter (before the engine is built; vLLM resolves the platform's wrapper by its
+    qualified name)."""
     from vllm.platforms import current_platform
 
-    qualname = f"{__name__}.{WRAPPER}"
+    qualname = f"{__name__}.{WRAPPER_EVERY_TOKEN if every_request_has_adapter else WRAPPER}"
     type(current_platform).get_punica_wrapper = classmethod(lambda cls: qualname)
 
 
-def _wrapper_class() -> type:
-    """OneAdapterPunica: vLLM's PunicaWrapperGPU with one adapter's linear layers done by apply_adapter."""
+def _wrapper_class(every_token: bool) -> type:
+    """OneAdapterPunica: vLLM's PunicaWrapperGPU with one adapter's linear layers done by apply_adapter;
+    `every_token`: EveryTokenPunica, the same without the mask."""
     from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 
     class OneAdapterPunica(PunicaWrapperGPU):  # vLLM marks it final for its type checker only
@@ -93,7 +103,8 @@ def _wrapper_class() -> type:
 
         def update_metadata(self, *args, **kwargs):
             super().update_metadata(*args, **kwargs)
-            self.adapter_on.copy_((self._token_lora_indices >= 0).unsqueeze(1))
+            if not every_token:
+                self.adapter_on.copy_((self._token_lora_indices >= 0).unsqueeze(1))
 
         def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None,
                             **kwargs):
@@ -103,10 +114,13 @@ def _wrapper_class() -> type:
             joined = self.joined.get(id(lora_a_stacked))  # vLLM's layer keeps its tuple for the engine's life
             if joined is None:
                 joined = self.joined[id(lora_a_stacked)] = join_slices(lora_a_stacked, lora_b_stacked)
-            on = self.adapter_on if self.adapter_on.dtype == x.dtype else self.adapter_on.to(x.dtype)
+            if every_token:
+                on = None
+            else:
+                on = self.adapter_on if self.adapter_on.dtype == x.dtype else self.adapter_on.to(x.dtype)
             apply_adapter(y, x, *joined, scale, on)  # y is zeros where vLLM asks for the adapter's part alone
 
-    OneAdapterPunica.__qualname__ = WRAPPER
+    OneAdapterPunica.__qualname__ = OneAdapterPunica.__name__ = WRAPPER_EVERY_TOKEN if every_token else WRAPPER
     OneAdapterPunica.__module__ = __name__
     return OneAdapterPunica
 
@@ -114,7 +128,7 @@ def _wrapper_class() -> type:
 def __getattr__(name: str):
     """The wrapper class, built at its first lookup (vLLM's resolve_obj_by_qualname): this module
     imports without vLLM."""
-    if name == WRAPPER:
-        globals()[name] = _wrapper_class()
+    if name in (WRAPPER, WRAPPER_EVERY_TOKEN):
+        globals()[name] = _wrapper_class(every_token=name == WRAPPER_EVERY_TOKEN)
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -62,6 +62,11 @@ def test_each_slice_gets_its_adapter_product_and_tokens_without_one_get_none(out
     lora_matmul.apply_adapter(y, x, *joined, scale, on)
     assert torch.allclose(y, want, rtol=0, atol=1e-12)
     assert torch.equal(y[~has_adapter], y0[~has_adapter])  # no adapter: the base output untouched
+    every = lora_matmul.join_slices(a, b)  # EveryTokenPunica's call: no mask, every token gets the product
+    y = y0.clone()
+    lora_matmul.apply_adapter(y, x, *every, scale, None)
+    want_every = reference(y0, x, a, b, scale, outs, torch.ones(tokens, dtype=torch.bool))
+    assert torch.allclose(y, want_every, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("rank_used", [None, 5], ids=["full-rank", "rank-below-vllms-max"])
@@ -105,7 +110,7 @@ def test_bf16_is_as_close_to_the_float64_reference_as_one_rounding_of_each_produ
 
 def test_the_module_imports_without_vllm_and_names_its_wrapper_lazily():
     module = importlib.reload(lora_matmul)
-    assert "OneAdapterPunica" not in vars(module)  # built at vLLM's lookup, which imports vLLM
+    assert {"OneAdapterPunica", "EveryTokenPunica"}.isdisjoint(vars(module))  # built at vLLM's lookup, which imports vLLM
     with pytest.raises(AttributeError):
         module.NoSuchWrapper
 
@@ -123,7 +128,7 @@ class _RecordingLLM:
 
 QWEN_CONFIG = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
                    num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=256)
-OURS = f"{lora_matmul.__name__}.{lora_matmul.WRAPPER}"
+OURS = f"{lora_matmul.__name__}.{lora_matmul.WRAPPER_EVERY_TOKEN}"  # the engine runs every request with its adapter
 
 
 @pytest.mark.parametrize("overrides, wrapper", [
