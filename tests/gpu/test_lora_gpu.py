@@ -143,7 +143,7 @@ def test_one_adapter_matmuls_match_vllms_punica_kernels(tokens):
                 y = y0.clone()
                 w.add_lora_linear(y, x, aa, bb, 1.0, outs)
                 got[label] = y
-            err = {k: (v.double() - want).abs().max().item() for k, v in got.items()}
+            err = {k: (v.double() - want)[has].abs().max().item() for k, v in got.items()}  # the adapter's tokens
             print(f"{name} at {tokens} tokens, {load} adapter: max error against float64 {err}")
             assert err["matmul"] <= 1.5 * err["punica"] + 1e-3, (name, load, err)
             assert torch.equal(got["matmul"][~has], y0[~has]), (name, load)
