@@ -271,7 +271,7 @@ def stand_in_engine(stand_in_vllm, monkeypatch, tmp_path, *overrides):
 
     monkeypatch.setattr(vllm_engine.torch.cuda, "get_device_name", lambda *a: "stand-in")
     monkeypatch.setattr(vllm_engine.lora_kernels, "choose", lambda *a: "LoRA kernels: stand-in")
-    monkeypatch.setattr(vllm_engine.lora_matmul, "install", lambda: None)
+    monkeypatch.setattr(vllm_engine.lora_matmul, "install", lambda **_: None)
     cfg = load_config(None, ['rollout.engine="vllm"', "model.lora_rank=8", *overrides])
     dist.init_process_group("gloo")
     try:
