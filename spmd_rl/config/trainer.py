@@ -127,8 +127,8 @@ class TrainerConfig:
     """Steps to run under torch.profiler (verl's profile_steps), e.g. [3]: each rank writes
     <run_dir>/profile/step_<N>_rank<R>.json.gz (the trace, every phase a named range) and .txt
     (per phase: wall ms, the ms the GPU was busy during it and the ms of Python's garbage
-    collection in it; for a phase whose GPU idled, the host ops it idled in; for a phase whose GPU
-    worked, its kernels by device time; then the ops with the most device time). A profiled step runs slower
+    collection in it; for a phase whose GPU idled, the host ops it idled in and when in the phase; for a
+    phase whose GPU worked, its kernels by device time; then the ops with the most device time). A profiled step runs slower
     (the host more than the GPU) and its times are not the run's;
     pick one after the first (which compiles). Empty = never (spmd_rl/telemetry/step_profiler.py)."""
 
