@@ -74,7 +74,9 @@ def test_garbage_collections_are_ranges_in_the_trace_and_counted_per_phase(tmp_p
     text = (tmp_path / "step_1_rank0.txt").read_text()
     rows = {m[1]: float(m[2]) for m in re.finditer(r"^\| (\w+) \| [\d.]+ \| [\d.]+ \| - \| ([\d.]+) \|$", text, re.M)}
     assert rows["generate"] == 0.0, text
-    assert sum(clocked) * 0.7 <= rows["update_actor"] <= sum(clocked) + 0.2, (rows, clocked)
+    # the profiler's timestamps and perf_counter differ in rate by a fraction of a percent (the profiler converts
+    # its clock approximately): 17 ms over collections of 3.5 s, a full suite's heap; a range counted twice is 2x
+    assert sum(clocked) * 0.7 <= rows["update_actor"] <= sum(clocked) * 1.01 + 0.2, (rows, clocked)
     trace = json.loads(gzip.open(tmp_path / "step_1_rank0.json.gz").read())
     assert sum(e.get("name") == "gc/generation2" for e in trace["traceEvents"]) == 2
 
