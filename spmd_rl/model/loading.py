@@ -364,22 +364,45 @@ decoder_layers = fused_kernels.decoder_layers
 def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, gradient_checkpointing: float = False,
                forward_prefetch: bool = False) -> torch.nn.Module:
     """fully_shard every decoder layer, then the root (embeddings, norm, head), over `mesh`: 1-D
-    (shard over all ranks) or 2-D (hybrid sharding, distributed.fsdp_mesh). Parameters move to
-    the mesh's device; grads are reduced in float32. `gradient_checkpointing`: the share of decoder
+    (shard over all ranks) or 2-D (hybrid sharding, distributed.fsdp_mesh); on one rank the frozen
+    parameters stay out of it (frozen_kept_whole). Parameters move to the mesh's device; grads are
+    reduced in float32. `gradient_checkpointing`: the share of decoder
     layers checkpointed (set_gradient_checkpointing; True: all). `forward_prefetch`: each layer also
     starts the all-gather of the next one (FSDP2 already overlaps one layer ahead implicitly;
     explicit prefetch issues it earlier, which helps when a layer's compute is short)."""
     if gradient_checkpointing:
         set_gradient_checkpointing(model, gradient_checkpointing)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    ignored = frozen_kept_whole(model, mesh, compute_dtype)
     layers = decoder_layers(model)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
     if forward_prefetch:
         for layer, nxt in zip(layers, layers[1:]):
             layer.set_modules_to_forward_prefetch([nxt])
     return model
+
+
+def frozen_kept_whole(model: torch.nn.Module, mesh, compute_dtype: torch.dtype) -> set[torch.nn.Parameter]:
+    """On a one-rank mesh, the parameters that train nothing (requires_grad off: a LoRA actor's base)
+    and are stored in `compute_dtype` already, moved to the mesh's device, for fully_shard to leave
+    alone (`ignored_params`); elsewhere none. Sharded over one rank, a parameter is the whole tensor
+    already, and FSDP2 copies it into an unsharded buffer of its own at each forward and backward of
+    its unit (its one-rank unshard): for a frozen base, the same bytes again at every micro-batch, on
+    the compute stream. Kept out of FSDP2 it is the plain tensor the layers read, at the same memory
+    (less: no unsharded copy), with no gradient to reduce. A frozen parameter in another dtype stays
+    in FSDP2, which casts it to the compute dtype at each unshard; one on the meta device stays there
+    (allocate_meta_model gives it storage on the device)."""
+    if mesh.size() != 1:  # size(): all of the mesh's ranks, 2-D meshes too
+        return set()
+    frozen = {p for p in model.parameters() if not p.requires_grad and p.dtype == compute_dtype}
+    device = _mesh_device(mesh)
+    with torch.no_grad():
+        for p in frozen:
+            if p.device != device and p.device.type != "meta":
+                p.data = p.data.to(device)
+    return frozen
 
 
 def reshard(model: torch.nn.Module) -> None:

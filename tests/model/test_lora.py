@@ -34,6 +34,11 @@ def sharded_lora(path, rank, base_dtype, compute_dtype, targets=()):
     return build_sharded(load, init_device_mesh("cpu", (dist.get_world_size(),)), compute_dtype, False), settings
 
 
+def whole(p):
+    """A parameter's full tensor: a DTensor's gathered, a plain one (kept out of FSDP2 on one rank) itself."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
 def logprobs(model, ids):
     return model(input_ids=ids, logprob_targets=torch.roll(ids, -1, 1), temperature=1.0)[0]
 
@@ -93,7 +98,11 @@ def _train_body(rank, world, path, lora_rank, base_dtype, compute_dtype):
     assert all(p.requires_grad and p.dtype == torch.float32 for p in adapter.values())
     assert all(not p.requires_grad and p.dtype == base_dtype for p in base.values())
     assert {p.shape[0] for n, p in adapter.items() if "lora_A" in n} == {lora_rank}
-    before = {n: p.full_tensor().clone() for n, p in base.items()}
+    # FSDP2 shards the adapter; on one rank the frozen base in the compute dtype stays out of it, a plain
+    # tensor (frozen_kept_whole), and one in another dtype in it (FSDP2 casts it at each unshard)
+    assert all(hasattr(p, "full_tensor") for p in adapter.values())
+    assert all(hasattr(p, "full_tensor") == (world > 1 or base_dtype != compute_dtype) for p in base.values())
+    before = {n: whole(p).clone() for n, p in base.items()}
     opt = make_optimizer(model, 1e-2, 0.0)
     ids = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(rank))
     with torch.no_grad(), adapter_disabled(model) as ref:  # a step's reference pass comes before its update
@@ -107,7 +116,7 @@ def _train_body(rank, world, path, lora_rank, base_dtype, compute_dtype):
     assert all(p.grad is None for p in base.values())
     moved = [n for n, p in adapter.items() if "lora_A" in n and p.full_tensor().abs().sum() > 0]
     assert len(moved) == len(adapter) // 2
-    assert all(torch.equal(before[n], p.full_tensor()) for n, p in base.items())
+    assert all(torch.equal(before[n], whole(p)) for n, p in base.items())
     state = [s for p in opt.state.values() for s in (p["exp_avg"], p["exp_avg_sq"])]
     assert sum(s.numel() for s in state) == 2 * sum(p.numel() for p in adapter.values())  # full sizes
     assert all(s.dtype == torch.float32 for s in state)
@@ -119,11 +128,12 @@ def _train_cases(rank, world, path):
     _train_body(rank, world, path, 1, torch.float32, torch.float32)  # CPU-like, and rank 1
 
 
-def test_lora_trains_the_adapter_alone(tmp_path):
-    run_distributed(_train_cases, WORLD, tiny_dir(tmp_path))
+@pytest.mark.parametrize("world", [1, WORLD])
+def test_lora_trains_the_adapter_alone(tmp_path, world):
+    run_distributed(_train_cases, world, tiny_dir(tmp_path))
 
 
-def _save_body(rank, world, path, ckpt_root, out_file):
+def _save_body(rank, world, path, ckpt_root, out_file, compute_dtype):
     """Train the adapter a step on `world` ranks and checkpoint it; rank 0 writes the full adapter and
     optimizer moments it saved."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -132,7 +142,7 @@ def _save_body(rank, world, path, ckpt_root, out_file):
     from spmd_rl.train.optim import make_optimizer
 
     torch.manual_seed(0)
-    model, _ = sharded_lora(path, 4, torch.bfloat16, torch.float32)
+    model, _ = sharded_lora(path, 4, torch.bfloat16, compute_dtype)
     opt = make_optimizer(model, 1e-2, 0.0)
     for _ in range(2):
         logprobs(model, torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(rank))).mean().backward()
@@ -147,7 +157,7 @@ def _save_body(rank, world, path, ckpt_root, out_file):
         torch.save({"model": full, "exp_avg": moments}, out_file)
 
 
-def _resume_body(rank, world, path, ckpt_root, saved_file):
+def _resume_body(rank, world, path, ckpt_root, saved_file, compute_dtype):
     """A fresh actor (base from the files, another random adapter) on `world` ranks resumes the adapter
     and its optimizer; the checkpoint holds no base tensor."""
     import torch.distributed.checkpoint as dcp
@@ -156,13 +166,13 @@ def _resume_body(rank, world, path, ckpt_root, saved_file):
     from spmd_rl.train.optim import make_optimizer
 
     torch.manual_seed(123)  # another adapter A than the saved run's
-    model, _ = sharded_lora(path, 4, torch.bfloat16, torch.float32)
+    model, _ = sharded_lora(path, 4, torch.bfloat16, compute_dtype)
     opt = make_optimizer(model, 1e-2, 0.0)
     ck = Checkpointer(ckpt_root, keep_last=1, async_save=False)
     assert ck.load(ck.find_resume("auto"), {"actor": ModelAndOptimizer(model, opt, trainable_only=True)}) == {"step": 2}
     saved = torch.load(saved_file)
     for name, p in model.named_parameters():
-        assert torch.equal(p.full_tensor(), saved["model"][name]), name  # base from the files, adapter resumed
+        assert torch.equal(whole(p), saved["model"][name]), name  # base from the files, adapter resumed
         if p.requires_grad:
             assert torch.equal(opt.state[p]["exp_avg"].full_tensor(), saved["exp_avg"][name]), name
     keys = dcp.FileSystemReader(ck.latest()).read_metadata().state_dict_metadata
@@ -170,11 +180,16 @@ def _resume_body(rank, world, path, ckpt_root, saved_file):
     assert model_keys and all(".lora_" in k for k in model_keys), model_keys
 
 
-def test_lora_checkpoint_holds_the_adapter_and_resumes_on_another_world_size(tmp_path):
+@pytest.mark.parametrize("saved_on,resumed_on,compute_dtype", [(2, 3, torch.float32), (1, 2, torch.bfloat16),
+                                                                (2, 1, torch.bfloat16)])
+def test_lora_checkpoint_holds_the_adapter_and_resumes_on_another_world_size(tmp_path, saved_on, resumed_on,
+                                                                              compute_dtype):
+    """One rank keeps a frozen base in the compute dtype out of FSDP2 (plain tensors), more ranks shard
+    it: the adapter travels between them either way."""
     path = tiny_dir(tmp_path)
     root, saved = str(tmp_path / "ckpt"), str(tmp_path / "saved.pt")
-    run_distributed(_save_body, 2, path, root, saved)
-    run_distributed(_resume_body, 3, path, root, saved)
+    run_distributed(_save_body, saved_on, path, root, saved, compute_dtype)
+    run_distributed(_resume_body, resumed_on, path, root, saved, compute_dtype)
 
 
 @pytest.mark.parametrize("lora", [False, True])
