@@ -97,13 +97,13 @@ def _wrapper_class(every_token: bool) -> type:
         def __init__(self, max_num_batched_tokens: int, max_batches: int, device, **kwargs):
             super().__init__(max_num_batched_tokens, max_batches, device, **kwargs)
             dtype = kwargs["lora_config"].lora_dtype  # the model's dtype once vLLM checked the config
-            self.adapter_on = torch.zeros(max_num_batched_tokens, 1, device=device,
-                                          dtype=dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
+            self.adapter_on = None if every_token else torch.zeros(  # the mask; None: every token has the adapter
+                max_num_batched_tokens, 1, device=device, dtype=dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
             self.joined: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a layer's A and B (join_slices)
 
         def update_metadata(self, *args, **kwargs):
             super().update_metadata(*args, **kwargs)
-            if not every_token:
+            if self.adapter_on is not None:
                 self.adapter_on.copy_((self._token_lora_indices >= 0).unsqueeze(1))
 
         def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None,
@@ -114,10 +114,9 @@ def _wrapper_class(every_token: bool) -> type:
             joined = self.joined.get(id(lora_a_stacked))  # vLLM's layer keeps its tuple for the engine's life
             if joined is None:
                 joined = self.joined[id(lora_a_stacked)] = join_slices(lora_a_stacked, lora_b_stacked)
-            if every_token:
-                on = None
-            else:
-                on = self.adapter_on if self.adapter_on.dtype == x.dtype else self.adapter_on.to(x.dtype)
+            on = self.adapter_on
+            if on is not None and on.dtype != x.dtype:
+                on = on.to(x.dtype)
             apply_adapter(y, x, *joined, scale, on)  # y is zeros where vLLM asks for the adapter's part alone
 
     OneAdapterPunica.__qualname__ = OneAdapterPunica.__name__ = WRAPPER_EVERY_TOKEN if every_token else WRAPPER
