@@ -30,13 +30,14 @@ SMALL_ON_VLLM = [
     "--config", str(REPO / "configs" / "tiny-cpu.toml"), 'model.arch="small"', 'model.compute_dtype="bfloat16"',
     "model.remove_padding=true", "actor.max_token_len_per_gpu=8192", 'trainer.device="cuda"',
     'rollout.engine="vllm"', "rollout.enforce_eager=true", "rollout.gpu_memory_utilization=0.05",
-    "rollout.engine_kwargs.kv_cache_memory_bytes=268435456",
+    "rollout.kv_cache_tokens=131072",
     "actor.lr=1e-3", "data.train_batch_size=32", "actor.ppo_mini_batch_size=32",
     'data.val_files=[]', "trainer.val_every=0", "trainer.save_every=-1", "trainer.tensorboard=false",
 ]
 """The learning checks' setting (test_learning_gpu.py says how it was chosen): a small random Qwen2
 (4 layers, hidden 256, the character tokenizer) on the shipped GPU path (fp32 masters, bf16 compute,
-packed rows, vLLM eager with a fixed 256 MiB KV cache, so that it runs beside other checks), 32
+packed rows, vLLM eager with a fixed KV cache of 131,072 tokens, 256 MiB at the small shape's 2 KiB a
+token, so that it runs beside other checks), 32
 prompts per step in one mini-batch (one optimizer step: on-policy), lr 1e-3."""
 
 
