@@ -11,7 +11,8 @@ GPU, so no fp32 copy, gradient or optimizer state of it exists) and the adapter 
 master dtype (fp32). One `fully_shard` unit per decoder layer holds both: FSDP2 (torch 2.13,
 _fsdp_param_group._init_mp_dtypes) asks for one dtype among the parameters that require grad only,
 here the adapter's; its all-gather casts every parameter to the policy's param dtype (mixed inputs
-would go through its uint8 path). tests/model/test_lora.py checks it on 2 ranks.
+would go through its uint8 path). On one rank the frozen base stays out of FSDP2
+(loading.frozen_kept_whole). tests/model/test_lora.py checks both on 1 and 2 ranks.
 """
 
 from __future__ import annotations
