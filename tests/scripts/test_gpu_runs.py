@@ -32,6 +32,7 @@ def test_a_learning_checks_run_passes_the_start_up_checks(name, tmp_path, monkey
     from spmd_rl.rollout.vllm import kwargs as vllm_kwargs
 
     monkeypatch.setattr(vllm_kwargs, "vllm_import_problem", lambda: None)  # no vLLM on the CI machine
+    # vLLM's argument names: the run's own engine kwargs stand in, so the project's own refusals are what is checked
     monkeypatch.setattr(vllm_kwargs, "vllm_llm_arg_names", lambda: set(vllm_kwargs._entries(cfg.rollout.engine_kwargs)))
     nproc = NPROC.get(name, 1)
     common, extra = RUNS[name]
