@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from spmd_rl import preflight
-from tests.helpers.dist_utils import run_distributed
+from tests.helpers.dist_utils import full, run_distributed
 from tests.train.test_update import tiny_config
 
 ROWS = 4  # rows per rank: two mini-batches of MINI rows (two optimizer steps)
@@ -68,10 +68,6 @@ def odd_batch(world: int, seed: int = 0, vocab: int = 50):
                       returns=torch.randn(rows, width, generator=g) * resp,
                       token_rewards=torch.randn(rows, width, generator=g) * resp,
                       row_id=torch.arange(rows)))
-
-
-def full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def by_row(batch, values: torch.Tensor) -> dict[int, torch.Tensor]:

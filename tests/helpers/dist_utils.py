@@ -53,3 +53,9 @@ def run_distributed(fn, world: int, *args) -> None:
                        join=True, start_method="forkserver")
     if not errors.empty():
         raise AssertionError(errors.get())
+
+
+def full(t):
+    """A tensor's whole value on this rank: a DTensor's gathered (collective), any other tensor itself (a
+    parameter FSDP2 leaves out on one rank: spmd_rl.model.loading.frozen_kept_whole)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -20,7 +20,7 @@ from spmd_rl.model import fused_kernels
 from spmd_rl.model.loading import prepare_policy
 from spmd_rl.train.actor import forward_logprobs
 from tests.config.test_config import valid_cfg
-from tests.helpers.dist_utils import run_distributed
+from tests.helpers.dist_utils import full, run_distributed
 
 
 def tiny_model(seed=0):
@@ -273,7 +273,7 @@ def checkpointing_run(kernels, share, fsdp=False):
     finally:
         modeling_qwen2.Qwen2MLP.forward = mlp_forward
         fused_kernels.COMPILE_OPTIONS = options
-    grads = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
+    grads = [full(g) for g in grads]
     return saved, graph_runs.runs, eager_mlp[0], [logp, ent, *grads]
 
 

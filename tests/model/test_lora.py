@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from tests.helpers.dist_utils import run_distributed
+from tests.helpers.dist_utils import full, run_distributed
 
 pytest.importorskip("peft")
 
@@ -32,11 +32,6 @@ def sharded_lora(path, rank, base_dtype, compute_dtype, targets=()):
     settings = LoraSettings(rank, 16.0, tuple(targets), torch.float32)
     load = functools.partial(load_causal_lm, path, base_dtype, lora=settings)
     return build_sharded(load, init_device_mesh("cpu", (dist.get_world_size(),)), compute_dtype, False), settings
-
-
-def whole(p):
-    """A parameter's full tensor: a DTensor's gathered, a plain one (kept out of FSDP2 on one rank) itself."""
-    return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 def logprobs(model, ids):
@@ -102,7 +97,7 @@ def _train_body(rank, world, path, lora_rank, base_dtype, compute_dtype):
     # tensor (frozen_kept_whole), and one in another dtype in it (FSDP2 casts it at each unshard)
     assert all(hasattr(p, "full_tensor") for p in adapter.values())
     assert all(hasattr(p, "full_tensor") == (world > 1 or base_dtype != compute_dtype) for p in base.values())
-    before = {n: whole(p).clone() for n, p in base.items()}
+    before = {n: full(p).clone() for n, p in base.items()}
     opt = make_optimizer(model, 1e-2, 0.0)
     ids = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(rank))
     with torch.no_grad(), adapter_disabled(model) as ref:  # a step's reference pass comes before its update
@@ -116,7 +111,7 @@ def _train_body(rank, world, path, lora_rank, base_dtype, compute_dtype):
     assert all(p.grad is None for p in base.values())
     moved = [n for n, p in adapter.items() if "lora_A" in n and p.full_tensor().abs().sum() > 0]
     assert len(moved) == len(adapter) // 2
-    assert all(torch.equal(before[n], whole(p)) for n, p in base.items())
+    assert all(torch.equal(before[n], full(p)) for n, p in base.items())
     state = [s for p in opt.state.values() for s in (p["exp_avg"], p["exp_avg_sq"])]
     assert sum(s.numel() for s in state) == 2 * sum(p.numel() for p in adapter.values())  # full sizes
     assert all(s.dtype == torch.float32 for s in state)
@@ -172,7 +167,7 @@ def _resume_body(rank, world, path, ckpt_root, saved_file, compute_dtype):
     assert ck.load(ck.find_resume("auto"), {"actor": ModelAndOptimizer(model, opt, trainable_only=True)}) == {"step": 2}
     saved = torch.load(saved_file)
     for name, p in model.named_parameters():
-        assert torch.equal(whole(p), saved["model"][name]), name  # base from the files, adapter resumed
+        assert torch.equal(full(p), saved["model"][name]), name  # base from the files, adapter resumed
         if p.requires_grad:
             assert torch.equal(opt.state[p]["exp_avg"].full_tensor(), saved["exp_avg"][name]), name
     keys = dcp.FileSystemReader(ck.latest()).read_metadata().state_dict_metadata

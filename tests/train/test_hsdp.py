@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers.dist_utils import run_distributed
+from tests.helpers.dist_utils import full, run_distributed
 from tests.model.test_sharded_init import assert_same_model
 from tests.train.test_update import make_batch, reference_loss, tiny_config
 
@@ -35,10 +35,6 @@ LR, MOMENTUM, CLIP = 0.5, 0.9, 0.05  # CLIP binds at both steps (asserted): the 
 # shard group or the replicas instead of all ranks: x2 or x4), a lost micro-batch or replicas that
 # drift apart are off by orders of magnitude more.
 RTOL, ATOL = 1e-4, 1e-6
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def full_state(model, opt) -> dict[str, torch.Tensor]:
