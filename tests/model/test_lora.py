@@ -128,6 +128,42 @@ def test_lora_trains_the_adapter_alone(tmp_path, world):
     run_distributed(_train_cases, world, tiny_dir(tmp_path))
 
 
+def _mixture_train_body(rank, world, path):
+    """LoRA on a mixture of experts in bf16 (the GPU's dtypes): its attention adapted, the fused experts and
+    router frozen with the rest of the base; on one rank all of the base stays out of FSDP2."""
+    from spmd_rl.model.lora import adapter_disabled
+    from spmd_rl.train.optim import make_optimizer
+
+    model, _ = sharded_lora(path, 4, torch.bfloat16, torch.bfloat16)
+    adapter = {n: p for n, p in model.named_parameters() if ".lora_" in n}
+    base = {n: p for n, p in model.named_parameters() if ".lora_" not in n}
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in adapter} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert any(".mlp.experts." in n for n in base) and not any(".mlp." in n for n in adapter)
+    assert all(hasattr(p, "full_tensor") == (world > 1) for p in base.values())
+    before = {n: full(p).clone() for n, p in base.items()}
+    opt = make_optimizer(model, 1e-2, 0.0)
+    ids = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad(), adapter_disabled(model) as ref:
+        reference = logprobs(ref, ids)
+    for _ in range(2):
+        logprobs(model, ids).mean().backward()
+        assert all(p.grad is None for p in base.values())
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(before[n], full(p)) for n, p in base.items())
+    assert all(full(p).abs().sum() > 0 for n, p in adapter.items() if "lora_A" in n)
+    with torch.no_grad():
+        assert (logprobs(model, ids) - reference).abs().max() > 1e-3  # the trained adapter moves the policy
+
+
+@pytest.mark.parametrize("world", [1, WORLD])
+def test_lora_on_a_mixture_of_experts_trains_its_attention_adapter(tmp_path, world):
+    from spmd_rl.model.loading import materialize_random_model, random_model_config
+
+    path = materialize_random_model(str(tmp_path / "moe"), random_model_config("qwen3-moe-tiny"), 0, torch.float32)
+    run_distributed(_mixture_train_body, world, path)
+
+
 def _save_body(rank, world, path, ckpt_root, out_file, compute_dtype):
     """Train the adapter a step on `world` ranks and checkpoint it; rank 0 writes the full adapter and
     optimizer moments it saved."""
