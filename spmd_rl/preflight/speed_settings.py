@@ -196,7 +196,7 @@ def engine_sequences(cfg: Config, world_size: int, device_total: float, shape: m
     value = max(1, min(calls, SEQS_MAX))
     bound = "a call's most" if value == calls else "vLLM's CUDA graphs' most"
     return value, (f"{bound} (a call has up to {calls}); each call runs as many as the KV cache holds at the "
-                   f"responses' expected lengths (it holds {fit} of {length} tokens)")
+                   f"responses' expected lengths (it holds {fit} sequences of {length} tokens)")
 
 
 def candidates(cfg: Config, world_size: int) -> list[dict[str, Any]]:

@@ -249,8 +249,8 @@ def test_engine_sequences_are_a_calls_most_within_cuda_graphs_and_the_line_says_
     choice = ss.resolve(cfg, 1, total)
     assert cfg.rollout.max_num_seqs == expected and ss.SEQS in cfg.auto_chosen
     assert (f"; vLLM sequences: {bound} (a call has up to " in choice.line() and
-            f"each call runs as many as the KV cache holds at the responses' expected lengths (it holds {fit} of "
-            f"1536 tokens)" in choice.line())
+            f"each call runs as many as the KV cache holds at the responses' expected lengths (it holds {fit} sequences "
+            f"of 1536 tokens)" in choice.line())
     if total == H100:
         assert 256 < fit < 512
     cfg.check_ranges()
