@@ -82,13 +82,39 @@ def test_lora_forward_equals_peft_and_reference_is_the_adapter_disabled(tmp_path
     run_distributed(_forward_body, WORLD, tiny_dir(tmp_path))
 
 
-def _train_body(rank, world, path, lora_rank, base_dtype, compute_dtype):
+def adapter_and_base(model):
+    """The LoRA actor's parameters by name: the adapter's, and the frozen base's."""
+    params = dict(model.named_parameters())
+    return ({n: p for n, p in params.items() if ".lora_" in n}, {n: p for n, p in params.items() if ".lora_" not in n})
+
+
+def _two_adapter_steps(model, rank):
+    """A step's reference pass (the adapter disabled), then two AdamW steps: only the adapter gets gradients
+    (B at each step; A from the second, as B starts at 0) and the frozen base stays as it was. Returns the
+    optimizer, the input ids and the reference pass's log-probs."""
     from spmd_rl.model.lora import adapter_disabled
     from spmd_rl.train.optim import make_optimizer
 
+    adapter, base = adapter_and_base(model)
+    before = {n: full(p).clone() for n, p in base.items()}
+    opt = make_optimizer(model, 1e-2, 0.0)
+    ids = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad(), adapter_disabled(model) as ref:  # a step's reference pass comes before its update
+        reference = logprobs(ref, ids)
+    for _ in range(2):
+        logprobs(model, ids).mean().backward()
+        assert all(p.grad is None for p in base.values())
+        assert all(p.grad is not None for n, p in adapter.items() if "lora_B" in n)
+        opt.step()
+        opt.zero_grad()
+    assert all(p.grad is None for p in base.values())
+    assert all(torch.equal(before[n], full(p)) for n, p in base.items())
+    return opt, ids, reference
+
+
+def _train_body(rank, world, path, lora_rank, base_dtype, compute_dtype):
     model, _ = sharded_lora(path, lora_rank, base_dtype, compute_dtype)
-    adapter = {n: p for n, p in model.named_parameters() if ".lora_" in n}
-    base = {n: p for n, p in model.named_parameters() if ".lora_" not in n}
+    adapter, base = adapter_and_base(model)
     assert len(adapter) == 2 * 7 * 2  # A and B of 7 linear layers in each of 2 decoder layers
     assert all(p.requires_grad and p.dtype == torch.float32 for p in adapter.values())
     assert all(not p.requires_grad and p.dtype == base_dtype for p in base.values())
@@ -97,21 +123,9 @@ def _train_body(rank, world, path, lora_rank, base_dtype, compute_dtype):
     # tensor (frozen_kept_whole), and one in another dtype in it (FSDP2 casts it at each unshard)
     assert all(hasattr(p, "full_tensor") for p in adapter.values())
     assert all(hasattr(p, "full_tensor") == (world > 1 or base_dtype != compute_dtype) for p in base.values())
-    before = {n: full(p).clone() for n, p in base.items()}
-    opt = make_optimizer(model, 1e-2, 0.0)
-    ids = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(rank))
-    with torch.no_grad(), adapter_disabled(model) as ref:  # a step's reference pass comes before its update
-        logprobs(ref, ids)
-    for _ in range(2):  # B starts at 0: A gets its first gradient at the second step
-        logprobs(model, ids).mean().backward()
-        assert all(p.grad is None for p in base.values())
-        assert all(p.grad is not None for n, p in adapter.items() if "lora_B" in n)
-        opt.step()
-        opt.zero_grad()
-    assert all(p.grad is None for p in base.values())
+    opt, _, _ = _two_adapter_steps(model, rank)
     moved = [n for n, p in adapter.items() if "lora_A" in n and p.full_tensor().abs().sum() > 0]
     assert len(moved) == len(adapter) // 2
-    assert all(torch.equal(before[n], full(p)) for n, p in base.items())
     state = [s for p in opt.state.values() for s in (p["exp_avg"], p["exp_avg_sq"])]
     assert sum(s.numel() for s in state) == 2 * sum(p.numel() for p in adapter.values())  # full sizes
     assert all(s.dtype == torch.float32 for s in state)
@@ -131,26 +145,12 @@ def test_lora_trains_the_adapter_alone(tmp_path, world):
 def _mixture_train_body(rank, world, path):
     """LoRA on a mixture of experts in bf16 (the GPU's dtypes): its attention adapted, the fused experts and
     router frozen with the rest of the base; on one rank all of the base stays out of FSDP2."""
-    from spmd_rl.model.lora import adapter_disabled
-    from spmd_rl.train.optim import make_optimizer
-
     model, _ = sharded_lora(path, 4, torch.bfloat16, torch.bfloat16)
-    adapter = {n: p for n, p in model.named_parameters() if ".lora_" in n}
-    base = {n: p for n, p in model.named_parameters() if ".lora_" not in n}
+    adapter, base = adapter_and_base(model)
     assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in adapter} == {"q_proj", "k_proj", "v_proj", "o_proj"}
     assert any(".mlp.experts." in n for n in base) and not any(".mlp." in n for n in adapter)
     assert all(hasattr(p, "full_tensor") == (world > 1) for p in base.values())
-    before = {n: full(p).clone() for n, p in base.items()}
-    opt = make_optimizer(model, 1e-2, 0.0)
-    ids = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(rank))
-    with torch.no_grad(), adapter_disabled(model) as ref:
-        reference = logprobs(ref, ids)
-    for _ in range(2):
-        logprobs(model, ids).mean().backward()
-        assert all(p.grad is None for p in base.values())
-        opt.step()
-        opt.zero_grad()
-    assert all(torch.equal(before[n], full(p)) for n, p in base.items())
+    _, ids, reference = _two_adapter_steps(model, rank)
     assert all(full(p).abs().sum() > 0 for n, p in adapter.items() if "lora_A" in n)
     with torch.no_grad():
         assert (logprobs(model, ids) - reference).abs().max() > 1e-3  # the trained adapter moves the policy
