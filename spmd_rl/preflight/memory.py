@@ -79,15 +79,17 @@ def model_shape(cfg: Config, critic: bool = False) -> mp.ModelShape:
     return mp.shape_from_config(model_text_config(m.path, "model.path"))
 
 
-def work_of(cfg: Config, role: str) -> mp.Work:
-    """One GPU's micro-batches of `role` ("actor", also the reference's, or "critic")."""
+def work_of(cfg: Config, role: str, world_size: int) -> mp.Work:
+    """One GPU's micro-batches of `role` ("actor", also the reference's, or "critic") on `world_size` ranks."""
     mb, m, d = cfg.micro_batching(role), cfg.model, cfg.data
     sp = max(cfg.trainer.ulysses_size, 1)  # a group's micro-batch is split over its GPUs
     padded = mb.rows * (d.max_prompt_length + d.max_response_length)
+    lora = m.use_lora and role == "actor"  # the base frozen in the compute dtype (roles_of): on one rank kept
+    # out of FSDP2 (loading.frozen_kept_whole)
     return mp.Work(update_tokens=(mb.update_tokens or padded) // sp, forward_tokens=(mb.forward_tokens or padded) // sp,
                    compute_bytes=mp.DTYPE_BYTES[m.compute_dtype], checkpointed_share=m.checkpointed_share(),
                    chunked_logprobs=m.chunked_logprobs, head=m.fused_logprob_head,
-                   experts_trained=not (m.use_lora and role == "actor"))
+                   base_trained=not lora, base_gathered=not (lora and world_size == 1))
 
 
 def roles_of(cfg: Config, shape: mp.ModelShape, critic_shape: mp.ModelShape | None) -> list[mp.Role]:
@@ -156,9 +158,9 @@ def plan_for(cfg: Config, world_size: int, device_total: float | None,
     """The memory plan of `cfg` on `world_size` ranks of GPUs of `device_total` bytes (None: no
     GPU). `shapes`: (policy, critic) when already read."""
     shape, critic_shape = shapes or (model_shape(cfg), model_shape(cfg, critic=True) if cfg.use_critic else None)
-    models = {"actor": (shape, work_of(cfg, "actor"))}
+    models = {"actor": (shape, work_of(cfg, "actor", world_size))}
     if critic_shape is not None:
-        models["critic"] = (critic_shape, work_of(cfg, "critic"))
+        models["critic"] = (critic_shape, work_of(cfg, "critic", world_size))
     shard = cfg.trainer.fsdp_size or world_size
     engine = engine_of(cfg, shape)
     if engine.kind == "vllm":  # its KV cache as rollout.kv_cache_tokens sets it (the run's ranks and device)

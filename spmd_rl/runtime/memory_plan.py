@@ -23,14 +23,18 @@ bfloat16 masters 2 + 2 + 4 = 8. The reference model is parameters only, in the c
 
 Activations of one update micro-batch of T tokens per GPU (hidden size h, L decoder layers, compute
 dtype of c bytes): a layer that keeps its activations for backward holds T x h x
-ACTIVATION_BYTES_PER_HIDDEN x c / 2; a checkpointed one only its input (T x h x c), plus one
+ACTIVATION_BYTES_PER_HIDDEN x c / 2 at the fitted shapes (what differs for others: below); a checkpointed one only its input (T x h x c), plus one
 layer's activations while it is recomputed; the log-prob head holds its chunk temporaries
 (logprob_head.CHUNK_ELEMENTS logits), the gathered head weight and its float32 gradient (the
 full [vocab, h] logits x 3 in float32 without `model.chunked_logprobs`); FSDP holds two gathered
 layers and their unsharded gradients. A no-grad pass holds one layer's activations at a time.
-A mixture-of-experts layer has no dense MLP: it holds the fitted layer's share less that MLP's, its
-router's and routed copies' tensors and any shared expert's (mixture_layer_activation_bytes), fewer
-where its experts are frozen (LoRA), as no weight gradient reads their inputs.
+A layer's dense MLP is counted apart from the fitted constant (SWIGLU_VALUES_PER_INTERMEDIATE per unit of its
+intermediate size; the constant holds the fitted shapes' MLP, FIT_INTERMEDIATE_PER_HIDDEN), so a narrower MLP
+keeps less. A mixture-of-experts layer has no dense MLP: it holds what a layer keeps beside it, its router's
+and routed copies' tensors and any shared expert's (mixture_layer_activation_bytes), fewer where its experts
+are frozen (LoRA), as no weight gradient reads their inputs. Under LoRA (a frozen base) the head and the
+gathered layers take no float32 gradient, on one rank the base is not gathered at all
+(loading.frozen_kept_whole), and a layer keeps LORA_VALUES_PER_HIDDEN more.
 
 Parameter counts come from the model's shape (config.json or loading.ARCH_PRESETS), arithmetically:
 no weights are read. Nothing here imports torch; spmd_rl/preflight/memory.py reads the
@@ -68,6 +72,13 @@ attention is wider or normed adds the difference (attention_extra_values)."""
 FIT_INTERMEDIATE_PER_HIDDEN = 5.6
 """intermediate_size / hidden_size of the shapes ACTIVATION_BYTES_PER_HIDDEN is fitted to (Qwen2 0.5B:
 5.43, 1.5B: 5.83): the dense MLP's part of that constant is SWIGLU_VALUES_PER_INTERMEDIATE x 2 bytes x this."""
+LORA_VALUES_PER_HIDDEN = 3.5
+"""Values per token and unit of hidden size a decoder layer keeps beyond the fitted constant's when LoRA trains
+an adapter on a frozen base (Work.base_trained False). Fitted to the LoRA presets' update peaks of
+docs/performance.md, "Memory predicted at start-up" (Qwen2 7B, Qwen3-8B and Llama 3.1 8B shapes, two micro-batch
+sizes; tests/runtime/test_memory_plan.py keeps them within 10%), after counting what a frozen base does not hold
+(the head's and the gathered layers' float32 gradients, and on one rank the gathered copies). Measured, not
+counted: on CPU the compiled LoRA layer keeps fewer values per hidden unit than a fully trained one."""
 HEAD_CHUNK_ELEMENTS = 1 << 28
 """logprob_head.CHUNK_ELEMENTS (not imported: that module imports torch)."""
 HEAD_CHUNK_TEMPORARIES = {"none": 3 * 4, "compile": 2 * 2}
@@ -309,14 +320,24 @@ class Work:
     checkpointed_share: float = 0.0  # model.checkpointed_share()
     chunked_logprobs: bool = True
     head: str = "none"  # model.fused_logprob_head
-    bytes_per_hidden: float = ACTIVATION_BYTES_PER_HIDDEN
-    experts_trained: bool = True  # False: a mixture's experts frozen (LoRA adapts its attention: lora.adapted_modules)
+    base_trained: bool = True  # False: LoRA, the base frozen (a mixture's experts too), an adapter alone trained
+    base_gathered: bool = True  # False: the frozen base kept out of FSDP2 (one rank: loading.frozen_kept_whole)
 
 
 def layer_activation_bytes(shape: ModelShape, tokens: int, work: Work) -> float:
-    """One decoder layer's activations for `tokens` tokens: the fitted constant's, and what a wider or
-    normed attention than the fitted shapes' keeps beyond it."""
-    return tokens * (shape.hidden_size * work.bytes_per_hidden / 2 + attention_extra_values(shape)) * work.compute_bytes
+    """One dense decoder layer's activations for `tokens` tokens: what it keeps beside its MLP
+    (layer_values_beside_mlp) and its SwiGLU MLP's values."""
+    values = layer_values_beside_mlp(shape, work) + SWIGLU_VALUES_PER_INTERMEDIATE * shape.intermediate_size
+    return tokens * values * work.compute_bytes
+
+
+def layer_values_beside_mlp(shape: ModelShape, work: Work) -> float:
+    """Values per token a decoder layer keeps beside its MLP: the fitted constant's less the fitted shapes'
+    dense MLP (SWIGLU_VALUES_PER_INTERMEDIATE x FIT_INTERMEDIATE_PER_HIDDEN), what a wider or normed attention
+    than theirs keeps beyond it, and under LoRA (a frozen base) LORA_VALUES_PER_HIDDEN more."""
+    fitted = ACTIVATION_BYTES_PER_HIDDEN / 2 - SWIGLU_VALUES_PER_INTERMEDIATE * FIT_INTERMEDIATE_PER_HIDDEN
+    lora = 0.0 if work.base_trained else LORA_VALUES_PER_HIDDEN
+    return shape.hidden_size * (fitted + lora) + attention_extra_values(shape)
 
 
 def attention_extra_values(shape: ModelShape) -> float:
@@ -331,11 +352,10 @@ def attention_extra_values(shape: ModelShape) -> float:
 
 
 def mixture_layer_activation_bytes(shape: ModelShape, tokens: int, work: Work) -> float:
-    """One mixture layer's activations for `tokens` tokens: the fitted dense layer's (layer_activation_bytes)
-    less its SwiGLU MLP, which a mixture layer does not have; its shared expert's SwiGLU, if any; and its
-    router's and routed copies' tensors (expert_activation_bytes)."""
-    dense_mlp = SWIGLU_VALUES_PER_INTERMEDIATE * 2 * FIT_INTERMEDIATE_PER_HIDDEN
-    own = layer_activation_bytes(shape, tokens, work) - tokens * shape.hidden_size * dense_mlp * work.compute_bytes / 2
+    """One mixture layer's activations for `tokens` tokens: what a layer keeps beside its MLP
+    (layer_values_beside_mlp); its shared expert's SwiGLU, if any; and its router's and routed copies'
+    tensors (expert_activation_bytes)."""
+    own = tokens * layer_values_beside_mlp(shape, work) * work.compute_bytes
     shared = tokens * swiglu_values(work) * shape.shared_expert_intermediate_size * work.compute_bytes
     return own + shared + expert_activation_bytes(shape, tokens, work)
 
@@ -344,7 +364,7 @@ def swiglu_values(work: Work) -> int:
     """Values an expert's SwiGLU keeps per routed copy and unit of its intermediate size: the gate and up
     outputs, and their activated product where the down projection's weight is trained (its gradient
     reads it; a frozen expert's does not)."""
-    return SWIGLU_VALUES_PER_INTERMEDIATE if work.experts_trained else SWIGLU_VALUES_PER_INTERMEDIATE - 1
+    return SWIGLU_VALUES_PER_INTERMEDIATE if work.base_trained else SWIGLU_VALUES_PER_INTERMEDIATE - 1
 
 
 def largest_layer_activation_bytes(shape: ModelShape, tokens: int, work: Work) -> float:
@@ -363,15 +383,17 @@ def expert_activation_bytes(shape: ModelShape, tokens: int, work: Work) -> float
     if not shape.moe_layers:
         return 0.0
     routed = tokens * shape.experts_per_token
-    copy_values = ((2 if work.experts_trained else 1) * shape.hidden_size + 1
+    copy_values = ((2 if work.base_trained else 1) * shape.hidden_size + 1
                    + swiglu_values(work) * shape.moe_intermediate_size)
     return tokens * shape.num_experts * 4 * 2 + routed * copy_values * work.compute_bytes
 
 
 def head_bytes(shape: ModelShape, tokens: int, work: Work, backward: bool) -> float:
-    """The log-prob head: chunk temporaries and the gathered weight (with its float32 gradient in
-    backward), or the full float32 logits without chunking."""
-    weight = shape.vocab_size * shape.hidden_size * (work.compute_bytes + (4 if backward else 0))
+    """The log-prob head: chunk temporaries and the gathered weight (none kept out of FSDP2) with its
+    float32 gradient in backward (none for a frozen base: logprob_head computes what autograd asks), or
+    the full float32 logits without chunking."""
+    gathered = work.compute_bytes if work.base_gathered else 0
+    weight = shape.vocab_size * shape.hidden_size * (gathered + (4 if backward and work.base_trained else 0))
     if not work.chunked_logprobs:
         return weight + tokens * shape.vocab_size * 4 * (3 if backward else 2)
     positions = min(tokens, max(1, HEAD_CHUNK_ELEMENTS // shape.vocab_size))
@@ -379,9 +401,11 @@ def head_bytes(shape: ModelShape, tokens: int, work: Work, backward: bool) -> fl
 
 
 def fsdp_buffer_bytes(shape: ModelShape, work: Work, backward: bool) -> float:
-    """Two gathered layers in the compute dtype (the running one and the prefetched one) and, in
-    backward, their float32 gradients before the reduce-scatter."""
-    return 2 * shape.layer_parameters() * (work.compute_bytes + (4 if backward else 0))
+    """Two gathered layers in the compute dtype (the running one and the prefetched one; none for a frozen
+    base kept out of FSDP2) and, in backward, their float32 gradients before the reduce-scatter (none for a
+    frozen base; a LoRA adapter's are not counted: a few MiB)."""
+    gathered = work.compute_bytes if work.base_gathered else 0
+    return 2 * shape.layer_parameters() * (gathered + (4 if backward and work.base_trained else 0))
 
 
 def update_activation_bytes(shape: ModelShape, work: Work) -> float:

@@ -73,11 +73,11 @@ def test_each_routed_copy_keeps_what_expert_activation_bytes_counts():
 def test_a_frozen_experts_routed_copy_keeps_neither_its_input_nor_its_swiglu_product():
     """LoRA on a mixture (its attention adapted, the experts frozen): no weight gradient reads an expert's
     permuted input or its activated SwiGLU product, so a routed copy keeps hidden + 1 + 2 x moe_intermediate_size
-    values (Work.experts_trained = False)."""
+    values (Work.base_trained = False)."""
     top2 = saved_compute_bytes("qwen3-moe-tiny", frozen_experts=True, num_experts_per_tok=2)
     top4 = saved_compute_bytes("qwen3-moe-tiny", frozen_experts=True, num_experts_per_tok=4)
     shape = mp.shape_from_config(preset_config("qwen3-moe-tiny").to_dict())
-    work = mp.Work(update_tokens=TOKENS, forward_tokens=TOKENS, experts_trained=False)
+    work = mp.Work(update_tokens=TOKENS, forward_tokens=TOKENS, base_trained=False)
     counted = [mp.expert_activation_bytes(dataclasses.replace(shape, experts_per_token=k), TOKENS, work) for k in (2, 4)]
     assert top4 - top2 == counted[1] - counted[0] == TOKENS * 2 * (64 + 1 + 2 * 32) * 2
 
