@@ -21,20 +21,20 @@ Bytes per parameter, sharded over the FSDP shard group: a trained model in float
 bfloat16 masters 2 + 2 + 4 = 8. The reference model is parameters only, in the compute dtype.
 `actor.offload_optimizer` keeps the moments on the CPU except during the optimizer step.
 
-Activations of one update micro-batch of T tokens per GPU (hidden size h, L decoder layers, compute
-dtype of c bytes): a layer that keeps its activations for backward holds T x h x
-ACTIVATION_BYTES_PER_HIDDEN x c / 2 at the fitted shapes (what differs for others: below); a checkpointed one only its input (T x h x c), plus one
+Activations of one update micro-batch of T tokens per GPU (hidden size h, L decoder layers, compute dtype of c
+bytes): a layer that keeps its activations for backward holds T x h x ACTIVATION_BYTES_PER_HIDDEN x c / 2 at
+the fitted shapes (what differs for others: below); a checkpointed one only its input (T x h x c), plus one
 layer's activations while it is recomputed; the log-prob head holds its chunk temporaries
-(logprob_head.CHUNK_ELEMENTS logits), the gathered head weight and its float32 gradient (the
-full [vocab, h] logits x 3 in float32 without `model.chunked_logprobs`); FSDP holds two gathered
-layers and their unsharded gradients. A no-grad pass holds one layer's activations at a time.
-A layer's dense MLP is counted apart from the fitted constant (SWIGLU_VALUES_PER_INTERMEDIATE per unit of its
-intermediate size; the constant holds the fitted shapes' MLP, FIT_INTERMEDIATE_PER_HIDDEN), so a narrower MLP
-keeps less. A mixture-of-experts layer has no dense MLP: it holds what a layer keeps beside it, its router's
-and routed copies' tensors and any shared expert's (mixture_layer_activation_bytes), fewer where its experts
-are frozen (LoRA), as no weight gradient reads their inputs. Under LoRA (a frozen base) the head and the
-gathered layers take no float32 gradient, on one rank the base is not gathered at all
-(loading.frozen_kept_whole), and a layer keeps LORA_VALUES_PER_HIDDEN more.
+(logprob_head.CHUNK_ELEMENTS logits), the gathered head weight and its float32 gradient (the full [vocab, h]
+logits x 3 in float32 without `model.chunked_logprobs`); FSDP holds two gathered layers and their unsharded
+gradients. A no-grad pass holds one layer's activations at a time. A layer's dense MLP is counted apart from
+the fitted constant (SWIGLU_VALUES_PER_INTERMEDIATE per unit of its intermediate size; the constant holds the
+fitted shapes' MLP, FIT_INTERMEDIATE_PER_HIDDEN), so a narrower MLP keeps less. A mixture-of-experts layer has
+no dense MLP: it holds what a layer keeps beside it, its router's and routed copies' tensors and any shared
+expert's (mixture_layer_activation_bytes), fewer where its experts are frozen (LoRA), as no weight gradient
+reads their inputs. Under LoRA (a frozen base) the head and the gathered layers take no float32 gradient, on
+one rank the base is not gathered at all (loading.frozen_kept_whole), and a layer keeps LORA_VALUES_PER_HIDDEN
+more.
 
 Parameter counts come from the model's shape (config.json or loading.ARCH_PRESETS), arithmetically:
 no weights are read. Nothing here imports torch; spmd_rl/preflight/memory.py reads the
