@@ -392,8 +392,7 @@ def head_bytes(shape: ModelShape, tokens: int, work: Work, backward: bool) -> fl
     """The log-prob head: chunk temporaries and the gathered weight (none kept out of FSDP2) with its
     float32 gradient in backward (none for a frozen base: logprob_head computes what autograd asks), or
     the full float32 logits without chunking."""
-    gathered = work.compute_bytes if work.base_gathered else 0
-    weight = shape.vocab_size * shape.hidden_size * (gathered + (4 if backward and work.base_trained else 0))
+    weight = shape.vocab_size * shape.hidden_size * gathered_bytes_per_parameter(work, backward)
     if not work.chunked_logprobs:
         return weight + tokens * shape.vocab_size * 4 * (3 if backward else 2)
     positions = min(tokens, max(1, HEAD_CHUNK_ELEMENTS // shape.vocab_size))
@@ -404,8 +403,13 @@ def fsdp_buffer_bytes(shape: ModelShape, work: Work, backward: bool) -> float:
     """Two gathered layers in the compute dtype (the running one and the prefetched one; none for a frozen
     base kept out of FSDP2) and, in backward, their float32 gradients before the reduce-scatter (none for a
     frozen base; a LoRA adapter's are not counted: a few MiB)."""
-    gathered = work.compute_bytes if work.base_gathered else 0
-    return 2 * shape.layer_parameters() * (gathered + (4 if backward and work.base_trained else 0))
+    return 2 * shape.layer_parameters() * gathered_bytes_per_parameter(work, backward)
+
+
+def gathered_bytes_per_parameter(work: Work, backward: bool) -> int:
+    """What FSDP2 holds per parameter of a unit while it runs: its gathered copy in the compute dtype (none for
+    a frozen base kept out of FSDP2) and, in backward, its float32 gradient (none for a frozen base)."""
+    return (work.compute_bytes if work.base_gathered else 0) + (4 if backward and work.base_trained else 0)
 
 
 def update_activation_bytes(shape: ModelShape, work: Work) -> float:
