@@ -286,6 +286,24 @@ def test_measured_update_peaks_within_10_percent(arch, tokens, checkpointed, mea
     assert predicted == pytest.approx(measured, rel=0.10)
 
 
+def test_a_frozen_base_holds_no_float32_gradients_and_on_one_rank_no_gathered_copies():
+    """Per parameter of the head and of FSDP2's two gathered layers in backward: a trained model holds its bf16
+    copy and its float32 gradient (2 + 4 bytes), a frozen base (LoRA) on several ranks the copy alone (2), and on
+    one rank, kept out of FSDP2 (loading.frozen_kept_whole), nothing; work_of sets the fields so."""
+    shape = mp.shape_from_config({"model_type": "qwen2", **ARCH_PRESETS["qwen2-7b"]})
+    head, layers = shape.vocab_size * shape.hidden_size, 2 * shape.layer_parameters()
+    for (trained, gathered), per_parameter in {(True, True): 6, (False, True): 2, (False, False): 0}.items():
+        work = mp.Work(16384, 32768, base_trained=trained, base_gathered=gathered)
+        assert mp.fsdp_buffer_bytes(shape, work, backward=True) == layers * per_parameter
+        chunks = mp.head_bytes(shape, 16384, work, backward=True) - head * per_parameter
+        assert chunks == mp.head_bytes(shape, 16384, mp.Work(16384, 32768, base_gathered=False), backward=False)
+    random_7b = ['model.init="random"', 'model.arch="qwen2-7b"', 'model.path=""', "model.gradient_checkpointing=false",
+                 "actor.max_token_len_per_gpu=16384", "actor.logprob_max_token_len_per_gpu=32768"]
+    lora, full = (load_config(os.path.join(ROOT, "configs", f"{name}.toml"), random_7b) for name in ("qwen7b-lora", "qwen7b"))
+    works = [mc.work_of(lora, "actor", 1), mc.work_of(lora, "actor", 2), mc.work_of(full, "actor", 1)]
+    assert [(w.base_trained, w.base_gathered) for w in works] == [(False, False), (False, True), (True, True)]
+
+
 MEASURED_LORA_UPDATE_PEAKS = [  # memory/update_actor_peak_gb at a step after the first, the preset as shipped (no
     # checkpointing) but for the micro-batch's budget, set to its largest measured micro-batch's tokens: prompts of
     # 75.5 tokens, 8 responses each (docs/performance.md "Memory predicted at start-up")
